@@ -1,0 +1,391 @@
+"""Fused exact KL(pi || pi_ref) per token over the whole vocabulary, never storing either model's logits.
+
+For the actor's hidden states h (N, H) and head W (V, H), the frozen reference's h_ref (N, H_ref) and
+W_ref (V, H_ref), and temperature T (the same for both, as in sampling):
+
+    z = h W^T / T,   zr = h_ref W_ref^T / T                (N, V) each: never materialised
+    p = softmax(z),  q = softmax(zr)
+    kl_i = sum_v p_iv (log p_iv - log q_iv)
+
+This is the exact divergence, not a sampled estimator (k1/k2/k3 use only the sampled token): it is >= 0
+up to float rounding, and 0 when actor == reference.
+
+Why fuse: the naive version materialises two (N, V) float32 logit tensors plus their log_softmax; at
+16k tokens and a 152k vocabulary that is 40 GB. Here both logits are produced one tile at a time. Over
+the tiles of a row we keep the running maxima m, mr, the sums s = sum exp(z - m), sr = sum exp(zr - mr),
+and b = sum exp(z - m) ((z - m) - (zr - mr)). When the maxima move to m', mr',
+
+    b' = exp(m - m') (b + ((m - m') - (mr - mr')) s)
+
+and at the end kl = b / s - log s + log sr. Every term is relative to the running maxima, so a shift of
+both models' logits by a large constant (~1e4) cancels exactly instead of through lse - lse_ref.
+
+Backward, w.r.t. the actor's logits only (the reference is frozen), with per-token upstream g:
+
+    d kl_i / dz_iv = p_iv ((log p_iv - log q_iv) - kl_i)
+    dh = g dz W / T,   dW = (g dz)^T h / T
+
+recomputing both models' logits tile by tile from the saved maxima, log sums and kl (log p is formed as
+(z - m) - log s, never z - lse: see logprob_entropy.py).
+
+The Triton design is the one of logprob_entropy.py (split-vocab forward with tl.dot tiles and merged
+partial statistics; per-vocab-chunk dz kernel followed by two cuBLAS GEMMs), with a second tl.dot
+K loop for the reference in each tile. Reference and actor may differ in H (e.g. a smaller reference),
+not in V.
+
+Run the tests: python -m pytest tests_wip/test_kernels.py ; the benchmark: python -m kernels
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.utils import (
+    TileConfig,
+    accum_dtype,
+    addmm_f32,
+    cdiv,
+    check_config,
+    check_linear,
+    check_temperature,
+    chunk_logits,
+    chunk_shape,
+    chunk_view,
+    dot_precision,
+    gemm_operand,
+    logits_tile,
+    num_splits,
+    pipeline_stages,
+    prepare_grad,
+    resolve_backend,
+    upcast_dot,
+    vocab_chunk,
+)
+
+# two (BLOCK_N, BLOCK_V) fp32 logit tiles are live at once: half the rows of logprob_entropy's default
+DEFAULT_KL_CONFIG = TileConfig(block_n=64)
+
+# -----------------------------------------------------------------------------
+# plain-torch reference: materialises both (N, V) logit tensors
+
+
+def linear_kl_reference(hidden, weight, ref_hidden, ref_weight, temperature=1.0):
+    """Naive reference: float32 (float64 for float64 inputs) logits of both models, exact KL(p || q)."""
+    dt = torch.float64 if torch.float64 in (hidden.dtype, ref_hidden.dtype) else torch.float32
+    logp = torch.log_softmax((hidden.to(dt) @ weight.to(dt).T) / temperature, dim=-1)  # (N, V)
+    logq = torch.log_softmax((ref_hidden.to(dt) @ ref_weight.to(dt).T) / temperature, dim=-1)  # (N, V)
+    return (logp.exp() * (logp - logq)).sum(-1)  # (N,)
+
+
+# -----------------------------------------------------------------------------
+# online statistics, shared by the Triton split merge and the torch chunk loop
+
+
+def merge_kl_stats(m, s, mr, sr, b):
+    """Merge K partial (m, s, mr, sr, b) of the same rows (see the module docstring): (K, N) -> (N,)."""
+    m_all, mr_all = m.amax(0), mr.amax(0)  # (N,)
+    w, wr = torch.exp(m - m_all), torch.exp(mr - mr_all)  # (K, N)
+    s_all, sr_all = (w * s).sum(0), (wr * sr).sum(0)
+    b_all = (w * (b + ((m - m_all) - (mr - mr_all)) * s)).sum(0)
+    return m_all, s_all, mr_all, sr_all, b_all
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _kl_fwd_kernel(
+    h_ptr, w_ptr, rh_ptr, rw_ptr, stats_ptr,  # stats: (5, splits, N) fp32 = m, s, mr, sr, b
+    N, V, H, RH, vocab_per_split,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+    scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    REF_DOT_PRECISION: tl.constexpr, REF_UPCAST: tl.constexpr,
+):
+    pid_s = tl.program_id(0)  # vocab split: fastest-varying, so resident programs share row blocks
+    pid_n = tl.program_id(1)
+    splits = tl.num_programs(0)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    v_start = pid_s * vocab_per_split
+    v_end = tl.minimum(v_start + vocab_per_split, V)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)  # running maxima start at -inf
+    mr = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sr = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_ok = cols < v_end
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
+                        stride_hn, stride_hh, stride_wv, stride_wh,
+                        BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+        zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
+                         stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+                         BLOCK_N, BLOCK_V, BLOCK_H, REF_DOT_PRECISION, REF_UPCAST) * scale
+        z = tl.where(col_ok[None, :], z, float("-inf"))  # padded columns are absent, not logit 0
+        zr = tl.where(col_ok[None, :], zr, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        mr_new = tl.maximum(mr, tl.max(zr, axis=1))
+        e = tl.exp(z - m_new[:, None])  # padded: 0
+        d = (tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+             - tl.where(col_ok[None, :], zr - mr_new[:, None], 0.0))  # (z - m) - (zr - mr), padded: 0
+        alpha = tl.exp(m - m_new)
+        first = s == 0.0  # first tile: m = mr = -inf and s = 0, nothing to rescale (avoid 0 * inf)
+        shift = tl.where(first, 0.0, m - m_new) - tl.where(first, 0.0, mr - mr_new)
+        b = alpha * (b + shift * s) + tl.sum(e * d, axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        sr = tl.exp(mr - mr_new) * sr + tl.sum(tl.exp(zr - mr_new[:, None]), axis=1)
+        m = m_new
+        mr = mr_new
+
+    out = stats_ptr + pid_s.to(tl.int64) * N + rows
+    plane = splits.to(tl.int64) * N
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + plane, s, mask=row_ok)
+    tl.store(out + 2 * plane, mr, mask=row_ok)
+    tl.store(out + 3 * plane, sr, mask=row_ok)
+    tl.store(out + 4 * plane, b, mask=row_ok)
+
+
+@triton.jit
+def _kl_bwd_kernel(
+    h_ptr, w_ptr, rh_ptr, rw_ptr, norm_ptr, kl_ptr, g_ptr, dz_ptr,  # norm: (4, N) = m, log s, mr, log sr
+    N, H, RH, v_start, v_stop,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    stride_rhn, stride_rhh, stride_rwv, stride_rwh, stride_dzn,
+    scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    REF_DOT_PRECISION: tl.constexpr, REF_UPCAST: tl.constexpr,
+):
+    """dz[:, v_start:v_stop] / T for one vocab chunk: recompute z and zr, then g p ((log p - log q) - kl)."""
+    pid_v = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = v_start + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < v_stop
+    z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
+                    stride_hn, stride_hh, stride_wv, stride_wh,
+                    BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+    zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
+                     stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+                     BLOCK_N, BLOCK_V, BLOCK_H, REF_DOT_PRECISION, REF_UPCAST) * scale
+    m = tl.load(norm_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(norm_ptr + N + rows, mask=row_ok, other=0.0)
+    mr = tl.load(norm_ptr + 2 * N + rows, mask=row_ok, other=0.0)
+    log_sr = tl.load(norm_ptr + 3 * N + rows, mask=row_ok, other=0.0)
+    kl = tl.load(kl_ptr + rows, mask=row_ok, other=0.0)
+    g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)  # per-token vector, not a scalar
+
+    # padded columns: log p = log q = 0 and p = 0, so dz = 0 and nothing overflows
+    logp = tl.where(col_ok[None, :], (z - m[:, None]) - log_s[:, None], 0.0)
+    logq = tl.where(col_ok[None, :], (zr - mr[:, None]) - log_sr[:, None], 0.0)
+    p = tl.where(col_ok[None, :], tl.exp(logp), 0.0)
+    dz = p * ((logp - logq) - kl[:, None]) * (g * scale)[:, None]  # fp32 until the store
+    out = dz_ptr + rows[:, None] * stride_dzn + (cols - v_start)[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# -----------------------------------------------------------------------------
+# Triton launchers
+
+
+def _strides(hidden, weight, ref_hidden, ref_weight):
+    return (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            ref_hidden.stride(0), ref_hidden.stride(1), ref_weight.stride(0), ref_weight.stride(1))
+
+
+def _dot_flags(hidden, ref_hidden):
+    return dict(
+        DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=upcast_dot(_kl_fwd_kernel, hidden.dtype),
+        REF_DOT_PRECISION=dot_precision(ref_hidden.dtype), REF_UPCAST=upcast_dot(_kl_fwd_kernel, ref_hidden.dtype),
+    )
+
+
+def _stages(cfg, hidden, ref_hidden):
+    return pipeline_stages(cfg, max(hidden.element_size(), ref_hidden.element_size()), n_operand_pairs=2)
+
+
+def _forward_triton(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfig):
+    N, H = hidden.shape
+    V, RH = weight.shape[0], ref_hidden.shape[1]
+    BN, BV = cfg.block_n, cfg.block_v
+    row_blocks, vocab_tiles = cdiv(N, BN), cdiv(V, BV)
+    splits = num_splits(cfg, hidden.device, row_blocks, vocab_tiles)
+    vocab_per_split = cdiv(cdiv(V, splits), BV) * BV
+    splits = cdiv(V, vocab_per_split)  # every split owns at least one column
+    stats = torch.empty(5, splits, N, device=hidden.device, dtype=torch.float32)
+    _kl_fwd_kernel[(splits, row_blocks)](
+        hidden, weight, ref_hidden, ref_weight, stats,
+        N, V, H, RH, vocab_per_split,
+        *_strides(hidden, weight, ref_hidden, ref_weight),
+        scale,
+        BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
+    )
+    m, s, mr, sr, b = merge_kl_stats(*stats)
+    log_s, log_sr = torch.log(s), torch.log(sr)
+    kl = b / s - log_s + log_sr
+    return kl, torch.stack([m, log_s, mr, log_sr])
+
+
+def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, need_dh, need_dw, cfg):
+    N, H = hidden.shape
+    V, RH = weight.shape[0], ref_hidden.shape[1]
+    BN, BV = cfg.block_n, cfg.block_v
+    dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)  # see logprob_entropy.py
+    vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
+    dz_buf = torch.empty(N, vc, device=hidden.device, dtype=dz_dtype)  # (N, Vc), reused per chunk
+    dh = torch.zeros(N, H, device=hidden.device, dtype=torch.float32) if need_dh else None
+    dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
+    h_op = gemm_operand(hidden)
+    for v0 in range(0, V, vc):
+        v1 = min(v0 + vc, V)
+        dz = dz_buf[:, : v1 - v0]
+        _kl_bwd_kernel[(cdiv(v1 - v0, BV), cdiv(N, BN))](
+            hidden, weight, ref_hidden, ref_weight, norm, kl, g, dz,
+            N, H, RH, v0, v1,
+            *_strides(hidden, weight, ref_hidden, ref_weight), dz.stride(0),
+            scale,
+            BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
+            num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
+        )
+        w_op = gemm_operand(weight[v0:v1])
+        if need_dh:
+            addmm_f32(dh, dz, w_op)  # (N, Vc) @ (Vc, H): fp32 accumulation across chunks
+        if need_dw:
+            dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+    return (dh.to(hidden.dtype) if need_dh else None), dw
+
+
+# -----------------------------------------------------------------------------
+# chunked torch path: three preallocated chunk buffers (see logprob_entropy.py)
+
+
+def _forward_torch(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfig):
+    N, V = hidden.shape[0], weight.shape[0]
+    dt = torch.float64 if torch.float64 in (hidden.dtype, ref_hidden.dtype) else torch.float32
+    kl = torch.empty(N, device=hidden.device, dtype=dt)
+    norm = torch.empty(4, N, device=hidden.device, dtype=dt)  # m, log s, mr, log sr
+    R, C = chunk_shape(cfg, N, V, n_models=2)
+    zbuf, zrbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(3))
+    for r0 in range(0, N, R):
+        r1 = min(r0 + R, N)
+        h_op, rh_op = gemm_operand(hidden[r0:r1]), gemm_operand(ref_hidden[r0:r1])
+        for v0 in range(0, V, C):
+            v1 = min(v0 + C, V)
+            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, gemm_operand(weight[v0:v1]), scale)
+            zr = chunk_logits(chunk_view(zrbuf, r1 - r0, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)
+            mc, mrc = z.amax(1), zr.amax(1)
+            z -= mc[:, None]
+            zr -= mrc[:, None]
+            er = torch.exp(zr, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            src = er.sum(1)
+            d = zr.neg_().add_(z)  # (z - m) - (zr - mr), in place over zr
+            e = torch.exp(z, out=er)
+            sc = e.sum(1)
+            bc = e.mul_(d).sum(1)
+            if v0 == 0:
+                m, s, mr, sr, b = mc, sc, mrc, src, bc
+            else:  # fold this chunk into the running statistics
+                m, s, mr, sr, b = merge_kl_stats(*(torch.stack(p) for p in
+                                                   ((m, mc), (s, sc), (mr, mrc), (sr, src), (b, bc))))
+        log_s, log_sr = torch.log(s), torch.log(sr)
+        kl[r0:r1] = b / s - log_s + log_sr
+        norm[:, r0:r1] = torch.stack([m, log_s, mr, log_sr])
+    return kl, norm
+
+
+def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, need_dh, need_dw, cfg):
+    N, V = hidden.shape[0], weight.shape[0]
+    dt = norm.dtype
+    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None  # fp32 accumulator
+    # with e = exp(z - m) = s p and d = (z - m) - (zr - mr) = (log p - log q) + (log s - log sr):
+    #   dz = g p ((log p - log q) - kl) / T = e (d - c) A,   c = log s - log sr + kl,   A = g / (s T)
+    m, log_s, mr, log_sr = norm
+    c = log_s - log_sr + kl
+    A = g * torch.exp(-log_s) * scale
+    R, C = chunk_shape(cfg, N, V, n_models=2)
+    zbuf, zrbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(3))
+    for r0 in range(0, N, R):
+        r1 = min(r0 + R, N)
+        h_op, rh_op = gemm_operand(hidden[r0:r1]), gemm_operand(ref_hidden[r0:r1])
+        for v0 in range(0, V, C):
+            v1 = min(v0 + C, V)
+            w_op = gemm_operand(weight[v0:v1])
+            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, w_op, scale)  # (R, C)
+            zr = chunk_logits(chunk_view(zrbuf, r1 - r0, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)
+            zs = z.sub_(m[r0:r1, None])
+            e = torch.exp(zs, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            d = zs.sub_(zr.sub_(mr[r0:r1, None]))
+            dz = e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
+            g_op = dz.to(w_op.dtype) if w_op.dtype != dz.dtype else dz  # CUDA half GEMMs
+            if need_dh:
+                addmm_f32(dh[r0:r1], g_op, w_op)  # (R, C) @ (C, H)
+            if need_dw:
+                addmm_f32(dw[v0:v1], g_op.T, h_op)  # (C, R) @ (R, H)
+    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+
+
+# -----------------------------------------------------------------------------
+# autograd
+
+
+class LinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, temperature, backend, cfg):
+        scale = 1.0 / temperature
+        fwd = _forward_triton if backend == "triton" else _forward_torch
+        kl, norm = fwd(hidden, weight, ref_hidden, ref_weight, scale, cfg)
+        ctx.save_for_backward(hidden, weight, ref_hidden, ref_weight, norm, kl)
+        ctx.scale, ctx.backend, ctx.cfg = scale, backend, cfg
+        ctx.set_materialize_grads(False)
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        hidden, weight, ref_hidden, ref_weight, norm, kl = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g is None or not (need_dh or need_dw):
+            return None, None, None, None, None, None, None
+        g = prepare_grad(g, hidden.shape[0], hidden.device, kl.dtype)
+        bwd = _backward_triton if ctx.backend == "triton" else _backward_torch
+        dh, dw = bwd(hidden, weight, ref_hidden, ref_weight, norm, kl, g, ctx.scale, need_dh, need_dw, ctx.cfg)
+        return dh, dw, None, None, None, None, None
+
+
+def linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, backend="auto", config=None):
+    """Exact per-token KL(pi || pi_ref) of softmax(hidden @ weight.T / T) and softmax(ref_hidden @ ref_weight.T / T).
+
+    hidden (N, H), weight (V, H): the actor; ref_hidden (N, H_ref), ref_weight (V, H_ref): the frozen
+    reference (must not require grad). Returns kl (N,) float32 (float64 for float64 inputs on the torch
+    path), differentiable w.r.t. hidden and weight. backend: "auto" | "triton" | "torch"; config: TileConfig.
+    """
+    where = "linear_kl"
+    check_linear(where, "hidden", hidden, "weight", weight)
+    check_linear(where, "ref_hidden", ref_hidden, "ref_weight", ref_weight)
+    temperature = check_temperature(where, temperature)
+    cfg = config if config is not None else DEFAULT_KL_CONFIG
+    check_config(cfg, where)
+    if ref_hidden.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{where}: hidden has N={hidden.shape[0]} rows but ref_hidden has {ref_hidden.shape[0]}")
+    if ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"{where}: weight has V={weight.shape[0]} but ref_weight has V={ref_weight.shape[0]}")
+    if ref_hidden.device != hidden.device:
+        raise ValueError(f"{where}: ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
+    if torch.is_grad_enabled() and (ref_hidden.requires_grad or ref_weight.requires_grad):
+        raise ValueError(f"{where}: the reference is frozen and gets no gradient, but ref_hidden or ref_weight "
+                         "requires grad; compute it under torch.no_grad() or pass .detach()")
+    backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _kl_fwd_kernel)
+    if hidden.shape[0] == 0:
+        dt = torch.float64 if backend == "torch" and hidden.dtype == torch.float64 else torch.float32
+        return (hidden.sum() + weight.sum()).to(dt).mul(0).expand(0)  # keeps the graph connected
+    return LinearKL.apply(hidden, weight, ref_hidden, ref_weight, temperature, backend, cfg)

@@ -1,0 +1,247 @@
+"""Pieces shared by the fused vocabulary ops: tile configuration, input checks, backend choice, dtypes.
+
+Both ops (`logprob_entropy.py`, `kl.py`) follow the same plan: logits z = h W^T / T are produced one
+(rows, vocab) tile at a time, reduced on the fly, and recomputed in the backward pass, so no
+(N, V) tensor ever exists. This file holds what the two ops would otherwise repeat, including the
+Triton building block both use: `logits_tile`, one (BLOCK_N, BLOCK_V) tile of x W^T by tl.dot.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BACKENDS = ("auto", "triton", "torch")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+TRITON_DTYPES = (torch.float32,) + HALF_DTYPES
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile and chunk sizes. Defaults aim at an H100 with bf16 inputs (untuned: no autotuning here);
+    tests pass small values so that the Triton interpreter stays fast and odd sizes exercise masking."""
+
+    block_n: int = 128  # Triton: rows per program
+    block_v: int = 128  # Triton: vocab columns per tl.dot tile
+    block_h: int = 64  # Triton: hidden (reduction) step of tl.dot
+    num_splits: int = 0  # Triton forward: vocab ranges per row block (0 = enough programs to fill the GPU)
+    num_warps: int = 8
+    num_stages: int = 3
+    chunk_rows: int = 4096  # torch path: rows per chunk
+    chunk_vocab: int = 0  # both backwards and the torch forward: vocab columns per chunk (0 = from chunk_elems)
+    chunk_elems: int = 1 << 23  # torch path: elements in one (rows, vocab) float32 chunk, 32 MiB
+    gpu_chunk_elems: int = 1 << 27  # Triton backward: elements in the (N, vocab chunk) dz buffer
+
+
+DEFAULT_CONFIG = TileConfig()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def vocab_chunk(cfg: TileConfig, rows: int, vocab: int, budget: int, multiple: int) -> int:
+    """Columns per vocab chunk: cfg.chunk_vocab if set, else budget // rows; a multiple of `multiple`.
+    The Triton backward passes BLOCK_V so that its tiles sit where the forward's did: every logit is then
+    recomputed with the same tile shape and K order as in the forward (bit for bit under the interpreter).
+    That matters at large logits: with z ~ 1e4, one float32 ulp moves sum p away from 1 by 1e-3."""
+    if cfg.chunk_vocab > 0:
+        cols = cdiv(cfg.chunk_vocab, multiple) * multiple
+    else:
+        cols = max(multiple, budget // max(rows, 1) // multiple * multiple)
+    return min(cols, cdiv(vocab, multiple) * multiple)
+
+
+def check_config(cfg: TileConfig, where: str) -> None:
+    for name in ("block_n", "block_v", "block_h"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{where}: TileConfig.{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    for name in ("chunk_rows", "chunk_elems", "gpu_chunk_elems", "num_warps", "num_stages"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{where}: TileConfig.{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.num_splits < 0 or cfg.chunk_vocab < 0:
+        raise ValueError(f"{where}: TileConfig.num_splits and chunk_vocab must be >= 0")
+
+
+def check_linear(where: str, hname: str, hidden: torch.Tensor, wname: str, weight: torch.Tensor) -> None:
+    """hidden (N, H) and weight (V, H): same dtype (float), same device, matching H."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{where}: {hname} and {wname} must be tensors")
+    if hidden.dim() != 2:
+        raise ValueError(f"{where}: {hname} must be (N, H), got shape {tuple(hidden.shape)}; flatten (B, T, H) first")
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: {wname} must be (V, H), got shape {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{where}: {hname} has H={hidden.shape[1]} but {wname} has H={weight.shape[1]}")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise TypeError(f"{where}: {hname} ({hidden.dtype}) and {wname} ({weight.dtype}) must share one float dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"{where}: {hname} is on {hidden.device} but {wname} is on {weight.device}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{where}: {wname} has an empty vocabulary")
+
+
+def check_temperature(where: str, temperature: float) -> float:
+    t = float(temperature)
+    if not (t > 0.0 and t < float("inf")):
+        raise ValueError(f"{where}: temperature must be a positive finite number, got {temperature}")
+    return t
+
+
+def resolve_backend(where: str, backend: str, device: torch.device, dtypes, kernel) -> str:
+    """auto: Triton on CUDA (float32/16, bfloat16 inputs), chunked torch elsewhere. An explicit
+    "triton" on CPU tensors needs the interpreter, which Triton picks when the kernel is decorated:
+    TRITON_INTERPRET=1 must be set before this package is imported."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    supported = all(dt in TRITON_DTYPES for dt in dtypes)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and supported else "torch"
+    if backend == "triton":
+        if not supported:
+            raise TypeError(f"{where}: the Triton kernels take float32/float16/bfloat16, got {tuple(dtypes)}; "
+                            "use backend='torch'")
+        if device.type != "cuda" and not interpreted(kernel):
+            raise RuntimeError(
+                f"{where}: backend='triton' on {device.type} tensors needs the Triton interpreter: "
+                "set TRITON_INTERPRET=1 before importing `kernels`"
+            )
+    return backend
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact fp32 products (torch's default matmul does not use TF32 either);
+    # half inputs use the tensor cores' native bf16/fp16 products with fp32 accumulation.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreted(kernel) -> bool:
+    """True when Triton built `kernel` for its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def upcast_dot(kernel, dtype: torch.dtype) -> bool:
+    # the interpreter's tl.dot multiplies bf16 bit patterns (stored as uint16) as integers
+    return interpreted(kernel) and dtype in HALF_DTYPES
+
+
+def gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision GEMMs are fast on CUDA and very slow on most CPUs: upcast on CPU only."""
+    if t.dtype in HALF_DTYPES and t.device.type != "cuda":
+        return t.float()
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_has_out_dtype(device: torch.device) -> bool:
+    a = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):  # older torch, or no such kernel on this device
+        return False
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 (or float64) result. Half inputs on CUDA keep their tensor-core GEMM and
+    accumulate in fp32; torch.mm(out_dtype=) returns that accumulator unrounded where torch has it
+    (otherwise one rounding to the half dtype per call)."""
+    if a.dtype in HALF_DTYPES:
+        if _mm_has_out_dtype(a.device):
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).float()
+    return a @ b
+
+
+def addmm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, out float32/64: in place (no temporary) when the operands already have out's dtype."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += mm_f32(a, b).to(out.dtype)
+
+
+def chunk_shape(cfg: TileConfig, N: int, V: int, n_models: int):
+    """(rows, cols) of one torch-path logit chunk: chunk_rows rows, and chunk_elems split between the
+    n_models whose logits are live at once."""
+    rows = max(1, min(cfg.chunk_rows, N))
+    return rows, vocab_chunk(cfg, rows, V, cfg.chunk_elems // n_models, 8)
+
+
+def chunk_view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous (rows, cols) view at the start of a flat chunk buffer (the last chunks are smaller)."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def chunk_logits(out: torch.Tensor, h_op: torch.Tensor, w_op: torch.Tensor, scale: float) -> torch.Tensor:
+    """out = h_op @ w_op^T * scale, written into a preallocated chunk buffer: (R, H) x (C, H) -> (R, C)."""
+    if h_op.dtype == out.dtype and w_op.dtype == out.dtype:
+        torch.mm(h_op, w_op.T, out=out)
+    else:  # half GEMM on CUDA, float32 result
+        out.copy_(mm_f32(h_op, w_op.T))
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32 whatever the input; float64 stays float64 (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def prepare_grad(g, n: int, device, dtype) -> torch.Tensor:
+    """Upstream per-token gradient as a dense (N,) vector (it may be None, or a stride-0 expand from .sum())."""
+    if g is None:
+        return torch.zeros(n, device=device, dtype=dtype)
+    return g.reshape(n).to(dtype).contiguous()
+
+
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined operand tiles per program; an H100 block may hold 227 KiB
+
+
+def pipeline_stages(cfg: TileConfig, itemsize: int, n_operand_pairs: int = 1) -> int:
+    """cfg.num_stages, lowered until the software-pipelined tl.dot operands fit in shared memory:
+    each stage holds a (BLOCK_N, BLOCK_H) and a (BLOCK_H, BLOCK_V) tile per operand pair (two in the KL
+    kernels, whose K loops run one after the other). Matters for float32 inputs, twice the bytes of bf16."""
+    stages = cfg.num_stages
+    per_stage = n_operand_pairs * (cfg.block_n + cfg.block_v) * cfg.block_h * itemsize
+    while stages > 1 and stages * per_stage > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_tiles: int) -> int:
+    """Vocab ranges per row block in the Triton forwards. On CUDA: about 4 programs per SM, and at least
+    16 splits so that the programs resident at once cover few row blocks of h (each stays in L2 while the
+    splits walk their W tiles) instead of 132 different row blocks that together overflow L2."""
+    if cfg.num_splits > 0:
+        return min(cfg.num_splits, vocab_tiles)
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(vocab_tiles, max(16, cdiv(4 * sms, row_blocks))))
+
+
+@triton.jit
+def logits_tile(
+    x_ptr, w_ptr, rows, cols, row_ok, col_ok, K,
+    stride_xn, stride_xk, stride_wv, stride_wk,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """x[rows] @ w[cols]^T as a (BLOCK_N, BLOCK_V) fp32 tile; rows and cols are int64 index vectors.
+    UPCAST: only under the Triton interpreter, whose tl.dot multiplies bf16 bit patterns as integers;
+    bf16 products are exact in fp32, so the result is what the tensor cores compute."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xn + ks[None, :] * stride_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        wt = tl.load(w_ptr + cols[None, :] * stride_wv + ks[:, None] * stride_wk,
+                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # (BLOCK_K, BLOCK_V), W^T tile
+        if UPCAST:
+            x = x.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+    return acc
