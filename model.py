@@ -205,6 +205,8 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hs)
         if cache_slots is not None:
             k, v = self.kv_cache.update(cache_slots, k, v)  # (B, nkv, S, hs)
+            # a mask over the first S' <= S slots only (eager decoding) restricts attention to them
+            k, v = k[:, :, :mask.size(-1)], v[:, :, :mask.size(-1)]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hs))
 
@@ -271,7 +273,8 @@ class Transformer(nn.Module):
     def forward(self, idx, attention_mask=None, position_ids=None, cache_pos=None, return_hidden=False,
                 labels=None, temperature=1.0, ref_hidden=None, ref_weight=None):
         """idx (B, T) token ids.
-        attention_mask: (B, T) without a cache, (B, S) over all cache slots with one; 1 = real token.
+        attention_mask: (B, T) without a cache, (B, S) over all cache slots with one (or over the first
+            S' slots holding every query: attention then reads only those); 1 = real token.
         position_ids: (B, T) RoPE positions; default cumsum(mask) - 1 (left padding) or 0..T-1.
         cache_pos: (T,) cache slots of these tokens (needs `setup_kv_cache`).
         Returns logits (B, T, V) [head="lm"], values (B, T) [head="value"], or with
