@@ -71,10 +71,10 @@ class Config:
     ptx_coef: float = 0.0  # weight of the SFT loss mixed into the actor loss (needs sft_data)
     out_dir: str = "out"  # metrics.jsonl and checkpoints
     # rollout
-    total_steps: int = 24  # PPO steps (one rollout batch each)
+    total_steps: int = 16  # PPO steps (one rollout batch each)
     rollout_batch_size: int = 16  # prompts per step, over all ranks
-    max_new_tokens: int = 40  # response length limit
-    temperature: float = 1.0  # sampling temperature, also used in every logprob
+    max_new_tokens: int = 24  # response length limit
+    temperature: float = 0.7  # sampling temperature, also used in every logprob
     # reward
     kl_coef: float = 0.05  # beta: weight of the KL penalty in the per-token reward
     kl_estimator: str = "k1"  # k1 | k2 | k3 (d = logp - ref_logp: d, d^2/2, exp(-d)-1+d)
@@ -87,7 +87,7 @@ class Config:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # PPO
-    ppo_epochs: int = 2  # passes over each rollout batch
+    ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (gradient accumulation)
     clip_coef: float = 0.2  # policy ratio clip epsilon
@@ -95,8 +95,8 @@ class Config:
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # normalise advantages over the batch (all ranks)
-    lr: float = 2e-6  # actor learning rate
-    critic_lr: float = 1e-5  # critic learning rate
+    lr: float = 5e-5  # actor learning rate
+    critic_lr: float = 5e-5  # critic learning rate
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     lr_schedule: str = "constant"  # constant | linear (decay to 0 at the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -185,15 +185,16 @@ REWARD_FNS = {"sentiment": sentiment_reward}
 
 def setup_distributed():
     """Starts a process group whether or not torchrun did: nccl on GPU, gloo on CPU."""
-    if "RANK" not in os.environ:  # plain `python ppo.py`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
     cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -1506,6 +1506,26 @@ def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     assert back.config.vocab_size == 64
 
 
+def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
+    # a sequence-classification reward model with the policy's tokenizer; the critic starts from it
+    rm_dir = tmp_path / "rm"
+    tok = make_tiny_tokenizer(rm_dir)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                                   pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
+    _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, reward_model=str(rm_dir), kl_loss_coef=0.1,
+                      sft_data=sft, ptx_coef=0.5, kl_estimator="k3", use_absolute_kl=True, score_clip=0.5,
+                      non_stop_penalty=-1.0)
+    assert len(rows) == 2
+    for m in rows:
+        assert all(v == v and abs(v) != float("inf") for v in m.values())  # finite
+        assert m["loss/ptx_avg"] > 0
+        assert m["objective/kl"] >= 0  # |k3|
+
+
 # -- the loss: micro-batches, ranks and NaN in masked slots --------------------------------------
 
 
