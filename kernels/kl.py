@@ -33,7 +33,7 @@ partial statistics; per-vocab-chunk dz kernel followed by two cuBLAS GEMMs), wit
 K loop for the reference in each tile. Reference and actor may differ in H (e.g. a smaller reference),
 not in V.
 
-Tests: pytest test_ppo.py -k kernel ; the benchmark: python -m kernels
+Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
 
 import torch

@@ -45,7 +45,7 @@ Triton design (CUDA):
 Chunked torch path (CPU, or backend="torch"): the same recurrence over (chunk_rows, chunk_vocab) blocks
 of float32 logits, and the same recompute-per-chunk backward; weight gradients accumulate in float32.
 
-Tests: pytest test_ppo.py -k kernel ; the benchmark: python -m kernels
+Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
 
 import torch
