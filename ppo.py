@@ -123,9 +123,9 @@ class Config:
         assert self.mini_batch_size % W == 0, f"mini_batch_size {self.mini_batch_size} must divide by {W} ranks"
         assert self.rollout_batch_size % self.mini_batch_size == 0, \
             f"rollout_batch_size {self.rollout_batch_size} must be a multiple of mini_batch_size {self.mini_batch_size}"
-        assert (self.mini_batch_size // W) % self.micro_batch_size == 0 or self.micro_batch_size > self.mini_batch_size // W, \
+        self.micro_batch_size = min(self.micro_batch_size, self.mini_batch_size // W)  # at most one per minibatch
+        assert (self.mini_batch_size // W) % self.micro_batch_size == 0, \
             f"per-rank minibatch {self.mini_batch_size // W} must be a multiple of micro_batch_size {self.micro_batch_size}"
-        self.micro_batch_size = min(self.micro_batch_size, self.mini_batch_size // W)
         assert self.temperature > 0, "temperature must be > 0: PPO needs the logprobs of a sampling distribution"
         assert self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator must be k1, k2 or k3, not {self.kl_estimator!r}"
         assert self.lr_schedule in ("constant", "linear"), f"lr_schedule must be constant or linear, not {self.lr_schedule!r}"
