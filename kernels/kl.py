@@ -31,7 +31,8 @@ recomputing both models' logits tile by tile from the saved maxima, log sums and
 The Triton design is the one of logprob_entropy.py (split-vocab forward with tl.dot tiles and merged
 partial statistics; per-vocab-chunk dz kernel followed by two cuBLAS GEMMs), with a second tl.dot
 K loop for the reference in each tile. Reference and actor may differ in H (e.g. a smaller reference),
-not in V.
+not in V. The chunked torch path gives a row the same kl and dh bit for bit whatever the other rows of
+the call, as there (fixed vocab chunks, GEMM rows padded to utils.ROW_ALIGN).
 
 Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
@@ -44,6 +45,7 @@ from kernels.utils import (
     TileConfig,
     accum_dtype,
     addmm_f32,
+    aligned_rows,
     cdiv,
     check_config,
     check_linear,
@@ -55,6 +57,7 @@ from kernels.utils import (
     gemm_operand,
     logits_tile,
     num_splits,
+    pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
@@ -241,13 +244,18 @@ def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale,
     BN, BV = cfg.block_n, cfg.block_v
     dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)  # see logprob_entropy.py
     vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
-    dz_buf = torch.empty(N, vc, device=hidden.device, dtype=dz_dtype)  # (N, Vc), reused per chunk
-    dh = torch.zeros(N, H, device=hidden.device, dtype=torch.float32) if need_dh else None
+    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
+    # rounds a row the same for any N; the padding rows of dz stay 0 (the kernel writes rows < N only)
+    n_pad = N if hidden.is_cuda else aligned_rows(N)
+    dz_buf = torch.empty(n_pad, vc, device=hidden.device, dtype=dz_dtype)  # (n_pad, Vc), reused per chunk
+    dz_buf[N:].zero_()
+    dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
     h_op = gemm_operand(hidden)
     for v0 in range(0, V, vc):
         v1 = min(v0 + vc, V)
-        dz = dz_buf[:, : v1 - v0]
+        dz_pad = dz_buf[:, : v1 - v0]
+        dz = dz_pad[:N]
         _kl_bwd_kernel[(cdiv(v1 - v0, BV), cdiv(N, BN))](
             hidden, weight, ref_hidden, ref_weight, norm, kl, g, dz,
             N, H, RH, v0, v1,
@@ -258,10 +266,10 @@ def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale,
         )
         w_op = gemm_operand(weight[v0:v1])
         if need_dh:
-            addmm_f32(dh, dz, w_op)  # (N, Vc) @ (Vc, H): fp32 accumulation across chunks
+            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
         if need_dw:
             dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
-    return (dh.to(hidden.dtype) if need_dh else None), dw
+    return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
 # -----------------------------------------------------------------------------
@@ -273,19 +281,21 @@ def _forward_torch(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfi
     dt = torch.float64 if torch.float64 in (hidden.dtype, ref_hidden.dtype) else torch.float32
     kl = torch.empty(N, device=hidden.device, dtype=dt)
     norm = torch.empty(4, N, device=hidden.device, dtype=dt)  # m, log s, mr, log sr
-    R, C = chunk_shape(cfg, N, V, n_models=2)
-    zbuf, zrbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(3))
+    R, C = chunk_shape(cfg, N, V, n_models=2)  # C fixed by the config: a row's merge order is the same for any N
+    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
-        h_op, rh_op = gemm_operand(hidden[r0:r1]), gemm_operand(ref_hidden[r0:r1])
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        # (n_pad, H) and (n_pad, H_ref): GEMM rows padded to a multiple of ROW_ALIGN
+        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
         for v0 in range(0, V, C):
             v1 = min(v0 + C, V)
-            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, gemm_operand(weight[v0:v1]), scale)
-            zr = chunk_logits(chunk_view(zrbuf, r1 - r0, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)
+            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, gemm_operand(weight[v0:v1]), scale)[:n]
+            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
             mc, mrc = z.amax(1), zr.amax(1)
             z -= mc[:, None]
             zr -= mrc[:, None]
-            er = torch.exp(zr, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            er = torch.exp(zr, out=chunk_view(ebuf, n, v1 - v0))
             src = er.sum(1)
             d = zr.neg_().add_(z)  # (z - m) - (zr - mr), in place over zr
             e = torch.exp(z, out=er)
@@ -312,25 +322,32 @@ def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, 
     m, log_s, mr, log_sr = norm
     c = log_s - log_sr + kl
     A = g * torch.exp(-log_s) * scale
-    R, C = chunk_shape(cfg, N, V, n_models=2)
-    zbuf, zrbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(3))
+    R, C = chunk_shape(cfg, N, V, n_models=2)  # the forward's chunks
+    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
-        h_op, rh_op = gemm_operand(hidden[r0:r1]), gemm_operand(ref_hidden[r0:r1])
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
+        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
+        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
         for v0 in range(0, V, C):
             v1 = min(v0 + C, V)
             w_op = gemm_operand(weight[v0:v1])
-            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, w_op, scale)  # (R, C)
-            zr = chunk_logits(chunk_view(zrbuf, r1 - r0, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)
+            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
+            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
             zs = z.sub_(m[r0:r1, None])
-            e = torch.exp(zs, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
+            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
+            e = torch.exp(zs, out=dz_pad[:n])
             d = zs.sub_(zr.sub_(mr[r0:r1, None]))
             dz = e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
-            g_op = dz.to(w_op.dtype) if w_op.dtype != dz.dtype else dz  # CUDA half GEMMs
+            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
             if need_dh:
-                addmm_f32(dh[r0:r1], g_op, w_op)  # (R, C) @ (C, H)
+                addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
             if need_dw:
-                addmm_f32(dw[v0:v1], g_op.T, h_op)  # (C, R) @ (R, H)
+                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
+        if need_dh and n != n_pad:
+            dh[r0:r1] = dh_c[:n]
     return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
 
 

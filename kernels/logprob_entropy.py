@@ -44,6 +44,10 @@ Triton design (CUDA):
     N * Vc extra memory.
 Chunked torch path (CPU, or backend="torch"): the same recurrence over (chunk_rows, chunk_vocab) blocks
 of float32 logits, and the same recompute-per-chunk backward; weight gradients accumulate in float32.
+A row's logprob, entropy and dh do not depend on the other rows of the call, bit for bit (what PPO's
+ratio == 1 on the first minibatch needs): the vocab chunks are fixed by the config (utils.chunk_shape)
+and every GEMM's row count is padded to a multiple of utils.ROW_ALIGN. The Triton path is row-independent
+in the same sense only off CUDA and with fixed splits (utils.num_splits).
 
 Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
@@ -57,8 +61,10 @@ from kernels.utils import (
     TileConfig,
     accum_dtype,
     addmm_f32,
+    aligned_rows,
     cdiv,
     check_config,
+    check_labels,
     check_linear,
     check_temperature,
     chunk_logits,
@@ -68,6 +74,7 @@ from kernels.utils import (
     gemm_operand,
     logits_tile,
     num_splits,
+    pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
@@ -226,13 +233,18 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
     # dz in the weight dtype on CUDA (tensor-core GEMMs); float32 elsewhere (CPU half GEMMs are slow)
     dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
     vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
-    dz_buf = torch.empty(N, vc, device=hidden.device, dtype=dz_dtype)  # (N, Vc), reused per chunk
-    dh = torch.zeros(N, H, device=hidden.device, dtype=torch.float32) if need_dh else None
+    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
+    # rounds a row the same for any N; the padding rows of dz stay 0 (the kernel writes rows < N only)
+    n_pad = N if hidden.is_cuda else aligned_rows(N)
+    dz_buf = torch.empty(n_pad, vc, device=hidden.device, dtype=dz_dtype)  # (n_pad, Vc), reused per chunk
+    dz_buf[N:].zero_()
+    dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
     h_op = gemm_operand(hidden)
     for v0 in range(0, V, vc):
         v1 = min(v0 + vc, V)
-        dz = dz_buf[:, : v1 - v0]
+        dz_pad = dz_buf[:, : v1 - v0]
+        dz = dz_pad[:N]
         _logprob_entropy_bwd_kernel[(cdiv(v1 - v0, BV), cdiv(N, BN))](
             hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_ent, dz,
             N, H, v0, v1,
@@ -244,10 +256,10 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
         )
         w_op = gemm_operand(weight[v0:v1])
         if need_dh:
-            addmm_f32(dh, dz, w_op)  # (N, Vc) @ (Vc, H): fp32 accumulation across chunks
+            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
         if need_dw:
             dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
-    return (dh.to(hidden.dtype) if need_dh else None), dw
+    return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
 # -----------------------------------------------------------------------------
@@ -261,22 +273,23 @@ def _forward_torch(hidden, weight, labels, scale, cfg: TileConfig):
     dt = accum_dtype(hidden.dtype)
     logprob = torch.empty(N, device=hidden.device, dtype=dt)
     entropy, row_max, log_sum = torch.empty_like(logprob), torch.empty_like(logprob), torch.empty_like(logprob)
-    R, C = chunk_shape(cfg, N, V, n_models=1)
-    zbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(2))
+    R, C = chunk_shape(cfg, N, V, n_models=1)  # C fixed by the config: a row's merge order is the same for any N
+    zbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
-        h_op, y = gemm_operand(hidden[r0:r1]), labels[r0:r1]
-        z_label = torch.zeros(r1 - r0, device=hidden.device, dtype=dt)
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op, y = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), labels[r0:r1]  # (n_pad, H), see ROW_ALIGN
+        z_label = torch.zeros(n, device=hidden.device, dtype=dt)
         for v0 in range(0, V, C):
             v1 = min(v0 + C, V)
             w_op = gemm_operand(weight[v0:v1])
-            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, w_op, scale)  # (R, C)
+            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
             mc = z.amax(1)
             z -= mc[:, None]  # z - max, in place
             inside = (y >= v0) & (y < v1)
             picked = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1) + mc
             z_label += torch.where(inside, picked, 0.0)
-            e = torch.exp(z, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            e = torch.exp(z, out=chunk_view(ebuf, n, v1 - v0))
             sc = e.sum(1)
             ac = e.mul_(z).sum(1)  # sum exp(z - m)(z - m)
             if v0 == 0:
@@ -302,26 +315,35 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
     inv_sT = torch.exp(-log_sum) * scale
     A = -g_ent * inv_sT
     B = -(g_lp + g_ent * (entropy - log_sum)) * inv_sT
-    R, C = chunk_shape(cfg, N, V, n_models=1)
-    zbuf, ebuf = (torch.empty(R * C, device=hidden.device, dtype=dt) for _ in range(2))
+    R, C = chunk_shape(cfg, N, V, n_models=1)  # the forward's chunks
+    zbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
-        h_op, y = gemm_operand(hidden[r0:r1]), labels[r0:r1]
-        rows = torch.arange(r1 - r0, device=hidden.device)
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op, y = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), labels[r0:r1]  # (n_pad, H)
+        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
+        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
         for v0 in range(0, V, C):
             v1 = min(v0 + C, V)
             w_op = gemm_operand(weight[v0:v1])
-            z = chunk_logits(chunk_view(zbuf, r1 - r0, v1 - v0), h_op, w_op, scale)  # (R, C)
+            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
             zs = z.sub_(row_max[r0:r1, None])  # z - m
-            e = torch.exp(zs, out=chunk_view(ebuf, r1 - r0, v1 - v0))
+            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
+            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
+            e = torch.exp(zs, out=dz_pad[:n])
             dz = e.mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]))  # fp32
+            # the label term, without a boolean-mask index (a device->host sync on CUDA): rows whose label
+            # lies in another chunk add +0.0 at a clamped column
             inside = (y >= v0) & (y < v1)
-            dz.index_put_((rows[inside], y[inside] - v0), g_lp[r0:r1][inside] * scale, accumulate=True)
-            g_op = dz.to(w_op.dtype) if w_op.dtype != dz.dtype else dz  # CUDA half GEMMs
+            cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
+            dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
+            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
             if need_dh:
-                addmm_f32(dh[r0:r1], g_op, w_op)  # (R, C) @ (C, H)
+                addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
             if need_dw:
-                addmm_f32(dw[v0:v1], g_op.T, h_op)  # (C, R) @ (R, H)
+                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
+        if need_dh and n != n_pad:
+            dh[r0:r1] = dh_c[:n]
     return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
 
 
@@ -375,8 +397,7 @@ def linear_logprob_entropy(hidden, weight, labels, temperature=1.0, backend="aut
         raise ValueError(f"{where}: labels must be an integer tensor of shape ({N},), got {got}")
     if labels.device != hidden.device:
         raise ValueError(f"{where}: labels are on {labels.device} but hidden is on {hidden.device}")
-    if N > 0 and (int(labels.min()) < 0 or int(labels.max()) >= V):
-        raise ValueError(f"{where}: labels must lie in [0, {V}), got [{int(labels.min())}, {int(labels.max())}]")
+    check_labels(where, labels, V)  # no host sync on CUDA
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype,), _logprob_entropy_fwd_kernel)
     if N == 0:
         dt = accum_dtype(hidden.dtype) if backend == "torch" else torch.float32

@@ -29,9 +29,9 @@ class TileConfig:
     num_splits: int = 0  # Triton forward: vocab ranges per row block (0 = enough programs to fill the GPU)
     num_warps: int = 8
     num_stages: int = 3
-    chunk_rows: int = 4096  # torch path: rows per chunk
+    chunk_rows: int = 4096  # torch path: rows per chunk; with chunk_elems it also fixes the vocab chunk width
     chunk_vocab: int = 0  # both backwards and the torch forward: vocab columns per chunk (0 = from chunk_elems)
-    chunk_elems: int = 1 << 23  # torch path: elements in one (rows, vocab) float32 chunk, 32 MiB
+    chunk_elems: int = 1 << 23  # torch path: elements in one (chunk_rows, vocab) float32 chunk, 32 MiB
     gpu_chunk_elems: int = 1 << 27  # Triton backward: elements in the (N, vocab chunk) dz buffer
 
 
@@ -44,6 +44,13 @@ def cdiv(a: int, b: int) -> int:
 
 def vocab_chunk(cfg: TileConfig, rows: int, vocab: int, budget: int, multiple: int) -> int:
     """Columns per vocab chunk: cfg.chunk_vocab if set, else budget // rows; a multiple of `multiple`.
+
+    The chunk boundaries fix the order in which a row's per-chunk partial results are merged (forward
+    statistics, dh accumulation), so they decide its last bits. The torch path passes rows =
+    cfg.chunk_rows (see chunk_shape): its chunks are a function of (config, V, n_models) only, never of N.
+    The Triton backward passes rows = N so that its (N, Vc) dz buffer stays within gpu_chunk_elems: there
+    the width, and with it dh's last bits, follow N unless cfg.chunk_vocab pins it (on CUDA dh is equal
+    across N only to float rounding anyway: cuBLAS picks its kernel from the shape).
     The Triton backward passes BLOCK_V so that its tiles sit where the forward's did: every logit is then
     recomputed with the same tile shape and K order as in the forward (bit for bit under the interpreter).
     That matters at large logits: with z ~ 1e4, one float32 ulp moves sum p away from 1 by 1e-3."""
@@ -89,6 +96,22 @@ def check_temperature(where: str, temperature: float) -> float:
     if not (t > 0.0 and t < float("inf")):
         raise ValueError(f"{where}: temperature must be a positive finite number, got {temperature}")
     return t
+
+
+def check_labels(where: str, labels: torch.Tensor, vocab: int, sync=None) -> None:
+    """labels (N,) integer, all in [0, vocab). On CUDA (sync=None) the check runs on the device: reading
+    min/max back would stall the host every micro-batch. A failure there is a device-side assert, raised at
+    a later synchronisation, and it leaves the CUDA context unusable; elsewhere a ValueError with the range."""
+    if labels.numel() == 0:
+        return
+    if sync is None:
+        sync = labels.device.type != "cuda"
+    if sync:
+        lo, hi = (int(x) for x in labels.aminmax())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{where}: labels must lie in [0, {vocab}), got [{lo}, {hi}]")
+    else:
+        torch._assert_async(((labels >= 0) & (labels < vocab)).all(), f"{where}: labels must lie in [0, {vocab})")
 
 
 def resolve_backend(where: str, backend: str, device: torch.device, dtypes, kernel) -> str:
@@ -163,11 +186,40 @@ def addmm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out += mm_f32(a, b).to(out.dtype)
 
 
+# CPU GEMMs (MKL) round a row differently when the matrix has few rows that are not a multiple of 4
+# (measured with torch 2.13's MKL on AVX-512, M = 1-3, 5-7, 9-11 with 2 threads and up to 27 with 16; never
+# at multiples of 4), so the torch path pads the M of every GEMM that produces per-row results (logits, dh)
+# to a multiple of ROW_ALIGN: 8 for margin, at most 7 zero rows per row chunk. Done on every device for one
+# code path; cuBLAS also picks its kernel from the shape, so on CUDA rows agree across N only to rounding
+ROW_ALIGN = 8
+
+
+def aligned_rows(n: int) -> int:
+    return cdiv(n, ROW_ALIGN) * ROW_ALIGN
+
+
 def chunk_shape(cfg: TileConfig, N: int, V: int, n_models: int):
-    """(rows, cols) of one torch-path logit chunk: chunk_rows rows, and chunk_elems split between the
-    n_models whose logits are live at once."""
+    """(rows, cols) of one torch-path logit chunk: up to chunk_rows rows, and chunk_elems split between the
+    n_models whose logits are live at once, at chunk_rows rows (buffers hold aligned_rows(rows) * cols).
+
+    cols is a function of (config, V, n_models) only: a row's result must not depend on the other rows of
+    the call (PPO's first minibatch recomputes in training micro-batches, bit for bit, the logprobs that
+    scoring computed in differently grouped ones: ratio == 1). A width from chunk_elems // min(chunk_rows, N)
+    would move the vocab chunk boundaries, hence each row's order of max/sum merges, with N. Rows are
+    independent across row chunks, so chunking rows (by chunk_rows, for memory) is free to follow N."""
     rows = max(1, min(cfg.chunk_rows, N))
-    return rows, vocab_chunk(cfg, rows, V, cfg.chunk_elems // n_models, 8)
+    return rows, vocab_chunk(cfg, aligned_rows(cfg.chunk_rows), V, cfg.chunk_elems // n_models, 8)
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t (n, K) with zero rows appended up to `rows` (t itself when n == rows): a GEMM operand whose M is
+    aligned_rows(n), see ROW_ALIGN. The zero rows give finite logits that are sliced away."""
+    n = t.shape[0]
+    if n == rows:
+        return t
+    out = t.new_zeros(rows, t.shape[1])
+    out[:n] = t
+    return out
 
 
 def chunk_view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -213,7 +265,14 @@ def pipeline_stages(cfg: TileConfig, itemsize: int, n_operand_pairs: int = 1) ->
 def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_tiles: int) -> int:
     """Vocab ranges per row block in the Triton forwards. On CUDA: about 4 programs per SM, and at least
     16 splits so that the programs resident at once cover few row blocks of h (each stays in L2 while the
-    splits walk their W tiles) instead of 132 different row blocks that together overflow L2."""
+    splits walk their W tiles) instead of 132 different row blocks that together overflow L2.
+
+    Row independence: an explicit cfg.num_splits, and the single split off CUDA (the interpreter), make the
+    split boundaries a function of V alone, so a row's merge order does not depend on N. On CUDA with
+    num_splits=0 the split count follows the number of row blocks, i.e. N: a row's split merges (and the
+    backward's cuBLAS kernels, chosen by shape) can differ between batch sizes, so there a row's results
+    are equal across N only to float rounding. Under the interpreter tl.dot is numpy's matmul, whose
+    float32 rounding depends on a row's position inside its (BLOCK_N, BLOCK_H) tile."""
     if cfg.num_splits > 0:
         return min(cfg.num_splits, vocab_tiles)
     if device.type != "cuda":
