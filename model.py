@@ -12,9 +12,11 @@ Parameter names are the checkpoints' own (`model.layers.0.self_attn.q_proj.weigh
 loading is a straight copy of the state dict. transformers is used for configs, tokenizers and
 reading GGUF files, and as the reference in the tests, never as the model. No dropout anywhere.
 
-Heads: `head="lm"` gives logits (B, T, V); `head="value"` gives one scalar per token (B, T) from a
-`score` linear layer, as in `*ForSequenceClassification` checkpoints. A reward model reads that
-scalar at the last real token (`reward_at_last_token`); a critic uses every position.
+Heads: `head="lm"` gives logits (B, T, V); `head="value"` gives one float32 scalar per token (B, T)
+from a `score` linear layer, as in `*ForSequenceClassification` checkpoints, computed in float32
+whatever the model's dtype. A reward model reads that scalar where transformers reads it, at the last
+token that is not the pad id (`reward_at_last_token`); a critic uses every position.
+`stop_token_ids` lists the ids that end a response (tokenizer EOS, generation_config.json EOS ids).
 
 Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 `position_ids = cumsum(mask) - 1`. Generation (rollout.py) preallocates a KV cache with
@@ -25,6 +27,7 @@ Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 import glob
 import json
 import math
+import operator
 import os
 import shutil
 import tempfile
@@ -312,8 +315,10 @@ class Transformer(nn.Module):
         if labels is not None:
             return self._fused_head(x, labels, temperature, ref_hidden, ref_weight)
         if self.head == "value":  # (B, T); not a view of the (B, T, 1) product, which FSDP hooks dislike
-            v = x @ self.score.weight[0]
-            return v if self.score.bias is None else v + self.score.bias
+            # float32 whatever the model's dtype: values and scores rounded to bf16 would carry 3 significant
+            # digits into GAE and into the reward (upcasting (B, T, H) and one (H,) row is cheap)
+            v = x.float() @ self.score.weight[0].float()
+            return v if self.score.bias is None else v + self.score.bias.float()
         return F.linear(x, self.lm_head_weight)  # (B, T, V)
 
     def _fused_head(self, x, labels, temperature, ref_hidden, ref_weight):
@@ -375,6 +380,24 @@ class Transformer(nn.Module):
         critic.hf_config = self.hf_config
         return critic
 
+    def frozen_copy(self, device, dtype):
+        """A plain (unsharded, no grad) copy in the compute dtype: the reference, the generation engine."""
+        with torch.device("meta"):
+            copy = Transformer(self.config, head=self.head)
+        state = {k: v.detach().to(device=device, dtype=dtype, copy=True) for k, v in self.state_dict().items()}
+        copy.load_state_dict(state, assign=True)  # copy=True: never share storage with the trained model
+        copy.hf_config = self.hf_config
+        return copy.requires_grad_(False)
+
+    @torch.no_grad()
+    def copy_weights_from(self, src):
+        """Copies src's parameters (an FSDP-sharded model: gathered, every rank takes part) into this plain model."""
+        from torch.distributed.tensor import DTensor
+
+        params = dict(self.named_parameters())
+        for name, p in src.named_parameters():
+            params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+
     def save_pretrained(self, folder, tokenizer=None):
         """Writes config.json, model.safetensors (and the tokenizer) so that transformers'
         AutoModelForCausalLM / AutoModelForSequenceClassification loads them back. Atomic:
@@ -423,10 +446,25 @@ def new_value_head(H):
     return {"score.weight": torch.randn(1, H) / math.sqrt(H + 1), "score.bias": torch.zeros(1)}
 
 
-def reward_at_last_token(values, attention_mask):
-    """values (B, T) from a value head, mask (B, T) -> (B,) the value at each row's last real token."""
-    T = attention_mask.size(1)
-    last = (torch.arange(T, device=values.device) * attention_mask.bool()).argmax(-1)  # (B,)
+def reward_at_last_token(values, tokens, pad_token_id):
+    """values (B, T) from a value head, tokens (B, T) long -> (B,) the value where transformers'
+    *ForSequenceClassification reads its score (modeling_layers.GenericForSequenceClassification): at each
+    row's last token that is not pad_token_id, or at column 0 when every token of the row is pad_token_id.
+    That is position-based on the ids, not on the attention mask: when pad == eos (SmolLM2, many Llama-3
+    reward models) a trailing EOS, and any padding after it, is skipped and the score is read at the
+    token before the EOS; when pad != eos it is read at the EOS. A row that never ended is read at its last
+    token. pad_token_id None: the last column, and only for one row (transformers raises for more)."""
+    if values.shape != tokens.shape:
+        raise ValueError(f"reward_at_last_token: values {tuple(values.shape)} and tokens {tuple(tokens.shape)} differ")
+    B, T = tokens.shape
+    if pad_token_id is None:
+        if B != 1:
+            raise ValueError("reward_at_last_token: the reward model has no pad_token_id, so (as in transformers) "
+                             "the last token of a batch of more than one row cannot be found; set its "
+                             "config.pad_token_id")
+        return values[:, -1]
+    col = torch.arange(T, device=tokens.device)  # (T,)
+    last = (col * (tokens != pad_token_id)).argmax(-1)  # (B,): the largest non-pad column, 0 if none
     return values.gather(1, last[:, None]).squeeze(1)
 
 
@@ -503,6 +541,25 @@ def read_safetensors(folder):
     return state
 
 
+def check_same_tokenizer(tokenizer, policy_path, reward_path):
+    """The reward model must read the very tokens the policy wrote: same vocabulary, same EOS."""
+    other = load_tokenizer(reward_path)
+    if other.get_vocab() != tokenizer.get_vocab() or other.eos_token_id != tokenizer.eos_token_id:
+        raise ValueError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
+                         "the reward model would read other tokens than the policy wrote")
+
+
+def cpu_has_bf16():
+    """bf16 matmuls are fast on CPUs with AVX512-BF16 or AMX; elsewhere (AVX2) they are several
+    times slower than float32, so the CPU default then stays float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def load_tokenizer(name_or_path):
     """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file)."""
     from transformers import AutoTokenizer
@@ -512,6 +569,62 @@ def load_tokenizer(name_or_path):
         folder, fname = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path):
+    """(eos ids of the checkpoint's generation config, the file they came from), (None, None) without one.
+    A local folder: its generation_config.json; a Hub id: the same file, fetched as read_checkpoint fetches
+    the weights; a GGUF file (no such file in it): the config transformers builds from the GGUF metadata."""
+    if path.endswith(".gguf"):
+        from transformers import AutoConfig
+
+        folder, fname = os.path.split(os.path.abspath(path))
+        return getattr(AutoConfig.from_pretrained(folder, gguf_file=fname), "eos_token_id", None), f"{path} (metadata)"
+    if not os.path.isdir(path):
+        if os.path.exists(path) or path.count("/") != 1:
+            raise FileNotFoundError(f"no model folder, .gguf file or Hub id at {path!r}")
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(path, allow_patterns=["generation_config.json"])
+        except Exception as e:
+            raise FileNotFoundError(f"could not download {path!r} from the Hub: {e}") from e
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return None, None
+    with open(file) as f:
+        return json.load(f).get("eos_token_id"), file
+
+
+def _as_int(i):
+    """An int, or a numpy / 0-dim torch integer, as an int; None for anything else (bools included)."""
+    if isinstance(i, bool):
+        return None
+    try:
+        return operator.index(i)
+    except TypeError:
+        return None
+
+
+def stop_token_ids(name_or_path, tokenizer, extra=()):
+    """Sorted unique token ids that end a response: tokenizer.eos_token_id, every id of the checkpoint's
+    generation config `eos_token_id` (an int or a list: Llama-3 lists <|eot_id|> and <|end_of_text|>,
+    Qwen2.5 <|im_end|> and <|endoftext|>; transformers' generate stops on each), and the ids in `extra`.
+    Each id must be an int in [0, len(tokenizer)); otherwise a ValueError names it and where it came from."""
+    path = resolve(name_or_path)
+    gen, gen_source = _generation_eos(path)
+    sources = [("tokenizer.eos_token_id", tokenizer.eos_token_id),
+               (f"eos_token_id in {gen_source}", gen),
+               ("extra", list(extra) if isinstance(extra, (list, tuple)) else extra)]
+    V, ids = len(tokenizer), set()
+    for source, value in sources:
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            j = _as_int(i)
+            if j is None or not 0 <= j < V:
+                raise ValueError(f"stop_token_ids: {source} gives {i!r}, not a token id in [0, {V}) "
+                                 f"(the vocabulary of {name_or_path!r})")
+            ids.add(j)
+    return sorted(ids)
 
 
 if __name__ == "__main__":

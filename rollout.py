@@ -22,8 +22,31 @@ Sampling, per step:
     token = argmax(p' / q),  q ~ Exponential(1)  (the exponential-race form of the Gumbel-max trick)
 argmax(p'/q) is distributed as Categorical(p'): for independent q_i ~ Exp(1), q_i / p'_i ~ Exp(p'_i)
 and the smallest of them is i with probability p'_i. Unlike torch.multinomial it needs no host-device
-sync, and it draws its noise from the explicit torch.Generator (same seed -> same tokens).
-temperature == 0 is greedy: token = argmax(logits).
+sync. temperature == 0 is greedy: token = argmax(logits).
+The logits are float32 whatever the model's dtype, computed as the training path computes them
+(kernels/): bf16 hidden states and LM head, float32 accumulation and output (on CUDA a bf16 GEMM
+with a float32 result; on a CPU float32 operands, which hold the bf16 values exactly). A bf16 result
+would round every logit by up to 2^-9 of its size, and the tokens would come from another
+distribution than the one the training forward credits them with.
+
+Sampling noise is counter-based, not drawn from a generator's stream: q for row b, decode step t
+(the t-th new token) and token v is a pure function of (seeds[b], t, v),
+    key     = mix(fold(seeds[b]) ^ mix(t))             (B,) one 32-bit key per row and step
+    bits    = mix(mix(v) ^ key) >> 8                   (B, V) 24 uniform bits per token
+    q       = -log(u),  u = (bits + 1/2) / 2^24 in (0, 1)
+with mix = lowbias32 (C. Wellons' hash-prospector: a bijection of 32-bit integers with near-ideal
+avalanche), evaluated with int64 torch ops that never overflow (every product stays below 2^63), and
+fold(s) = mix(s_hi ^ mix(s_lo)) for the 64-bit seed, one-to-one on seeds below 2^32 (two (row, step)
+pairs share a noise vector only when their 32-bit keys collide, probability 2^-32). Why: a row's
+noise depends only on its seed, not on the other rows of the batch, its position in it, the number
+of ranks or of rollout micro-batches, so PPO under torchrun draws the same noise for a global row on
+any number of GPUs; no generator state to carry, save or resume; no host sync (the step count is a
+host int, or a device tensor). The tokens are then exactly as batch-invariant as the logits: GEMM
+kernels chosen by batch shape change a row's logits by float rounding; in float32 that flips a token
+only at a near-tie (SmolLM2, 16 rows vs 2 or 4 micro-batches: all rows identical), in bf16 a row's
+hidden states move by ~1.5% and about a quarter of the rows part ways somewhere in 24 tokens.
+`seeds` is one non-negative int per prompt; when it is None, generate draws the seeds from
+`generator` (same generator seed -> same tokens).
 
 Recorded logprobs (a choice, stated because libraries differ): logp[token] under the tempered but
 *untruncated* distribution log_softmax(logits / temperature) (untempered at temperature 0). That is
@@ -36,8 +59,8 @@ cache and of response_mask, with logprob 0; its sampled values are ignored. The 
 row has finished (checked every step on CPU; every CUDA_CHECK_EVERY steps on CUDA, so the host does
 not wait for the GPU at each token) or after max_new_tokens.
 
-generate_reference is the slow twin: the same sampling and the same draws from the generator, with a
-full forward without cache at every step. The tests compare the two token for token.
+generate_reference is the slow twin: the same sampling and the same noise (same seeds), with a full
+forward without cache at every step. The tests compare the two token for token.
 
 Benchmark (greedy, 128 new tokens, no EOS stop; ours vs transformers' generate on the same weights):
     python rollout.py                  # CPU: SmolLM2-135M-Instruct, float32 at batch 1/8/32, bfloat16 at 1
@@ -54,8 +77,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.utils import gemm_operand, mm_f32
+
 CUDA_CHECK_EVERY = 16  # decode steps between "has every row finished?" checks on CUDA (one sync each)
 CACHE_MULTIPLE = 64  # compiled decoding rounds the cache width up to this, so prompt widths share graphs
+MASK32 = 0xFFFFFFFF  # the noise hash works on 32-bit values held in int64
 
 
 # -----------------------------------------------------------------------------
@@ -70,6 +96,7 @@ class Rollout:
     response_mask: torch.Tensor  # (B, R) bool: real response tokens, EOS included, anything after it not
     logprobs: torch.Tensor  # (B, R) float32: log_softmax(logits / temperature) at the sampled token, 0 if masked
     ended: torch.Tensor  # (B,) bool: the row sampled an EOS id
+    seeds: torch.Tensor = None  # (B,) long: the rows' sampling seeds (generate(seeds=...) repeats the rollout)
 
     @property
     def responses(self):
@@ -140,6 +167,25 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
     return eos, pad, device
 
 
+def _row_seeds(seeds, B, generator, device):
+    """-> (B,) long on `device`: the given seeds (a list of B non-negative ints or a (B,) integer tensor), or
+    B seeds drawn from the generator."""
+    if seeds is None:
+        return draw_seeds(B, generator, device)
+    if isinstance(seeds, torch.Tensor):
+        if seeds.shape != (B,) or seeds.is_floating_point() or seeds.is_complex() or seeds.dtype == torch.bool:
+            raise ValueError(f"seeds must be a ({B},) integer tensor, one per prompt, got {seeds.dtype} "
+                             f"of shape {tuple(seeds.shape)}")
+        seeds = seeds.to(device=device, dtype=torch.long)
+        if (seeds < 0).any():  # one host sync per call, not per token
+            raise ValueError(f"seeds must be non-negative, got {seeds.tolist()}")
+        return seeds
+    seeds = list(seeds)
+    if len(seeds) != B or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63 for s in seeds):
+        raise ValueError(f"seeds must be {B} ints in [0, 2^63), one per prompt, got {seeds!r}")
+    return torch.tensor(seeds, dtype=torch.long, device=device)
+
+
 # -----------------------------------------------------------------------------
 # sampling
 
@@ -160,9 +206,66 @@ def filter_logits(z, top_k=0, top_p=1.0):
     return z
 
 
-def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+def _mul32(x, m):
+    """x * m mod 2^32, in place on an int64 tensor (or on an int) x in [0, 2^32), for a constant m in
+    [0, 2^32), without any product reaching 2^63: m < 2^31 multiplies directly; a larger m is split as
+    m_hi 2^16 + m_lo, and only the low 16 bits of x m_hi survive the shift mod 2^32 (both products < 2^48)."""
+    if m < 1 << 31:
+        x *= m
+    else:
+        hi = x * (m >> 16)
+        hi &= 0xFFFF
+        hi <<= 16
+        x *= m & 0xFFFF
+        x += hi
+    x &= MASK32
+    return x
+
+
+def mix32(x):
+    """lowbias32 (C. Wellons, github.com/skeeto/hash-prospector): a bijection of [0, 2^32) in which each input
+    bit flips each output bit with probability close to 1/2. x: int64 tensor with values in [0, 2^32), or a
+    Python int (the step's key is then computed on the host: nothing to copy to the device). Augmented
+    assignments work in place on the new tensor from the first line (a third of the time of fresh tensors
+    on a CPU), and on ints as well."""
+    x = x ^ (x >> 16)  # a new tensor: the caller's is never modified
+    x = _mul32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _mul32(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
+
+
+def noise_bits(seeds, step, V):
+    """seeds (B,) int64, step an int or a 0-dim / (1,) long tensor -> (B, V) int64 in [0, 2^24): 24 uniform
+    bits for every (row, token), a pure function of (seeds[b], step, v) (see the module docstring)."""
+    s = mix32(((seeds >> 32) & MASK32) ^ mix32(seeds & MASK32))  # (B,) fold 64 -> 32 bits
+    key = mix32(s ^ mix32(step & MASK32))  # (B,)
+    v = mix32(torch.arange(V, device=seeds.device))  # (V,): adjacent ids differ in many bits before the last mix
+    return mix32(v[None, :] ^ key[:, None]) >> 8  # (B, V): the high bits, the best mixed
+
+
+def exponential_noise(seeds, step, V):
+    """-> q (B, V) float32, Exp(1) noise q = -log(u) with u = (k + 1/2) / 2^24 for the 24 hashed bits k:
+    u is in (0, 1), never 0 or 1. float32 cannot hold those midpoints above 1/2 (its spacing there is 2^-24),
+    so q is computed from u's distance to 0 or to 1, whichever is smaller, which is exact:
+    a = min(u, 1 - u) = (min(k, 2^24 - 1 - k) + 1/2) / 2^24, q = -log(a) below 1/2, -log1p(-a) above."""
+    k = noise_bits(seeds, step, V)  # (B, V)
+    a = torch.minimum(k, 0xFFFFFF - k).float().add_(0.5).mul_(2.0**-24)  # (B, V) in (0, 1/2), exact
+    return torch.where(k >= 1 << 23, a.neg().log1p_().neg_(), a.log().neg_())
+
+
+def draw_seeds(B, generator=None, device="cpu"):
+    """(B,) int64 seeds in [0, 2^63 - 1), drawn on the generator's device (the default one's if None)."""
+    dev = generator.device if generator is not None else torch.device(device)
+    return torch.randint(0, 2**63 - 1, (B,), generator=generator, device=dev).to(device)
+
+
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, seeds=None, step=0):
     """logits (B, V) -> token (B,) long, logp (B,) float32 of that token under
-    log_softmax(logits / temperature) (see the module docstring). temperature 0 = greedy."""
+    log_softmax(logits / temperature) (see the module docstring). temperature 0 = greedy.
+    seeds (B,) long on the logits' device and step (int or 0-dim / (1,) long tensor) key the noise;
+    seeds None draws them from `generator` (B fresh seeds per call)."""
     logits = logits.float()
     if temperature == 0:
         token = logits.argmax(-1)
@@ -171,9 +274,10 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         z = logits / temperature
         logp = F.log_softmax(z, dim=-1)  # (B, V): what the training forward recomputes
         probs = (filter_logits(z, top_k, top_p) if (top_k or top_p < 1) else z).softmax(-1)
-        q = torch.empty_like(probs).exponential_(generator=generator)
-        # exponential_ can return exactly 0; a dropped token would then give 0/0 = NaN, which argmax picks
-        token = (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(-1)
+        if seeds is None:
+            seeds = draw_seeds(z.size(0), generator, z.device)
+        q = exponential_noise(seeds, step, z.size(-1))  # (B, V), > 0: a dropped token gives 0 / q = 0
+        token = (probs / q).argmax(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -181,29 +285,38 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
 # prefill and decode
 
 
-def last_logits(model, hidden):
-    """hidden (B, T, H) -> logits (B, V) of the last column: only that row of the LM head is needed."""
-    h, W = hidden[:, -1], model.lm_head_weight  # (B, H), (V, H)
-    if h.device.type == "cpu":  # MKL runs the tall (V, H) @ (H, B) faster than (B, H) @ (H, V) at small B
-        return (W @ h.T).T.contiguous()
-    return F.linear(h, W)
+def head_weight(model):
+    """The LM head's (V, H) weight as the sampler's GEMM takes it, prepared once per generate() call: on CUDA
+    as it is (a half GEMM with a float32 result), elsewhere upcast to float32 (kernels.utils.gemm_operand,
+    as in the training path), once per call rather than once per token (SmolLM2's is 28M values)."""
+    return gemm_operand(model.lm_head_weight)
+
+
+def last_logits(model, hidden, weight=None):
+    """hidden (B, T, H) -> float32 logits (B, V) of the last column: only that row of the LM head is needed.
+    weight: head_weight(model), passed in by the decode loop (None: prepared here). The product is the
+    training path's: half operands, float32 accumulation and result, so no logit is rounded to bf16."""
+    W = head_weight(model) if weight is None else weight  # (V, H)
+    h = hidden[:, -1]  # (B, H)
+    if h.device.type == "cuda":
+        return mm_f32(h, W.T)
+    h = h.to(W.dtype)  # float32 operands: bf16 values, and their products, are exact in float32
+    return (W @ h.T).T.contiguous()  # MKL runs the tall (V, H) @ (H, B) faster than (B, H) @ (H, V) at small B
 
 
 def prefill(model, idx, mask, pos):
-    """idx, pos (B, P), mask (B, P) over the first P cache slots -> logits (B, V) after the prompt;
-    fills slots 0..P-1."""
+    """idx, pos (B, P), mask (B, P) over the first P cache slots -> hidden states (B, P, H); fills slots 0..P-1."""
     P = idx.size(1)
     slots = torch.arange(P, device=idx.device)
-    h = model(idx, attention_mask=mask, position_ids=pos, cache_pos=slots, return_hidden=True)  # (B, P, H)
-    return last_logits(model, h)
+    return model(idx, attention_mask=mask, position_ids=pos, cache_pos=slots, return_hidden=True)
 
 
 def decode_one(model, tok, mask, pos, slot):
-    """tok, pos (B, 1), mask (B, S'), slot (1,) -> logits (B, V); writes the token's keys/values at `slot`
-    and attends to the first S' cache slots. Compiled, it gets the whole cache (S' = S) every step, so
-    that its shapes never change; eager, only the slots filled so far."""
-    h = model(tok, attention_mask=mask, position_ids=pos, cache_pos=slot, return_hidden=True)  # (B, 1, H)
-    return last_logits(model, h)
+    """tok, pos (B, 1), mask (B, S'), slot (1,) -> hidden states (B, 1, H); writes the token's keys/values at
+    `slot` and attends to the first S' cache slots. Compiled, it gets the whole cache (S' = S) every step, so
+    that its shapes never change; eager, only the slots filled so far. The LM head runs outside, in
+    last_logits (float32 output, kernels.utils.mm_f32: a probe and a cache that are not for tracing)."""
+    return model(tok, attention_mask=mask, position_ids=pos, cache_pos=slot, return_hidden=True)
 
 
 @functools.cache
@@ -225,11 +338,12 @@ def _kv_cache(model, B, S, dtype, device, static):
             torch._dynamo.mark_static_address(blk.self_attn.kv_cache.v)
 
 
-def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended):
+def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended, seeds):
     """Cuts the responses to R = the longest one; steps past it (CUDA checks every few) only padded."""
     R = int(response_mask.sum(-1).max())  # >= 1: every row samples its first token
     return Rollout(tokens=torch.cat([idx, tokens[:, :R]], dim=1), prompt_len=idx.size(1), prompt_mask=prompt_mask,
-                   response_mask=response_mask[:, :R].clone(), logprobs=logprobs[:, :R].clone(), ended=ended)
+                   response_mask=response_mask[:, :R].clone(), logprobs=logprobs[:, :R].clone(), ended=ended,
+                   seeds=seeds)
 
 
 # -----------------------------------------------------------------------------
@@ -238,11 +352,13 @@ def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
-             pad_token_id=None, generator=None, compile=None):
+             pad_token_id=None, generator=None, compile=None, seeds=None):
     """Samples up to max_new_tokens tokens after each prompt (a list of token id lists).
     temperature 0 = greedy; top_k 0 and top_p 1 = off. eos_token_id: None (never stop early), an int or
-    a list of ints. pad_token_id: defaults to the first EOS id, else 0. generator: a torch.Generator on
-    the model's device type. compile: compile the decode step (default: on for CUDA, off elsewhere);
+    a list of ints. pad_token_id: defaults to the first EOS id, else 0. seeds: one non-negative int per
+    prompt (a list or a (B,) integer tensor) that keys its sampling noise; None draws them from generator,
+    a torch.Generator on the model's device type (None: the default one). compile: compile the decode
+    step (default: on for CUDA, off elsewhere);
     a compiled decode keeps its KV cache on the model between calls (model.clear_kv_cache() frees it).
     Runs under no_grad, not inference_mode, so the returned tensors can be used in training."""
     eos, pad, device = _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
@@ -252,6 +368,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     check_every = CUDA_CHECK_EVERY if cuda else 1
     idx, prompt_mask = pad_prompts(prompts, pad, model.config.vocab_size, device)  # (B, P)
     B, P = idx.shape
+    seeds = _row_seeds(seeds, B, generator, device)  # (B,)
+    W = head_weight(model)  # (V, H), float32 on a CPU: converted once, not at every token
     S = P + max_new_tokens
     if compile:
         S = math.ceil(S / CACHE_MULTIPLE) * CACHE_MULTIPLE
@@ -267,11 +385,11 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)  # (B,): no EOS sampled yet
     try:
-        logits = prefill(model, idx, mask[:, :P], pos)  # (B, V)
+        logits = last_logits(model, prefill(model, idx, mask[:, :P], pos), W)  # (B, V) float32
         pos = pos[:, -1:] + 1  # (B, 1): position of the next token of every row
         slot = torch.tensor([P], dtype=torch.long, device=device)  # (1,): its cache slot, a tensor for fixed shapes
         for t in range(max_new_tokens):
-            tok, logp = sample(logits, temperature, top_k, top_p, generator)  # (B,), (B,)
+            tok, logp = sample(logits, temperature, top_k, top_p, seeds=seeds, step=t)  # (B,), (B,)
             tok = torch.where(alive, tok, pad)
             out_tokens[:, t] = tok
             out_logp[:, t] = torch.where(alive, logp, 0.0)
@@ -282,32 +400,36 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
             if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and not alive.any()):
                 break
             if compile and cuda:
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's hidden states are consumed
             width = S if compile else P + t + 1  # eager: attend to the filled slots only
-            logits = step(model, tok[:, None], mask[:, :width], pos, slot)  # (B, V)
+            logits = last_logits(model, step(model, tok[:, None], mask[:, :width], pos, slot), W)  # (B, V)
             pos += 1
             slot += 1
     finally:
         if not compile:
             model.clear_kv_cache()
-    return _rollout(idx, prompt_mask, out_tokens, out_mask, out_logp, ~alive if eos else torch.zeros_like(alive))
+    return _rollout(idx, prompt_mask, out_tokens, out_mask, out_logp, ~alive if eos else torch.zeros_like(alive),
+                    seeds)
 
 
 @torch.no_grad()
 def generate_reference(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
-                       pad_token_id=None, generator=None):
-    """The slow twin of `generate`: same arguments (no compile), same sampling and the same draws from
-    the generator, but every step runs the full forward over the whole sequence without a cache."""
+                       pad_token_id=None, generator=None, seeds=None):
+    """The slow twin of `generate`: same arguments (no compile), same sampling and the same noise (the same
+    seeds, or the same ones drawn from the generator), but every step runs the full forward over the whole
+    sequence without a cache."""
     eos, pad, device = _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
                                    generator)
     idx, prompt_mask = pad_prompts(prompts, pad, model.config.vocab_size, device)
+    seeds = _row_seeds(seeds, idx.size(0), generator, device)  # (B,)
+    W = head_weight(model)  # (V, H)
     seq, mask = idx, prompt_mask.long()  # (B, P + t)
     toks, masks, logps = [], [], []
     alive = torch.ones(idx.size(0), dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         h = model(seq, attention_mask=mask, position_ids=pos, return_hidden=True)  # (B, P + t, H)
-        tok, logp = sample(last_logits(model, h), temperature, top_k, top_p, generator)
+        tok, logp = sample(last_logits(model, h, W), temperature, top_k, top_p, seeds=seeds, step=t)
         tok = torch.where(alive, tok, pad)
         toks.append(tok)
         logps.append(torch.where(alive, logp, 0.0))
@@ -319,7 +441,8 @@ def generate_reference(model, prompts, max_new_tokens, temperature=1.0, top_k=0,
         if not alive.any():
             break
     ended = ~alive if eos else torch.zeros_like(alive)
-    return _rollout(idx, prompt_mask, torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(logps, 1), ended)
+    return _rollout(idx, prompt_mask, torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(logps, 1), ended,
+                    seeds)
 
 
 # -----------------------------------------------------------------------------
