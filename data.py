@@ -164,6 +164,11 @@ class SFTSet:
     def __len__(self):
         return len(self.pairs)
 
+    def rank_share(self, indices, rank, world_size):
+        """Of the pairs at `indices` (a global batch): this rank's share, and the response tokens of them all."""
+        pairs = [self.pairs[i] for i in indices]
+        return pairs[rank::world_size], sum(len(r) for _, r in pairs)
+
 
 def load_sft(path, tokenizer, max_len, prompt_key="prompt", response_key="response", messages_key="messages"):
     """Read JSONL prompt/response pairs for a supervised loss; the prompt is rendered as in load_prompts,

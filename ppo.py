@@ -105,7 +105,7 @@ class Config:
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # normalise advantages over the batch (all ranks)
     lr: float = 5e-5  # actor learning rate
-    critic_lr: float = 5e-5  # critic learning rate
+    critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     lr_schedule: str = "constant"  # constant | linear (decay to 0 at the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -162,8 +162,8 @@ class Run:
     local_micro: int  # sequences per forward/backward
 
 
-def derive(cfg, rank, world, device):
-    W = world
+def derive(cfg, rank, W, device):
+    """The derived values of a run of W ranks, after checking that the Config makes sense for it."""
     assert cfg.rollout_batch_size % W == 0, f"rollout_batch_size {cfg.rollout_batch_size} must divide by {W} ranks"
     assert cfg.mini_batch_size % W == 0, f"mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks"
     assert cfg.rollout_batch_size % cfg.mini_batch_size == 0, \
@@ -184,7 +184,7 @@ def derive(cfg, rank, world, device):
         "target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0"
     assert cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1 (the newest checkpoint to resume from), not {cfg.keep_checkpoints}"
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
-    return Run(rank, world, device, torch.bfloat16 if dtype == "bf16" else torch.float32,
+    return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32,
                cfg.rollout_batch_size // W, cfg.mini_batch_size // W, local_micro)
 
 
@@ -422,7 +422,8 @@ def build_models(cfg, run, tokenizer, mesh):
     m["critic"] = critic
     for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr)):
         shard(m[name], mesh, run.dtype)
-        m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8)
+        m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
+                                             fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
         m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
     return m
 
@@ -487,8 +488,7 @@ def main(cfg: Config, reward_fn=None):
     m = build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,)))
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
-    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (longer than {cfg.max_prompt_len} tokens)"
-           f"; stop tokens {stop_ids}")
+    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
@@ -538,8 +538,7 @@ def main(cfg: Config, reward_fn=None):
 
         # ---- 4. GAE, then advantages whitened over the whole batch (all ranks)
         adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
         batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
         t2 = time.time()
 
@@ -550,10 +549,7 @@ def main(cfg: Config, reward_fn=None):
                                  epoch).to(device)  # (K, local_mini)
             n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
             for mb_rows, n in zip(mbs, n_tokens):
-                ptx = None
-                if sft is not None:
-                    pairs = [sft.pairs[i] for i in sft_sampler.next_batch()]  # the global ptx batch
-                    ptx = pairs[rank :: world], sum(len(r) for _, r in pairs)
+                ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
                 updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
                 bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
                 if bad_in_a_row >= cfg.max_bad_updates:
