@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 SUPPORTED = {  # model_type -> what differs from Llama
@@ -256,6 +257,7 @@ class Transformer(nn.Module):
         elif not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.hf_config = None  # the transformers config it was loaded from, written back on save
+        self.activation_checkpointing = False  # recompute each block in the backward (memory for compute)
 
     @property
     def lm_head_weight(self):
@@ -307,8 +309,12 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hs)
         x = self.model.embed_tokens(idx)  # (B, T, H)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        recompute = self.activation_checkpointing and cache_pos is None and torch.is_grad_enabled()
         for blk in self.model.layers:
-            x = blk(x, cos, sin, mask, cache_pos)
+            if recompute:  # keep each block's input only; the backward recomputes its activations
+                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = blk(x, cos, sin, mask, cache_pos)
         x = self.model.norm(x)
         if return_hidden:
             return x

@@ -64,6 +64,14 @@ from model import (Transformer, check_same_tokenizer, cpu_has_bf16, load_tokeniz
 from rollout import generate
 
 
+def _doc_from_comments(cls):
+    """The fields' comments become the docstring's Args section: `python ppo.py --help` shows them."""
+    comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
+    cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
+    return cls
+
+
+@_doc_from_comments
 @dataclass
 class Config:
     # models and data
@@ -111,6 +119,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
     # system
+    activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
     dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where it is fast (see cpu_has_bf16)
     seed: int = 1  # seeds everything: sampling noise, minibatch order, the critic's fresh head
     log_every: int = 1  # metrics line every N steps
@@ -140,16 +149,6 @@ class Config:
             setattr(self, f.name, v)
 
 
-def _doc_from_comments(cls):
-    """The fields' comments become the docstring's Args section: `python ppo.py --help` shows them."""
-    comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
-    cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
-    return cls
-
-
-Config = _doc_from_comments(Config)
-
-
 @dataclass
 class Run:
     """What follows from the Config and the launch, kept apart from what the user set."""
@@ -160,6 +159,7 @@ class Run:
     local_rollout: int  # this rank's prompts per step
     local_mini: int  # this rank's sequences per minibatch
     local_micro: int  # sequences per forward/backward
+    activation_checkpointing: bool  # for the actor and the critic
 
 
 def derive(cfg, rank, W, device):
@@ -183,9 +183,11 @@ def derive(cfg, rank, W, device):
     assert not (cfg.target_kl > 0 and cfg.kl_coef <= 0), \
         "target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0"
     assert cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1 (the newest checkpoint to resume from), not {cfg.keep_checkpoints}"
+    assert cfg.activation_checkpointing in ("auto", "on", "off"), "activation_checkpointing must be on, off or auto"
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
+    ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32,
-               cfg.rollout_batch_size // W, cfg.mini_batch_size // W, local_micro)
+               cfg.rollout_batch_size // W, cfg.mini_batch_size // W, local_micro, ac)
 
 
 # -----------------------------------------------------------------------------
@@ -335,8 +337,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
         vf_losses2 = (vclipped - ret).square()
         vf = 0.5 * torch.max(vf_losses, vf_losses2)
     else:
-        vf_losses2 = vf_losses
-        vf = 0.5 * vf_losses
+        vf_losses2, vf = vf_losses, 0.5 * vf_losses
 
     def tsum(x):  # select, don't multiply: NaN * 0 = NaN
         return torch.where(mask, x, 0.0).sum()
@@ -421,6 +422,7 @@ def build_models(cfg, run, tokenizer, mesh):
         critic = actor.critic()  # a fresh head from the global RNG: seeded alike on every rank
     m["critic"] = critic
     for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr)):
+        m[name].activation_checkpointing = run.activation_checkpointing
         shard(m[name], mesh, run.dtype)
         m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
                                              fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)

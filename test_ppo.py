@@ -2175,7 +2175,7 @@ def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
     sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
     _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, reward_model=str(rm_dir), kl_loss_coef=0.1,
                       sft_data=sft, ptx_coef=0.5, kl_estimator="k3", use_absolute_kl=True, score_clip=0.5,
-                      non_stop_penalty=-1.0)
+                      non_stop_penalty=-1.0, activation_checkpointing="on")
     assert len(rows) == 2
     for m in rows:
         assert all(v == v and abs(v) != float("inf") for v in m.values())  # finite
@@ -2289,6 +2289,32 @@ def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
     _, g00 = loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref)
     for other in (g0, g00):
         assert any(not torch.allclose(g1[k], other[k], rtol=1e-4, atol=1e-7) for k in g1 if k.startswith("actor."))
+
+
+def test_activation_checkpointing_same_loss_and_gradients(tiny_run, group):
+    # FSDP2-sharded actor and critic, KL and ptx terms on: recomputing each block in the backward
+    # gives the gradients of the stored activations
+    import ppo
+
+    cfg = ppo.Config(**LOSS_CFG)
+    actor, critic, ref = build_models(tiny_run["policy"], shard=True)
+    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
+    ptx = (pairs, sum(len(r) for _, r in pairs))
+    l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=3, ref=ref, ptx=ptx)
+    actor.activation_checkpointing = critic.activation_checkpointing = True
+    l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=3, ref=ref, ptx=ptx)
+    assert l2 == pytest.approx(l1, rel=1e-6)
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], rtol=1e-5, atol=1e-8), k
+    # and it recomputes: a block's MLP starts twice per micro-batch with it, once without (a pre-hook: the
+    # recomputation stops as soon as it has what the backward needs, before the MLP returns)
+    calls = []
+    hook = actor.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref)
+    actor.activation_checkpointing = False
+    loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref)
+    hook.remove()
+    assert len(calls) == 3  # 2 with recomputation, then 1
 
 
 def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
@@ -2593,7 +2619,9 @@ def test_help_lists_every_option_with_default_and_comment():
     for f in dataclasses.fields(ppo.Config):
         comment = re.search(rf"^    {f.name}: .*?  # (.*)$", src, re.M).group(1)
         assert f.name in by_name, f.name
-        assert f"Default: {f.default!r}" in by_name[f.name], (f.name, by_name[f.name])
+        shown = by_name[f.name].split("Default: ", 1)[1]  # fire shortens a long default to "start..."
+        start = shown.split("...")[0]
+        assert shown.startswith(repr(f.default)) or len(start) > 10 and repr(f.default).startswith(start), (f.name, shown)
         assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
 
 
