@@ -2270,13 +2270,19 @@ def group():
     torch.distributed.destroy_process_group()
 
 
+def sharded_loss_setup(policy):
+    """Config, sharded actor and critic, a reference, a rollout-like batch and a ptx batch (with its tokens)."""
+    import ppo
+
+    actor, critic, ref = build_models(policy, shard=True)
+    pairs = fake_ptx_pairs(64)
+    return ppo.Config(**LOSS_CFG), actor, critic, ref, fake_batch(64), (pairs, sum(len(r) for _, r in pairs))
+
+
 def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
     import ppo
 
-    cfg = ppo.Config(**LOSS_CFG)
-    actor, critic, ref = build_models(tiny_run["policy"], shard=True)
-    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
-    ptx = (pairs, sum(len(r) for _, r in pairs))
+    cfg, actor, critic, ref, batch, ptx = sharded_loss_setup(tiny_run["policy"])
     l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=6, ref=ref, ptx=ptx)
     for micro in (1, 2, 4):
         l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=micro, ref=ref, ptx=ptx)
@@ -2294,12 +2300,7 @@ def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
 def test_activation_checkpointing_same_loss_and_gradients(tiny_run, group):
     # FSDP2-sharded actor and critic, KL and ptx terms on: recomputing each block in the backward
     # gives the gradients of the stored activations
-    import ppo
-
-    cfg = ppo.Config(**LOSS_CFG)
-    actor, critic, ref = build_models(tiny_run["policy"], shard=True)
-    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
-    ptx = (pairs, sum(len(r) for _, r in pairs))
+    cfg, actor, critic, ref, batch, ptx = sharded_loss_setup(tiny_run["policy"])
     l1, g1 = loss_and_grads(actor, critic, batch, cfg, micro=3, ref=ref, ptx=ptx)
     actor.activation_checkpointing = critic.activation_checkpointing = True
     l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=3, ref=ref, ptx=ptx)
