@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import model as M
 from data import PromptSampler, left_pad, load_prompts, load_sft
-from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_gae_reference, kl_estimate,
+from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_gae_reference, final_score, kl_estimate,
                  masked_mean, masked_sum, masked_var, masked_whiten, random_prefix_mask, shape_rewards)
 from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy,
                      linear_logprob_entropy_reference)
@@ -1939,6 +1939,22 @@ def test_absolute_kl_and_estimator_in_reward(kind):
     assert (rewards <= 0).all()
 
 
+def test_exact_kl_estimator_and_final_score():
+    g = torch.Generator().manual_seed(7)
+    mask = _lengths_mask([4, 2, 6], 6)
+    logp, ref_logp, exact = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g), torch.rand(3, 6, generator=g)
+    rewards, kl = shape_rewards(torch.zeros(3), logp, ref_logp, mask, 0.2, kl_estimator="exact", kl_exact=exact)
+    assert torch.equal(kl, torch.where(mask, exact, 0.0)) and torch.equal(rewards, -0.2 * kl)
+    with pytest.raises(ValueError, match="needs kl_exact"):
+        shape_rewards(torch.zeros(3), logp, ref_logp, mask, 0.2, kl_estimator="exact")
+    # the score a fork gets from final_score is the one shape_rewards puts on the last token
+    score, ended = torch.tensor([3.0, -0.5, 9.0]), torch.tensor([True, True, False])
+    used = final_score(score, ended, score_clip=2.0, non_stop_penalty=-1.0)
+    assert used.tolist() == [2.0, -0.5, -1.0]
+    rewards, _ = shape_rewards(score, logp, logp, mask, 0.2, score_clip=2.0, ended=ended, non_stop_penalty=-1.0)
+    assert [rewards[b, n - 1].item() for b, n in enumerate([4, 2, 6])] == used.tolist()
+
+
 def test_shape_rewards_ignores_garbage_outside_mask():
     g = torch.Generator().manual_seed(6)
     B, T = 5, 9
@@ -2681,8 +2697,9 @@ def read_wandb_records(path):
 
 
 def test_wandb_logs_offline(tiny_run, tmp_path):
-    _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test",
+    _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test", kl_estimator="exact",
                       env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert rows[-1]["objective/kl"] == rows[-1]["objective/kl_exact"] > 0  # the exact KL went into the reward
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, os.listdir(tmp_path)
     records = read_wandb_records(runs[0])
