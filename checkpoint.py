@@ -87,9 +87,11 @@ def save(folder, modules, trainer, cfg):
     dist.barrier()
 
 
-def find(resume, out_dir):
-    """The folder to resume from, or None. resume: "" (none), "auto" (the newest complete checkpoint in
-    out_dir/checkpoints, None when there is none) or a checkpoint folder (an error if incomplete)."""
+def find(cfg):
+    """The folder to resume from, or None, checked against cfg (check_config). cfg.resume: "" (none), "auto"
+    (the newest complete checkpoint in out_dir/checkpoints, None when there is none) or a checkpoint folder
+    (an error if it is incomplete)."""
+    resume = cfg.resume
     if not resume:
         return None
     if resume != "auto":
@@ -98,11 +100,15 @@ def find(resume, out_dir):
             raise FileNotFoundError(f"cannot resume from {resume}: "
                                     + ("no such folder" if not os.path.isdir(resume) else
                                        f"incomplete checkpoint, missing {missing}"))
+        check_config(resume, cfg)
         return resume
-    root = os.path.join(out_dir, "checkpoints")
+    root = os.path.join(cfg.out_dir, "checkpoints")
     names = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
     complete = [n for n in names if all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES)]
-    return os.path.join(root, complete[-1]) if complete else None
+    if not complete:
+        return None
+    check_config(os.path.join(root, complete[-1]), cfg)
+    return os.path.join(root, complete[-1])
 
 
 def check_config(folder, cfg):
@@ -120,8 +126,8 @@ def check_config(folder, cfg):
 
 
 def load(folder, modules, cfg):
-    """Loads models and optimizers in place (any number of ranks); returns the trainer dict."""
-    check_config(folder, cfg)
+    """Loads models and optimizers in place (any number of ranks) from a folder find() returned; returns the
+    trainer dict."""
     state = {}
     for name, (model, opt) in modules.items():
         state[name], state[name + "_optim"] = get_state_dict(model, opt)

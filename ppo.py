@@ -482,6 +482,7 @@ def main(cfg: Config, reward_fn=None):
     os.makedirs(cfg.out_dir, exist_ok=True)
     print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
            f"micro-batch {run.local_micro}")
+    ckpt = checkpoint.find(cfg)  # the checkpoint to resume from, checked against cfg before any model is read
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
     tokenizer = load_tokenizer(cfg.model)
@@ -501,7 +502,6 @@ def main(cfg: Config, reward_fn=None):
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     models = {"actor": (m["actor"], m["actor_opt"]), "critic": (m["critic"], m["critic_opt"])}
     history, first_step = [], 1
-    ckpt = checkpoint.find(cfg.resume, cfg.out_dir)
     if ckpt:
         tr = checkpoint.load(ckpt, models, cfg)
         for k, obj in stateful.items():

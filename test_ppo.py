@@ -2158,7 +2158,8 @@ def without_time(rows):
 def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype):
     # one minibatch in one epoch: the update sees exactly the weights that scored the rollout,
     # through the same code path (micro-batches in another order), and the actor still equals the reference
-    _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, dtype=dtype)
+    _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, dtype=dtype,
+                      reward_fn="sentiment")  # the flag is the Config field (it once bound to main()'s callable)
     m = rows[0]
     assert m["val/ratio"] == 1.0 and m["val/ratio_var"] == 0.0
     assert m["policy/clipfrac_avg"] == 0.0 and m["policy/approxkl_avg"] == 0.0
@@ -2642,13 +2643,11 @@ def test_help_lists_every_option_with_default_and_comment():
         assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
 
 
-def test_reward_fn_by_name_and_from_python_reads_the_prompt_record(tiny_run, tmp_path):
-    # --reward_fn names a built-in; from Python, main(cfg, reward_fn=f) with f(record, response) sees
-    # every field of the prompt's JSONL line: here a reward that checks an "answer" field
+def test_reward_fn_from_python_reads_the_prompt_record(tiny_run, tmp_path):
+    # from Python, main(cfg, reward_fn=f) with f(record, response) sees every field of the prompt's JSONL
+    # line: here a reward that checks an "answer" field (--reward_fn by name: test_first_minibatch...)
     rows = [{"prompt": p, "answer": w} for p, w in zip(TINY_PROMPTS, ["good", "day", "sun", "dog"] * 3)]
     prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
-    _, by_name = run_ppo(tiny_run, tmp_path / "named", total_steps=1, reward_fn="sentiment", prompts=prompts)
-    assert len(by_name) == 1
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": prompts, "out_dir": str(tmp_path / "py"),
             "total_steps": 1}
     script = f"""
