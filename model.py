@@ -512,8 +512,7 @@ def read_checkpoint(name_or_path):
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
         return hf_model.config, dict(hf_model.state_dict())
     if not os.path.isdir(path):
-        if os.path.exists(path) or path.count("/") != 1:
-            raise FileNotFoundError(f"no model folder, .gguf file or Hub id at {path!r}")
+        check_hub_id(path)
         from huggingface_hub import snapshot_download
 
         try:
@@ -566,11 +565,20 @@ def cpu_has_bf16():
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def check_hub_id(path):
+    """A path that is no folder must look like a Hub id ("org/name"); anything else is a missing local path."""
+    if os.path.exists(path) or path.count("/") != 1 or path.startswith(("/", ".", "~")) or path.endswith(".gguf"):
+        what = "no such file" if path.endswith(".gguf") else "no model folder, .gguf file or Hub id"
+        raise FileNotFoundError(f"{what} at {path!r}")
+
+
 def load_tokenizer(name_or_path):
     """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file)."""
     from transformers import AutoTokenizer
 
     path = resolve(name_or_path)
+    if not os.path.isdir(path) and not os.path.isfile(path):
+        check_hub_id(path)
     if path.endswith(".gguf"):
         folder, fname = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
@@ -587,8 +595,7 @@ def _generation_eos(path):
         folder, fname = os.path.split(os.path.abspath(path))
         return getattr(AutoConfig.from_pretrained(folder, gguf_file=fname), "eos_token_id", None), f"{path} (metadata)"
     if not os.path.isdir(path):
-        if os.path.exists(path) or path.count("/") != 1:
-            raise FileNotFoundError(f"no model folder, .gguf file or Hub id at {path!r}")
+        check_hub_id(path)
         from huggingface_hub import snapshot_download
 
         try:

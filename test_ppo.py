@@ -175,6 +175,9 @@ def test_critic_from_policy_and_from_reward_model(tmp_path):
 def test_loading_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Transformer.from_pretrained(str(tmp_path / "nowhere"))
+    for missing in ("/nonexistent", str(tmp_path / "nowhere"), "./rel/path/model", str(tmp_path / "m.gguf")):
+        with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
+            M.load_tokenizer(missing)  # the first thing ppo.py reads: a wrong path is named, not sent to the Hub
     gpt2 = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50)
     AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
