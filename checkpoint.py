@@ -36,11 +36,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from model import Transformer
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
-# logs and saves, and how a minibatch is cut into micro-batches (the loss is a token mean over the
-# minibatch, so that split changes nothing but float rounding). total_steps may change too, except
-# under the linear LR schedule, whose horizon it is (checked in load).
+# logs and saves, how a minibatch is cut into micro-batches (the loss is a token mean over the
+# minibatch, so that split changes nothing but float rounding), and whether blocks are recomputed.
+# total_steps may change too, except under the linear LR schedule, whose horizon it is (check_config).
 MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every", "wandb", "wandb_project", "out_dir",
-                        "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size", "inference_micro_batch_size"}
+                        "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
+                        "activation_checkpointing"}
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 
