@@ -5,15 +5,40 @@ Batched sampling with a KV cache: the rollout stage of PPO, on model.py's Transf
 
 Prompts of different lengths are left-padded to a common width P, so every row's last prompt token
 sits in column P-1 and the batch appends in step. Positions count real tokens only:
-position_ids = max(cumsum(mask) - 1, 0). One KV cache of S = P + max_new_tokens slots is allocated
-for the whole batch (gpt-fast style: preallocated buffers written at explicit slots), then
-  prefill: one forward over the P prompt columns fills slots 0..P-1 and gives the first logits;
-  decode:  one forward per new token, of shape (B, 1), writing slot P + t.
+position_ids = max(cumsum(mask) - 1, 0). The KV cache is gpt-fast's: preallocated buffers written at
+explicit slots. Per micro-batch of rows (see below):
+  prefill: one forward over the micro-batch's P prompt columns fills slots 0..P-1 and gives the first logits;
+  decode:  one forward per new token, of shape (rows, 1), writing slot P + t.
 Both are small separate functions. Eager decoding attends to the filled slots 0..P+t only; the
 compiled decode step (torch.compile, on CUDA with mode="reduce-overhead", i.e. CUDA graphs) always
-gets the whole cache, with S rounded up to a multiple of 64, so its shapes never change and batches
-with other prompt widths reuse the same graph. It recompiles for each new (B, S) and keeps its cache
-on the model between calls (fixed buffer addresses for the graphs); model.clear_kv_cache() frees it.
+gets the whole cache, so that its shapes never change. It compiles once per (rows, S) and keeps its
+cache on the model between calls (fixed buffer addresses for the graphs); model.clear_kv_cache() frees it.
+
+Micro-batches and one fixed cache. generate(micro_batch_size=m) runs the prompts m rows at a time, through
+ONE cache of m rows x S slots, allocated once per call (eager; freed at its end) or kept from the last call
+when it has that shape (compiled). S = max_prompt_len + max_new_tokens, rounded up to a multiple of
+CACHE_MULTIPLE (compiled, or when max_prompt_len is given); max_prompt_len None takes the widest prompt
+of the call. With max_prompt_len set, as in PPO, S is the same at every step, and so are the compiled
+graphs. Each micro-batch prefills at its own prompt width (its rows' padding only); the Rollout puts all
+rows back together at P = the widest prompt of the call, R = the longest response. A row's tokens depend
+on its prompt and seed only (the sampling noise below), not on the micro-batching, up to the float
+rounding of a GEMM at another batch size.
+
+Finished rows leave the decode batch (compaction). The batch runs on views of the cache buffers'
+leading rows; when rows have sampled an EOS, the live ones are copied to the front (index_select of every
+layer's K and V, and of tok, positions, masks, seeds) and the views shrink, so no memory is allocated and
+the buffers keep their addresses. A compaction copies about as much as one decode step reads, so:
+  eager (CPU, or compile=False): checked every step; compacts once at most COMPACT_BELOW (3/4) of the
+    rows are live, to exactly the live rows. A last micro-batch of fewer rows simply runs fewer rows.
+  compiled (CUDA graphs): the decode batch takes only the sizes m, m/2, m/4, m/8 (ROW_BUCKETS, rounded
+    up), one graph each, recorded once and replayed across micro-batches and calls; it shrinks to the
+    smallest size that holds the live rows, at the steps where the host checks for finished rows (every
+    CUDA_CHECK_EVERY steps on CUDA, every step on a CPU), padded with finished rows. A last, smaller
+    micro-batch starts at the smallest size that holds it, filled with copies of its first row that
+    count as finished from the start (their outputs are dropped). This path runs under inductor on a CPU
+    in the tests; its CUDA graphs (a view of the leading rows marked as a static address, one graph
+    per size) are not yet checked on a GPU.
+compact=False keeps every row to the end, as transformers' generate does.
 Decoding runs in the model's dtype (load it in bf16 on a GPU); sampling always in float32.
 
 Sampling, per step:
@@ -55,23 +80,25 @@ was drawn from the truncated, renormalised p', whose logprob, logp[token] - log(
 tokens' probabilities), is not what is returned.
 
 Finished rows: once a row has sampled an EOS id, its later tokens are pad_token_id, masked out of the
-cache and of response_mask, with logprob 0; its sampled values are ignored. The loop stops when every
-row has finished (checked every step on CPU; every CUDA_CHECK_EVERY steps on CUDA, so the host does
-not wait for the GPU at each token) or after max_new_tokens.
+cache and of response_mask, with logprob 0; its sampled values are ignored (and, compacted, it is no
+longer decoded). A micro-batch's loop stops when all its rows have finished (checked every step on CPU;
+every CUDA_CHECK_EVERY steps on CUDA, so the host does not wait for the GPU at each token) or after
+max_new_tokens.
 
 generate_reference is the slow twin: the same sampling and the same noise (same seeds), with a full
 forward without cache at every step. The tests compare the two token for token.
 
 Benchmark (greedy, 128 new tokens, no EOS stop; ours vs transformers' generate on the same weights):
-    python rollout.py                  # CPU: SmolLM2-135M-Instruct, float32 at batch 1/8/32, bfloat16 at 1
-    python rollout.py --device=cuda    # GPU, bf16: SmolLM2 at batch 1-64, and random weights with
-                                       # Llama-3-8B's shapes at batch 64 against the memory-bandwidth roof
+    python bench.py generation                 # CPU: SmolLM2-135M-Instruct, float32 at batch 1/8/32, bf16 at 1
+    python bench.py generation --device=cuda   # GPU, bf16: SmolLM2 at batch 1-64, and random weights with
+                                               # Llama-3-8B's shapes at batch 64 against the memory-bandwidth roof
+then rows that stop at EOS (short answers and open-ended prompts), compaction off vs on, in one batch of
+32 and in micro-batches of 8 (--cases=ragged runs only that one).
 On a CPU shared with other jobs, --threads=1 (or OMP_WAIT_POLICY=PASSIVE) keeps OpenMP threads from
 waiting on a core that a neighbour holds, which otherwise slows every step several times over.
 """
 import functools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +108,8 @@ from kernels.utils import gemm_operand, mm_f32
 
 CUDA_CHECK_EVERY = 16  # decode steps between "has every row finished?" checks on CUDA (one sync each)
 CACHE_MULTIPLE = 64  # compiled decoding rounds the cache width up to this, so prompt widths share graphs
+COMPACT_BELOW = 0.75  # eager decoding drops finished rows once at most this fraction of its rows is live
+ROW_BUCKETS = 4  # compiled decoding runs micro_batch_size / 2^i rows, i < ROW_BUCKETS: one graph for each size
 MASK32 = 0xFFFFFFFF  # the noise hash works on 32-bit values held in int64
 
 
@@ -184,6 +213,20 @@ def _row_seeds(seeds, B, generator, device):
     if len(seeds) != B or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63 for s in seeds):
         raise ValueError(f"seeds must be {B} ints in [0, 2^63), one per prompt, got {seeds!r}")
     return torch.tensor(seeds, dtype=torch.long, device=device)
+
+
+def _check_sizes(B, P, micro_batch_size, max_prompt_len, prompt_mask):
+    """Validates the micro-batch size and the prompt cap against the padded prompts (B, P); -> the micro-batch
+    size (B when None)."""
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be None or an int >= 1, got {micro_batch_size!r}")
+    if max_prompt_len is not None:
+        if not isinstance(max_prompt_len, int) or max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be None or an int >= 1, got {max_prompt_len!r}")
+        if P > max_prompt_len:
+            i = int(prompt_mask.sum(-1).argmax())
+            raise ValueError(f"prompts[{i}] has {P} tokens, more than max_prompt_len={max_prompt_len}")
+    return B if micro_batch_size is None else micro_batch_size
 
 
 # -----------------------------------------------------------------------------
@@ -327,15 +370,60 @@ def compiled_decode_one(device_type):
 
 
 def _kv_cache(model, B, S, dtype, device, static):
-    """Allocates the per-layer caches, or reuses the current ones when they already fit exactly
-    (a compiled decode step keeps the same buffers, so CUDA graphs are not re-recorded)."""
-    c = model.model.layers[0].self_attn.kv_cache
-    if c is None or c.k.shape[0] != B or c.k.shape[2] != S or c.k.dtype != dtype or c.k.device != device:
+    """-> the layers' caches, allocated for B rows of S slots, or the current ones when they already have that
+    shape (a compiled decode step keeps the same buffers, so CUDA graphs are not re-recorded). Each cache keeps
+    its full buffers in `.full` (name -> (B, ...) tensor, rows first); the decode batch runs on views of their
+    leading rows (_use_rows), so a smaller or compacted batch allocates nothing."""
+    key = (B, S, dtype, device)
+    caches = [blk.self_attn.kv_cache for blk in model.model.layers]
+    if any(getattr(c, "rollout_key", None) != key for c in caches):
         model.setup_kv_cache(B, S, dtype=dtype, device=device)
+        caches = [blk.self_attn.kv_cache for blk in model.model.layers]
+        for c in caches:
+            c.full, c.rollout_key = dict(c.named_buffers(recurse=False)), key
     if static:  # fixed addresses: CUDA graphs may write the cache in place
-        for blk in model.model.layers:
-            torch._dynamo.mark_static_address(blk.self_attn.kv_cache.k)
-            torch._dynamo.mark_static_address(blk.self_attn.kv_cache.v)
+        for c in caches:
+            for buf in c.full.values():
+                torch._dynamo.mark_static_address(buf)
+    return caches
+
+
+def _use_rows(caches, n, static):
+    """Points every cache at the first n rows of its full buffers (views: same addresses, no copy)."""
+    for c in caches:
+        for name, buf in c.full.items():
+            view = buf if n == buf.size(0) else buf[:n]
+            if static:  # a view starts at its buffer's address: a CUDA graph recorded for n rows replays
+                torch._dynamo.mark_static_address(view)
+            setattr(c, name, view)
+
+
+def _compact_cache(caches, keep, static):
+    """keep (n,) long, ascending: the decode rows that stay. Moves them to the first n rows of the buffers."""
+    for c in caches:
+        for name, buf in c.full.items():
+            buf[:keep.numel()].copy_(getattr(c, name).index_select(0, keep))  # through a copy: rows overlap
+    _use_rows(caches, keep.numel(), static)
+
+
+def _row_sizes(m, compact):
+    """The decode batch sizes compiled decoding runs at, for m cache rows: m, m/2, m/4, ... (ROW_BUCKETS of
+    them, rounded up), one compiled graph each; only m without compaction."""
+    return sorted({math.ceil(m / 2**i) for i in range(ROW_BUCKETS if compact else 1)})
+
+
+def _decode_rows(n, m, compiled, compact):
+    """Rows to decode n live rows with, out of m cache rows: n eagerly; the smallest fixed size >= n compiled."""
+    return n if not compiled else min(s for s in _row_sizes(m, compact) if s >= n)
+
+
+def _compacted_rows(n_alive, n, m, compiled):
+    """Decode rows after dropping finished rows from a batch of n (n: not worth a copy yet). Eager: the live
+    rows, once at most COMPACT_BELOW of the batch is live (a compaction copies about what one step reads);
+    compiled: the next smaller fixed size that holds them."""
+    if compiled:
+        return min(n, _decode_rows(n_alive, m, True, True))
+    return n_alive if n_alive <= COMPACT_BELOW * n else n
 
 
 def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended, seeds):
@@ -350,9 +438,67 @@ def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended, seeds):
 # generation
 
 
+def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampling, eos_ids, pad, W, compiled,
+                        compact, check_every, static):
+    """Samples one micro-batch's responses. idx, prompt_mask (n, P) left-padded, seeds (n,); out: the call's
+    (tokens, response_mask, logprobs), each (n, N), written in place. Returns alive (n,): no EOS sampled.
+    The decode batch holds `row.numel()` rows: the micro-batch's, then (compiled) finished filler rows up to a
+    fixed size; dropping finished rows (compaction) indexes the cache, tok, pos, mask, alive, row and seeds."""
+    (n, P), N = idx.shape, out[0].size(1)
+    m, S = caches[0].rollout_key[:2]  # cache rows and slots
+    device = idx.device
+    b = _decode_rows(n, m, compiled, compact)
+    if b > n:  # a fixed compiled size: filler rows (copies of row 0) that have finished before they start
+        idx, prompt_mask, seeds = (torch.cat([x, x[:1].expand(b - n, *x.shape[1:])]) for x in (idx, prompt_mask, seeds))
+    _use_rows(caches, b, static)
+    row = torch.arange(b, device=device)  # (b,): each decode row's row in the micro-batch (>= n: filler)
+    alive = row < n  # (b,): no EOS sampled yet
+    tokens = torch.full((b, N), pad, dtype=torch.long, device=device)
+    resp_mask = torch.zeros(b, N, dtype=torch.bool, device=device)
+    logps = torch.zeros(b, N, dtype=torch.float32, device=device)
+    mask = torch.zeros(b, S, dtype=torch.long, device=device)  # (b, S): cache slots holding real tokens
+    mask[:, :P] = prompt_mask
+    pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)  # (b, P)
+    logits = last_logits(model, prefill(model, idx, mask[:, :P], pos), W)  # (b, V) float32
+    pos = pos[:, -1:] + 1  # (b, 1): position of the next token of every row
+    slot = torch.tensor([P], dtype=torch.long, device=device)  # (1,): its cache slot, a tensor for fixed shapes
+    for t in range(N):
+        tok, logp = sample(logits, *sampling, seeds=seeds, step=t)  # (b,), (b,)
+        tok = torch.where(alive, tok, pad)
+        tokens[row, t] = tok
+        logps[row, t] = torch.where(alive, logp, 0.0)
+        resp_mask[row, t] = alive
+        mask[:, P + t] = alive  # a token sampled after EOS is padding: no later query sees it
+        if eos_ids.numel():
+            alive &= ~(tok[:, None] == eos_ids).any(-1)
+        if t == N - 1:
+            break
+        if (t + 1) % check_every == 0:
+            n_alive = int(alive.sum())  # the host waits for the device here, once per check
+            if n_alive == 0:
+                break
+            k = _compacted_rows(n_alive, row.numel(), m, compiled) if compact else row.numel()
+            if k < row.numel():  # drop finished rows: the live ones in order, then finished ones up to k
+                keep = torch.argsort((~alive).int(), stable=True)[:k].sort().values  # (k,) ascending
+                _compact_cache(caches, keep, static)
+                tok, pos, mask, alive, row, seeds = (x[keep] for x in (tok, pos, mask, alive, row, seeds))
+        if compiled and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's hidden states are consumed
+        width = S if compiled else P + t + 1  # eager: attend to the filled slots only
+        logits = last_logits(model, step(model, tok[:, None], mask[:, :width], pos, slot), W)  # (k, V)
+        pos += 1
+        slot += 1
+    for o, x in zip(out, (tokens, resp_mask, logps)):
+        o.copy_(x[:n])
+    done = torch.ones(b, dtype=torch.bool, device=device)
+    done[row] = ~alive
+    return ~done[:n]
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
-             pad_token_id=None, generator=None, compile=None, seeds=None):
+             pad_token_id=None, generator=None, compile=None, seeds=None, micro_batch_size=None, max_prompt_len=None,
+             compact=True):
     """Samples up to max_new_tokens tokens after each prompt (a list of token id lists).
     temperature 0 = greedy; top_k 0 and top_p 1 = off. eos_token_id: None (never stop early), an int or
     a list of ints. pad_token_id: defaults to the first EOS id, else 0. seeds: one non-negative int per
@@ -360,56 +506,49 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     a torch.Generator on the model's device type (None: the default one). compile: compile the decode
     step (default: on for CUDA, off elsewhere);
     a compiled decode keeps its KV cache on the model between calls (model.clear_kv_cache() frees it).
+    micro_batch_size: rows generated at once (None: all); the one KV cache has that many rows (eager: at
+    most len(prompts)). max_prompt_len: fixes the cache width at max_prompt_len + max_new_tokens (rounded up
+    to CACHE_MULTIPLE) whatever this call's prompts, so that calls share the cache and the compiled step; a
+    longer prompt is a ValueError. None: the widest prompt of this call. compact: drop finished rows from
+    the decode batch (module docstring); the results are the same either way, up to float rounding.
     Runs under no_grad, not inference_mode, so the returned tensors can be used in training."""
     eos, pad, device = _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
                                    generator)
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
-    check_every = CUDA_CHECK_EVERY if cuda else 1
-    idx, prompt_mask = pad_prompts(prompts, pad, model.config.vocab_size, device)  # (B, P)
+    idx, prompt_mask = pad_prompts(prompts, pad, model.config.vocab_size, device)  # (B, P) over all prompts
     B, P = idx.shape
+    m = _check_sizes(B, P, micro_batch_size, max_prompt_len, prompt_mask)
     seeds = _row_seeds(seeds, B, generator, device)  # (B,)
     W = head_weight(model)  # (V, H), float32 on a CPU: converted once, not at every token
-    S = P + max_new_tokens
-    if compile:
+    S = (P if max_prompt_len is None else max_prompt_len) + max_new_tokens
+    if compile or max_prompt_len is not None:
         S = math.ceil(S / CACHE_MULTIPLE) * CACHE_MULTIPLE
-    _kv_cache(model, B, S, model.lm_head_weight.dtype, device, static=compile and cuda)
+    static = compile and cuda
+    # one cache for all micro-batches; compiled: micro_batch_size rows even for fewer prompts (one shape)
+    caches = _kv_cache(model, m if compile else min(m, B), S, model.lm_head_weight.dtype, device, static)
     step = compiled_decode_one(device.type) if compile else decode_one
     eos_ids = torch.tensor(eos, dtype=torch.long, device=device)
+    lengths = prompt_mask.sum(-1).tolist()  # (B,) real prompt tokens
 
-    mask = torch.zeros(B, S, dtype=torch.long, device=device)  # (B, S): cache slots holding real tokens
-    mask[:, :P] = prompt_mask
-    pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    out_tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
-    out_mask = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)
-    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)  # (B,): no EOS sampled yet
+    out = (torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device),  # tokens
+           torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device),  # response_mask
+           torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device))  # logprobs
+    alive = torch.zeros(B, dtype=torch.bool, device=device)  # (B,): never sampled an EOS
     try:
-        logits = last_logits(model, prefill(model, idx, mask[:, :P], pos), W)  # (B, V) float32
-        pos = pos[:, -1:] + 1  # (B, 1): position of the next token of every row
-        slot = torch.tensor([P], dtype=torch.long, device=device)  # (1,): its cache slot, a tensor for fixed shapes
-        for t in range(max_new_tokens):
-            tok, logp = sample(logits, temperature, top_k, top_p, seeds=seeds, step=t)  # (B,), (B,)
-            tok = torch.where(alive, tok, pad)
-            out_tokens[:, t] = tok
-            out_logp[:, t] = torch.where(alive, logp, 0.0)
-            out_mask[:, t] = alive
-            mask[:, P + t] = alive  # a token sampled after EOS is padding: no later query sees it
-            if eos:
-                alive &= ~(tok[:, None] == eos_ids).any(-1)
-            if t == max_new_tokens - 1 or ((t + 1) % check_every == 0 and not alive.any()):
-                break
-            if compile and cuda:
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's hidden states are consumed
-            width = S if compile else P + t + 1  # eager: attend to the filled slots only
-            logits = last_logits(model, step(model, tok[:, None], mask[:, :width], pos, slot), W)  # (B, V)
-            pos += 1
-            slot += 1
+        for lo in range(0, B, m):
+            hi = min(lo + m, B)
+            Pm = max(lengths[lo:hi])  # this micro-batch's prompt width: its prefill skips the others' padding
+            alive[lo:hi] = _sample_micro_batch(
+                model, step, caches, idx[lo:hi, P - Pm:], prompt_mask[lo:hi, P - Pm:], seeds[lo:hi],
+                [o[lo:hi] for o in out], (temperature, top_k, top_p), eos_ids, pad, W, compile, compact,
+                CUDA_CHECK_EVERY if cuda else 1, static)
     finally:
-        if not compile:
+        if compile:
+            _use_rows(caches, m, static)  # the whole buffers again, for the next call
+        else:
             model.clear_kv_cache()
-    return _rollout(idx, prompt_mask, out_tokens, out_mask, out_logp, ~alive if eos else torch.zeros_like(alive),
-                    seeds)
+    return _rollout(idx, prompt_mask, *out, ~alive if eos else torch.zeros_like(alive), seeds)
 
 
 @torch.no_grad()
@@ -443,185 +582,3 @@ def generate_reference(model, prompts, max_new_tokens, temperature=1.0, top_k=0,
     ended = ~alive if eos else torch.zeros_like(alive)
     return _rollout(idx, prompt_mask, torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(logps, 1), ended,
                     seeds)
-
-
-# -----------------------------------------------------------------------------
-# benchmark: python rollout.py [--device=cuda]
-
-
-def _hf_twin(model):
-    """A transformers model holding the same weights as `model` (built from its config, no second load).
-    EOS is switched off in its generation config so that it runs every step, as ours does with eos None."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=model.lm_head_weight.dtype)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"transformers twin does not match: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
-    hf.generation_config.eos_token_id = None
-    return hf.to(model.lm_head_weight.device).eval()
-
-
-def _hf_generate(hf, prompts, new_tokens, pad_id):
-    idx, mask = pad_prompts(prompts, pad_id, hf.config.vocab_size, hf.device)
-    with torch.no_grad():
-        return hf.generate(input_ids=idx, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=pad_id)
-
-
-def _timed(fn, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t, out
-
-
-def _warm_compiled(model, prompts, new_tokens):
-    """Compiles (and on CUDA records) the decode step for this batch size and cache width with a short run:
-    the fewest new tokens (3 at least: CUDA graph trees run once, record, then replay) that round up to
-    the same cache width as new_tokens."""
-    P = max(len(p) for p in prompts)
-    S = math.ceil((P + new_tokens) / CACHE_MULTIPLE) * CACHE_MULTIPLE
-    generate(model, prompts, min(new_tokens, max(3, S - CACHE_MULTIPLE + 1 - P)), temperature=0, compile=True)
-
-
-def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
-    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled)."""
-    device = model.lm_head_weight.device
-    print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
-          f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile)")
-    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} {'ours':>8} {'ours+compile':>12} {'speedup':>7} "
-          f"{'agree':>6}")
-    for B in batches:
-        batch = [prompts[i % len(prompts)] for i in range(B)]
-        P = max(len(p) for p in batch)
-        runs = {"transformers": lambda: _hf_generate(hf, batch, new_tokens, pad_id),
-                "ours": lambda: generate(model, batch, new_tokens, temperature=0, compile=False).tokens}
-        best, outs = {k: float("inf") for k in runs}, {}
-        for _ in range(rounds):
-            for k, fn in runs.items():
-                dt, outs[k] = _timed(fn, device)
-                best[k] = min(best[k], dt)
-        if compile:  # after the eager runs, which free the cache a compiled step keeps
-            _warm_compiled(model, batch, new_tokens)
-            fn = lambda: generate(model, batch, new_tokens, temperature=0, compile=True).tokens
-            best["ours+compile"] = min(_timed(fn, device)[0] for _ in range(rounds))
-            model.clear_kv_cache()
-        tps = {k: B * new_tokens / v for k, v in best.items()}
-        differ = (outs["ours"] != outs["transformers"])[:, P:]  # (B, new_tokens)
-        same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
-        comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
-        speedup = max(v for k, v in tps.items() if k != "transformers") / tps["transformers"]
-        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} {tps['ours']:8.1f} {comp} {speedup:6.2f}x {same:6.0%}",
-              flush=True)
-
-
-def _bench_smollm2(device, runs, new_tokens, rounds, compile):
-    """runs: [(dtype, batch sizes)]."""
-    import os
-
-    from data import load_prompts
-    from model import Transformer, load_tokenizer
-
-    tok = load_tokenizer("smollm2")
-    model = Transformer.from_pretrained("smollm2", device=device).eval()
-    prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64).ids
-    for dtype, batches in runs:
-        model.to(dtype)
-        hf = _hf_twin(model)  # built in this dtype: hf.to(dtype) would also round its RoPE inv_freq buffer
-        _compare(model, hf, prompts, batches, new_tokens, rounds, compile, tok.eos_token_id,
-                 f"SmolLM2-135M-Instruct, {str(dtype).replace('torch.', '')}, {_device_name(device)}")
-    del model, hf
-
-
-def _copy_bandwidth(device, nbytes=2 << 30):
-    """Bytes read + written per second by a large device-to-device copy: the practical roof."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    dt = min(_timed(lambda: y.copy_(x), device)[0] for _ in range(5))
-    return 2 * nbytes / dt
-
-
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, tie_word_embeddings=False)
-
-
-def _device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-
-
-def _bench_roof(device, shapes, batch, prompt_len, new_tokens, rounds, compile=True, name="Llama-3-8B"):
-    """Random weights with a real model's shapes (a transformers LlamaConfig's fields) in bf16: decode
-    tokens/s against the memory-bandwidth roof (every weight and the filled part of the KV cache read
-    once per step), and transformers' generate at the same batch. Decode time = time(new_tokens) -
-    time(1 token), which both include the same prefill."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from model import ModelConfig, Transformer
-
-    torch._dynamo.reset()  # the SmolLM2 graphs are no longer needed
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(LlamaConfig(**shapes), dtype=torch.bfloat16).eval()
-    hf.generation_config.eos_token_id = None
-    cfg = ModelConfig.from_hf(hf.config)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(hf.state_dict(), strict=True, assign=True)  # the same weight tensors as hf
-    model.hf_config = hf.config
-    model.eval()
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-
-    bw = _copy_bandwidth(device, min(2 << 30, 4 * sum(p.numel() * p.element_size() for p in model.parameters())))
-    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
-    kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
-    roof_tps = batch / ((w_bytes + kv_bytes) / bw)
-
-    engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
-    if compile:
-        engines["ours+compile"] = lambda n: generate(model, prompts, n, temperature=0, compile=True)
-    engines["transformers"] = lambda n: _hf_generate(hf, prompts, n, 0)
-    res = {}
-    for key, fn in engines.items():
-        fn(1)
-        t_one = min(_timed(lambda: fn(1), device)[0] for _ in range(rounds))  # prefill + first token, no decode
-        if key == "ours+compile":  # compile and record at the full cache width, which the timed runs reuse
-            _warm_compiled(model, prompts, new_tokens)
-        t_full = min(_timed(lambda: fn(new_tokens), device)[0] for _ in range(rounds))
-        res[key] = batch * (new_tokens - 1) / (t_full - t_one), batch * new_tokens / t_full
-    model.clear_kv_cache()
-    print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: batch {batch}, prompts "
-          f"{min(lens)}-{max(lens)} tokens, {new_tokens} new tokens (greedy, no EOS stop)")
-    print(f"read per decode step: weights {w_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB (filled part, "
-          f"average); copy bandwidth {bw / 1e9:,.0f} GB/s -> roof {roof_tps:,.0f} tokens/s")
-    print(f"{'engine':>14} {'decode tok/s':>12} {'% of roof':>9} {'end-to-end tok/s':>16}")
-    for key, (dec, e2e) in res.items():
-        print(f"{key:>14} {dec:12,.0f} {dec / roof_tps:9.0%} {e2e:16,.0f}", flush=True)
-
-
-if __name__ == "__main__":
-    import fire
-
-    def main(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None, batches=(1, 8, 32)):
-        """CPU: SmolLM2-135M-Instruct in float32 (and bfloat16) at each batch size, ours vs transformers.
-        CUDA: the same in bf16, then a random Llama-3-8B at batch 64 against the bandwidth roof."""
-        dev = torch.device(device)
-        batches = (batches,) if isinstance(batches, int) else tuple(batches)
-        if threads:
-            torch.set_num_threads(threads)
-        if dev.type == "cuda":
-            _bench_smollm2(dev, [(torch.bfloat16, (1, 8, 32, 64))], new_tokens, rounds, compile)
-            _bench_roof(dev, LLAMA3_8B, 64, 128, new_tokens, rounds, compile)
-        else:
-            runs = [(torch.float32, batches)] + ([(torch.bfloat16, (1,))] if bf16 else [])
-            _bench_smollm2(dev, runs, new_tokens, rounds, compile)
-
-    fire.Fire(main)
