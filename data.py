@@ -1,6 +1,7 @@
-"""Prompts in, batches out: JSONL prompt sets, left padding, a resumable sharded sampler, and the
-built-in reward functions that score responses to them (each sees the prompt's whole JSONL record), and
-the keys of ppo.py's randomness (sampling seeds per rollout row, minibatch order).
+"""Prompts in, batches out: JSONL prompt sets, left padding, micro-batches with as little padding as the
+layout allows, a resumable sharded sampler, the built-in reward functions that score responses to them
+(each sees the prompt's whole JSONL record), and the keys of ppo.py's randomness (sampling seeds per
+rollout row, minibatch order).
 
 File format, one JSON object a line (blank lines are skipped; field names are configurable):
     {"prompt": "Describe your favourite breakfast."}
@@ -201,6 +202,27 @@ def left_pad(seqs, pad_id):
         attention_mask[i, P - len(s):] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P), real tokens from 0
     return input_ids, attention_mask, position_ids
+
+
+def micro_batches(batch, rows, size):
+    """The batch over `rows` (a LongTensor of row indices) in micro-batches of at most `size` rows, computing as
+    little padding as the (B, T) layout allows: the rows sorted by length, so that rows of similar length share a
+    micro-batch, and each micro-batch cropped to its rows' real extent (the first column of its longest prompt to
+    the last of its longest response). The number of micro-batches depends on len(rows) only: every rank runs
+    as many forwards as the others (FSDP's collectives). Yields (row indices, micro-batch dict with P its prompt
+    width, "slots" its computed token slots and "pad" how many of them are padding); one host sync per call."""
+    P, mask = batch["P"], batch["attention_mask"][rows]
+    lens = torch.stack([mask[:, :P].sum(-1), mask[:, P:].sum(-1), rows]).tolist()  # prompt, response lengths; row
+    order = sorted(range(len(rows)), key=lambda i: (lens[0][i] + lens[1][i], lens[2][i]))  # the same rows: the same groups
+    for i in range(0, len(rows), size):
+        part = order[i : i + size]
+        lo, hi = P - max(lens[0][j] for j in part), P + max(lens[1][j] for j in part)
+        r = rows[torch.tensor(part, device=rows.device)]
+        mb = {k: (v[r] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+        mb = {k: (v[:, lo:hi] if k in ("tokens", "attention_mask", "position_ids") else
+                  v[:, : hi - P] if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in mb.items()}
+        n_real = sum(lens[0][j] + lens[1][j] for j in part)
+        yield r, dict(mb, P=P - lo, slots=len(part) * (hi - lo), pad=len(part) * (hi - lo) - n_real)
 
 
 class PromptSampler:

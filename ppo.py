@@ -5,11 +5,13 @@ Four models (Ouyang et al. 2022; Ziegler et al. 2019):
     actor      trained, starts from the SFT checkpoint            (FSDP2, AdamW)
     critic     trained, one value per token, from the reward model (FSDP2, AdamW)
                or, with a reward function, from the actor with a fresh scalar head
-    reference  frozen copy of the initial actor, for the KL penalty
+    reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
     reward     frozen sequence-classification model, or a reward function of (prompt record, response)
+All are built on the meta device and filled from one read of each checkpoint on rank 0 (checkpoint.py);
+the memory they need per GPU is printed before launch by --dry_run (plan.py).
 
 Each step:
-    1. rollout   sample responses with a KV cache (rollout.py) from the actor's full weights
+    1. rollout   sample responses with a KV cache (rollout.py) from the actor's full weights, in micro-batches
     2. score     no grad: old_logp and entropy (actor), ref_logp (reference), values (critic),
                  the sequence score (reward model / function)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
@@ -24,7 +26,8 @@ Each step:
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and
 divided by their number across ALL ranks (a token mean over the minibatch), so the loss and its
 gradient do not change when a minibatch is split into micro-batches or across ranks. The SFT (ptx)
-term is a token mean over its own batch of ptx_batch_size pairs, likewise over all ranks.
+term is a token mean over its own batch of ptx_batch_size pairs, likewise over all ranks. Micro-batches hold
+rows of similar length, cropped to them (data.micro_batches), so little compute goes to padding.
 logprob, entropy and KL come from the fused kernels in kernels/ on the actor's hidden states: the
 (tokens, vocab) logits are never materialised. The same temperature divides the logits in sampling and
 in every logprob.
@@ -52,15 +55,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import checkpoint
-from data import REWARD_FNS, PromptSampler, left_pad, load_prompts, load_sft, minibatch_rows, row_seeds
+from data import REWARD_FNS, PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows, row_seeds
 from gae import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, compute_gae, final_score, kl_estimate,
                  masked_var, masked_whiten, shape_rewards)
-from model import (Transformer, check_same_tokenizer, cpu_has_bf16, load_tokenizer, reward_at_last_token,
-                   stop_token_ids)
+from checkpoint import check_same_tokenizer, load_tokenizer, stop_token_ids
+from model import Transformer, cpu_has_bf16, reward_at_last_token
 from rollout import generate
 
 
@@ -107,6 +109,8 @@ class Config:
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
+    inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
+    rollout_micro_batch_size: int = 64  # prompts generated at once on one rank (capped at its share): sizes the KV cache
     clip_coef: float = 0.2  # policy ratio clip epsilon
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
@@ -120,6 +124,7 @@ class Config:
     max_grad_norm: float = 1.0  # gradient clipping per model
     # system
     activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
+    offload_frozen: bool = False  # keep the reference and reward model shards on the CPU between forwards (CUDA)
     dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where it is fast (see cpu_has_bf16)
     seed: int = 1  # seeds everything: sampling noise, minibatch order, the critic's fresh head
     log_every: int = 1  # metrics line every N steps
@@ -130,6 +135,8 @@ class Config:
     keep_checkpoints: int = 2  # training checkpoints kept in out_dir/checkpoints (the newest ones), >= 1
     wandb: bool = False  # also log to Weights & Biases (wandb_project)
     wandb_project: str = "ppo"  # the Weights & Biases project
+    dry_run: int = 0  # N > 0: print the per-GPU memory plan for N GPUs (reads config.json only, see plan.py) and exit
+    gpu_memory_gb: float = 80.0  # memory of one GPU, for --dry_run
 
     def __post_init__(self):  # fire reads "--lr=1" as an int and "--model=7" as one: hold fields to their types
         for f in fields(self):
@@ -159,7 +166,10 @@ class Run:
     local_rollout: int  # this rank's prompts per step
     local_mini: int  # this rank's sequences per minibatch
     local_micro: int  # sequences per forward/backward
+    infer_micro: int  # sequences per scoring forward
+    rollout_micro: int  # prompts generated at once
     activation_checkpointing: bool  # for the actor and the critic
+    offload_frozen: bool  # reference and reward model shards on the CPU between forwards
 
 
 def derive(cfg, rank, W, device):
@@ -186,8 +196,12 @@ def derive(cfg, rank, W, device):
     assert cfg.activation_checkpointing in ("auto", "on", "off"), "activation_checkpointing must be on, off or auto"
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
-    return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32,
-               cfg.rollout_batch_size // W, cfg.mini_batch_size // W, local_micro, ac)
+    local_rollout = cfg.rollout_batch_size // W
+    rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout)
+    assert cfg.inference_micro_batch_size >= 1 and rollout_micro >= 1, "micro-batch sizes must be >= 1"
+    return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout,
+               cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout), rollout_micro,
+               ac, cfg.offload_frozen and device.type == "cuda")
 
 
 # -----------------------------------------------------------------------------
@@ -200,11 +214,12 @@ def setup_distributed():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
+    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # gloo for CPU tensors: metrics, offloaded shards
     if not dist.is_initialized():
         if "RANK" in os.environ:  # torchrun
-            dist.init_process_group("nccl" if cuda else "gloo")
+            dist.init_process_group(backend)
         else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -216,21 +231,10 @@ def print0(*args, **kwargs):
 
 def all_sum(x):
     """Sums a tensor (or nested list of floats) over ranks in float64; returns it on the CPU."""
-    t = torch.as_tensor(x).double()
+    t = torch.as_tensor(x).double().cpu()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = t.to(dev)
-        dist.all_reduce(t)
-    return t.cpu()
-
-
-def shard(model, mesh, dtype):
-    """FSDP2: each transformer block is one unit, the root holds the embeddings, norm and head."""
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+        dist.all_reduce(t)  # on the CPU: gloo
+    return t
 
 
 def grad_norm(model, max_norm):
@@ -278,20 +282,14 @@ def value_forward(critic, mb):
     return critic(mb["tokens"], mb["attention_mask"], mb["position_ids"])[:, P - 1 : -1].float()
 
 
-def micro_batches(batch, rows, size):
-    """Slices of the batch dict over `rows` (a LongTensor of row indices), `size` rows at a time."""
-    for i in range(0, len(rows), size):
-        r = rows[i : i + size]
-        yield {k: (v[r] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
     """Step 2, in micro-batches through the training forward's code path (so the first ratio is 1):
-    old_logp, entropy, ref_logp, kl_exact, values (B, R), and the reward model's score (B,) if any."""
-    parts = []
-    rows = torch.arange(batch["tokens"].size(0), device=batch["tokens"].device)
-    for mb in micro_batches(batch, rows, run.local_micro):
+    old_logp, entropy, ref_logp, kl_exact, values (B, R), and the reward model's score (B,) if any;
+    "slots" and "pad", the token slots computed and how many were padding."""
+    B, R = batch["response_mask"].shape
+    out = dict(slots=0, pad=0)
+    for rows, mb in micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro):
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
         part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"],
                     values=value_forward(critic, mb))
@@ -300,8 +298,17 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
             tokens = mb["tokens"] if rm_pad is None else torch.where(mb["attention_mask"].bool(), mb["tokens"], rm_pad)
             v = reward_model(tokens, mb["attention_mask"], mb["position_ids"])
             part["score"] = reward_at_last_token(v, tokens, rm_pad)
-        parts.append(part)
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        for k, v in part.items():  # back to (B, R) or (B,): the micro-batch's rows, its (cropped) response columns
+            dst = out.setdefault(k, v.new_zeros((B, R)[: v.dim()]))
+            if v.dim() == 2:
+                dst[rows, : v.size(1)] = v
+            else:
+                dst[rows] = v
+        out["slots"], out["pad"] = out["slots"] + mb["slots"], out["pad"] + mb["pad"]
+    for model in (actor, ref, critic, reward_model):  # FSDP2 keeps a root gathered after its forward: free it
+        if hasattr(model, "reshard"):
+            model.reshard()
+    return out
 
 
 def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
@@ -374,11 +381,12 @@ def lr_lambda(cfg):
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
     """One optimizer step of actor and critic on one minibatch (`rows` of this rank, n_tokens over all
     ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips the step."""
-    sums = {}
-    for mb in micro_batches(batch, rows, run.local_micro):
+    sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
+    for _, mb in micro_batches(batch, rows, run.local_micro):
         actor_loss, critic_loss, st = ppo_losses(m["actor"], m["critic"], mb, cfg, n_tokens, run.world, m["ref"])
         (actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
+        slots = [slots[0] + mb["slots"], slots[1] + mb["pad"]]
     if ptx_pairs is not None:
         pairs, n_ptx = ptx_pairs
         for i in range(0, len(pairs), run.local_micro):
@@ -386,13 +394,13 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
             (cfg.ptx_coef * ptx).backward()
             sums["ptx"] = sums.get("ptx", 0.0) + ptx.detach().double() * (n_tokens / run.world)  # a token mean x n_tokens
     norms = torch.stack([grad_norm(m["actor"], cfg.max_grad_norm), grad_norm(m["critic"], cfg.max_grad_norm)])
-    finite = bool(torch.isfinite(norms).all())  # the one host sync of an update
+    finite = bool(torch.isfinite(norms).all())  # a host sync, with micro_batches' one
     for opt, sched in ((m["actor_opt"], m["actor_sched"]), (m["critic_opt"], m["critic_sched"])):
         if finite:
             opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-    return dict(sums=sums, n_tokens=n_tokens, norms=norms.double().cpu(), skipped=not finite)
+    return dict(sums=sums, n_tokens=n_tokens, norms=norms.double().cpu(), skipped=not finite, slots=slots)
 
 
 # -----------------------------------------------------------------------------
@@ -400,30 +408,30 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
 
 
 def build_models(cfg, run, tokenizer, mesh):
-    """actor and critic (FSDP2, fp32 master weights), reference and generation copy (frozen, compute dtype),
-    reward model (frozen) or None, and both optimizers and schedulers."""
-    actor = Transformer.from_pretrained(cfg.model, dtype=torch.float32, device="cpu")  # shards move to the device
+    """actor and critic (FSDP2, fp32 master weights), reference and reward model (FSDP2, frozen, compute dtype),
+    the generation copy (whole on every rank, compute dtype; refilled from the actor before each rollout),
+    and both optimizers and schedulers. Models are built on the meta device and read once, by rank 0."""
+    actor = checkpoint.load_sharded(cfg.model, mesh, run, head="lm")
     ctx = actor.config.max_position_embeddings
     if cfg.max_prompt_len + cfg.max_new_tokens > ctx:
         raise ValueError(f"max_prompt_len {cfg.max_prompt_len} + max_new_tokens {cfg.max_new_tokens} "
                          f"does not fit the context of {cfg.model} ({ctx} positions)")
-    m = dict(actor=actor, ref=actor.frozen_copy(run.device, run.dtype), gen=actor.frozen_copy(run.device, run.dtype),
-             reward_model=None)
+    with torch.device("meta"):
+        gen = Transformer(actor.config).to(run.dtype)
+    gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
+    m = dict(actor=actor, ref=checkpoint.frozen_like(actor, mesh, run), gen=gen, reward_model=None)
     if cfg.reward_model:
         check_same_tokenizer(tokenizer, cfg.model, cfg.reward_model)
-        rm = Transformer.from_pretrained(cfg.reward_model, dtype=run.dtype, device=run.device).requires_grad_(False)
-        if rm.config.vocab_size != actor.config.vocab_size:
-            raise ValueError(f"policy {cfg.model} (vocab {actor.config.vocab_size}) and reward model "
-                             f"{cfg.reward_model} (vocab {rm.config.vocab_size}) use different vocabularies")
-        critic = Transformer.from_pretrained(cfg.reward_model, dtype=torch.float32, device="cpu", head="value")
-        critic.score.bias = torch.nn.Parameter(torch.zeros(1))  # the RM's head has none; the critic may learn one
-        m["reward_model"] = rm
-    else:
-        critic = actor.critic()  # a fresh head from the global RNG: seeded alike on every rank
-    m["critic"] = critic
+        m["reward_model"] = checkpoint.load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
+        V, V_rm = actor.config.vocab_size, m["reward_model"].config.vocab_size
+        if V_rm != V:
+            raise ValueError(f"policy {cfg.model} (vocab {V}) and reward model {cfg.reward_model} (vocab {V_rm}) "
+                             "use different vocabularies")
+        m["critic"] = checkpoint.load_sharded(cfg.reward_model, mesh, run, head="value", bias=True)  # may learn a bias
+    else:  # the policy's backbone and a fresh head, drawn on rank 0 from the seeded global RNG
+        m["critic"] = checkpoint.load_sharded(cfg.model, mesh, run, head="value")
     for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr)):
         m[name].activation_checkpointing = run.activation_checkpointing
-        shard(m[name], mesh, run.dtype)
         m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
                                              fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
         m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
@@ -450,6 +458,8 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     n_mb = torch.tensor([u["n_tokens"] for u in updates], dtype=torch.float64)[:, None]
     avg = dict(zip(keys, (tot_mb / n_mb).mean(0).tolist()))
     norms = torch.stack([u["norms"] for u in updates]).mean(0).tolist()
+    slots, pad = all_sum([sc["slots"] + sum(u["slots"][0] for u in updates),
+                          sc["pad"] + sum(u["slots"][1] for u in updates)]).tolist()  # scoring and training forwards
     out = {k: v / B_all for k, v in zip(seq, tot_seq.tolist())}
     out.update({k: v / n_resp for k, v in zip(list(per_tok)[:-1], tot_tok.tolist())})
     out.update({
@@ -462,6 +472,7 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
         "val/response_length": n_resp / B_all,
         "val/grad_norm_actor": norms[0], "val/grad_norm_critic": norms[1],
         "val/skipped_updates": sum(u["skipped"] for u in updates),
+        "perf/padding_frac": pad / slots,
     })
     if "ptx" in avg:
         out["loss/ptx_avg"] = avg["ptx"]
@@ -474,6 +485,12 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
 
 def main(cfg: Config, reward_fn=None):
     """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn."""
+    if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
+        import plan
+
+        text, fits = plan.report(cfg, cfg.dry_run)
+        print(text)
+        return dict(fits=fits)
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)
     random.seed(cfg.seed)
@@ -518,7 +535,8 @@ def main(cfg: Config, reward_fn=None):
         seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
         m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
         ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
-                      eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device))
+                      eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
+                      micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
         mask = ro.response_mask  # (B, R) bool
         texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                  for b in range(mask.size(0))]
@@ -592,9 +610,9 @@ def main(cfg: Config, reward_fn=None):
 if __name__ == "__main__":
     import fire
 
-    main(fire.Fire(Config, serialize=lambda cfg: None))
+    result = main(fire.Fire(Config, serialize=lambda cfg: None))
     # Everything is written and the process group is destroyed: skip the interpreter's teardown, where
     # torch's gloo backend can still abort under load ("terminate called without an active exception":
     # a thread destroyed while joinable, after destroy_process_group), failing a run that has finished.
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if result and result.get("fits") is False else 0)  # a dry run that does not fit exits with 1

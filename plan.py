@@ -1,0 +1,425 @@
+"""
+The memory plan of a PPO run, per GPU, before launch: `python ppo.py --dry_run=N ...` prints it for N GPUs of
+--gpu_memory_gb GiB each, and exits (with status 1 when it does not fit).
+
+It reads only the actor's and the reward model's config.json (a local folder; a Hub id, of which config.json
+alone is downloaded; a .gguf file's metadata), never weights, and needs no GPU. Shapes come from
+model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, compute dtype bf16 (or --dtype):
+
+    actor, critic    FSDP2, one unit per block plus the root (embeddings, final norm, head); fp32 master weights
+                     sharded on dim 0, which FSDP2 pads to a multiple of W (a rank holds ceil(rows / W) rows of
+                     every parameter); AdamW's exp_avg and exp_avg_sq alike; fp32 sharded grads in training only
+    reference,       FSDP2 in the compute dtype, no grads, resharded after each forward; with --offload_frozen
+    reward model     their shards live on the CPU (0 bytes on the GPU at rest)
+    generation copy  the whole actor in the compute dtype on every rank
+    KV cache         rollout_micro x S x layers x (k, v) x kv heads x head_dim, S = max_prompt_len +
+                     max_new_tokens rounded up to 64; kept between rollouts (CUDA graphs hold its addresses)
+
+A phase's peak is that persistent state plus what is live at the phase's worst moment:
+    rollout    the weight sync to the generation copy (one full fp32 parameter at a time), or the prefill of
+               one rollout micro-batch (no grad, one layer at a time), or its float32 sampling tensors
+    scoring    one inference micro-batch forward (no grad) of the actor (after the reference's, whose LM head
+               and hidden states the fused KL kernel reads), of the critic, or of the reward model
+    training   fp32 sharded grads, the saved activations of actor and critic (both losses go through one
+               backward, the critic's first), a block recomputed with its gradients, the fused head's
+               backward, FSDP's gathered units; at the end of the backward the roots' gradients and their
+               reduce-scatter
+Every prompt counts max_prompt_len tokens and every response max_new_tokens (the worst micro-batch).
+FSDP2 does not reshard a root after its forward (the backward needs it at once), so the actor's and the
+critic's roots count as gathered from their first scoring forward until a training backward ends.
+
+Counted: what the CUDA caching allocator hands out, so a phase's peak compares with
+torch.cuda.max_memory_allocated() over that phase. In the reserve instead: the CUDA context, NCCL's and
+cuBLAS's buffers (RESERVE_GIB), and what the allocator holds without handing out (FRAGMENTATION of the peak).
+The run fits when peak x (1 + FRAGMENTATION) + RESERVE_GIB <= --gpu_memory_gb.
+Not counted, each under 0.1 GiB at the sizes of the README or live only while nothing larger is: the rollout's
+tensors (tokens, masks, per-token values), rope tables, attention block masks (built from a dense boolean grid
+before the first block), the fused kernels' per-row statistics, AdamW's step counters, compiled decoding's
+graph pools, the optional ptx (SFT) micro-batch (the actor alone, smaller than a PPO micro-batch), flex
+attention's padding of a length to a multiple of 128. Saved activations are counted
+tensor by tensor from model.py (block_saved_bytes); the no-grad working sets and the gradients in flight
+are estimates of the largest set of tensors live at once in eager execution.
+
+    python ppo.py --dry_run=8 --model=meta-llama/Llama-3.1-8B-Instruct --reward_model=path/to/rm \
+        --rollout_batch_size=512 --max_prompt_len=1024 --max_new_tokens=1024 --mini_batch_size=64
+"""
+import math
+
+import torch
+
+from kernels.kl import DEFAULT_KL_CONFIG
+from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk
+from checkpoint import read_config
+from model import ModelConfig
+from rollout import CACHE_MULTIPLE
+
+GiB = 2**30
+# Outside the caching allocator, so missing from max_memory_allocated: what the driver keeps of the card (an
+# "80 GB" H100 shows CUDA 79.2 GiB), the CUDA context and loaded kernels (~0.5-1 GiB), NCCL's buffers (~0.5 GiB)
+# and cuBLAS's workspaces.
+RESERVE_GIB = 3.0
+# Freed blocks of one size that a request of another cannot use (micro-batches are cropped to their rows' real
+# lengths, so shapes vary from step to step); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it.
+FRAGMENTATION = 0.10
+GPU_SMS = 132  # H100 SXM; the Triton forwards split the vocabulary by it (kernels.utils.num_splits)
+# rollout.sample on (rows, V), per row and vocabulary entry: float32 logits, tempered logits, log-softmax and
+# softmax (16 bytes), and while the noise is hashed its int64 bits, their int64 temporaries and its float32 forms
+SAMPLING_BYTES = 41
+
+
+# -----------------------------------------------------------------------------
+# parameters
+
+
+def param_shapes(c, head="lm", value_bias=True):
+    """-> (root, block): {name: shape} of the root's parameters and of one block's (names inside
+    model.layers.i), as model.Transformer(c, head, value_bias) has them."""
+    H, I = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    block = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        block[f"self_attn.{name}.weight"] = (rows, H)
+        if c.qkv_bias or c.attention_bias:
+            block[f"self_attn.{name}.bias"] = (rows,)
+    block["self_attn.o_proj.weight"] = (H, q)
+    if c.attention_bias:
+        block["self_attn.o_proj.bias"] = (H,)
+    if c.qk_norm:
+        block["self_attn.q_norm.weight"] = block["self_attn.k_norm.weight"] = (c.head_dim,)
+    for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        block[f"mlp.{name}.weight"] = shape
+        if c.mlp_bias:
+            block[f"mlp.{name}.bias"] = shape[:1]
+    root = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+    if head == "value":
+        root["score.weight"] = (1, H)
+        if value_bias:
+            root["score.bias"] = (1,)
+    elif not c.tie_word_embeddings:
+        root["lm_head.weight"] = (c.vocab_size, H)
+    return root, block
+
+
+def numel(shapes):
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def shard_numel(shapes, W):
+    """Elements one rank stores: FSDP2 cuts dim 0 into W chunks of ceil(rows / W) rows and pads every rank's
+    chunk to that size (the last ranks' chunks may be partly or wholly padding)."""
+    return sum(cdiv(s[0], W) * math.prod(s[1:]) for s in shapes.values())
+
+
+class Model:
+    """One model's shapes: its ModelConfig, root and block parameters, and where they were read."""
+
+    def __init__(self, c, head="lm", value_bias=True, source=""):
+        self.c, self.head, self.source, self.L = c, head, source, c.num_hidden_layers
+        self.root, self.block = param_shapes(c, head, value_bias)
+
+    def numel(self):
+        return numel(self.root) + self.L * numel(self.block)
+
+    def shard(self, W):
+        """Elements one rank stores of the whole model."""
+        return shard_numel(self.root, W) + self.L * shard_numel(self.block, W)
+
+    def gathered(self, shapes, W):
+        """Elements of a unit once gathered: W padded chunks."""
+        return W * shard_numel(shapes, W)
+
+    def largest(self, W):
+        return max(cdiv(s[0], W) * W * math.prod(s[1:]) for s in (*self.root.values(), *self.block.values()))
+
+
+def read_model(name_or_path):
+    """-> (ModelConfig, whether it is a *ForSequenceClassification), from config.json or GGUF metadata alone."""
+    hf = read_config(name_or_path)
+    arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
+    is_cls = arch.endswith("ForSequenceClassification")
+    if is_cls and getattr(hf, "num_labels", 1) != 1:
+        raise ValueError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
+    return ModelConfig.from_hf(hf), is_cls
+
+
+# -----------------------------------------------------------------------------
+# activations and working sets, in bytes per token (cb: bytes of the compute dtype)
+
+
+def _dims(c):
+    return (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.num_key_value_heads)
+
+
+def block_saved_bytes(c, cb=2):
+    """What one model.Block forward saves for its backward, per token, each tensor once, parameters excluded
+    (they are FSDP's); q = heads x head_dim, kv = kv heads x head_dim:
+      each RMSNorm   its float32 input (pow and mul save it), rsqrt (one float), the normed value in the
+                     compute dtype (the weight's mul saves it), its output (the next projections save it)
+                                                                              2 x (4H + 4 + 2 cb H)
+      q/k_norm       (Qwen3) the same over q and k, rsqrt per head            (4 + cb)(q + kv) + 4 (nh + nkv)
+      rope           nothing: x cos and x sin save only cos and sin, shared by every block
+      attention      the fused kernel's q, k, v, output and float32 logsumexp per head; o_proj saves
+                     the same output (its layout follows q's (B, T, heads, head_dim), so the
+                     reshape to (B, T, heads x head_dim) is a view)           cb (2q + 2kv) + 4 nh
+      MLP            gate's output (silu saves it), silu's and up's outputs (their product saves both),
+                     the product (down_proj saves it)                         4 cb I
+    The residual stream itself is saved by none of them (the tests count this with saved-tensor hooks)."""
+    H, I, q, kv, nh, nkv = _dims(c)
+    norms = 2 * (4 * H + 4 + 2 * cb * H)
+    qk = (4 + cb) * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
+    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I
+
+
+def block_grad_bytes(c, cb=2):
+    """Gradients live at once in one block's backward (an estimate): the residual's gradient in and out, and
+    three of the MLP's (B, T, I) gradients (the product's, then silu's and up's beside it)."""
+    H, I, q, kv, _, _ = _dims(c)
+    return cb * (2 * H + 3 * max(I, q + kv))
+
+
+def block_forward_bytes(c, cb=2):
+    """Live at once in one block's no-grad forward (eager; an estimate), per token: the block's input (its
+    caller holds it) and the largest of
+      q's rope         the normed input, k and v, q, x cos, the rotated half, its product with sin
+      attention out    the normed input, q, k, v, the output (o_proj reads it as a view) and o_proj's
+      MLP              x + attention, its norm, silu(gate), up and their product
+      an RMSNorm       its input, the float32 copy and the normed float32 value, the result
+    The final norm is one more RMSNorm; the heads after it hold less."""
+    H, I, q, kv, _, _ = _dims(c)
+    return max(cb * (2 * H + 2 * kv + 4 * q), cb * (3 * H + 2 * q + 2 * kv), cb * (3 * H + 3 * I), 8 * H + 3 * cb * H)
+
+
+def kv_cache_bytes(c, rows, S, cb=2):
+    """model.Transformer.setup_kv_cache(rows, S): a k and a v buffer (rows, kv heads, S, head_dim) per layer."""
+    return c.num_hidden_layers * 2 * rows * c.num_key_value_heads * S * c.head_dim * cb
+
+
+def head_bytes(N, H, V, cb=2, kl=False):
+    """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
+    scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
+    boolean-index positions. Forward: the vocab-split statistics (4 or, for KL, 5, splits, N) float32. Backward:
+    dz (N, vocab chunk) in the compute dtype, dh in float32 and cast back, one (chunk, H) product; dW (V, H) is
+    the LM head's gradient and counted as the root's. kl: linear_kl's as well (its dW is a second (V, H) that
+    autograd adds to the first)."""
+    if N == 0:
+        return 0, 0, 0
+    splits = min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
+    saved, fwd = N * (cb * H + 36), 4 * splits * N * 4
+    vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
+    bwd = N * vc * cb + N * H * (4 + cb) + vc * H * cb
+    if kl:
+        saved += N * (cb * H + 20)
+        fwd += 5 * splits * N * 4
+        vc = vocab_chunk(DEFAULT_KL_CONFIG, N, V, DEFAULT_KL_CONFIG.gpu_chunk_elems, DEFAULT_KL_CONFIG.block_v)
+        bwd += N * vc * cb + N * H * (4 + cb) + vc * H * cb + V * H * cb
+    return saved, fwd, bwd
+
+
+# -----------------------------------------------------------------------------
+# the plan
+
+
+class Plan:
+    """Lines of (label, bytes): the persistent state, and per phase the terms live throughout it and its
+    moments, of which the largest is the phase's peak."""
+
+    def __init__(self):
+        self.persistent, self.phases = [], []  # phases: (title, always, [(moment, terms)])
+
+    def peak(self, phase):
+        _, always, moments = phase
+        return (sum(b for _, b in self.persistent) + sum(b for _, b in always)
+                + max(sum(b for _, b in terms) for _, terms in moments))
+
+
+def build(cfg, W):
+    """-> (Plan, facts: a dict of the sizes the text quotes) for a ppo.Config and W GPUs."""
+    import ppo
+
+    run = ppo.derive(cfg, 0, W, torch.device("cuda"))  # the run's checks and derived sizes, as on a GPU
+    cb = torch.tensor([], dtype=run.dtype).element_size()
+    policy, policy_is_cls = read_model(cfg.model)
+    if policy_is_cls:
+        raise ValueError(f"{cfg.model} is a sequence classifier: the policy needs an LM head")
+    c, T = policy, cfg.max_prompt_len + cfg.max_new_tokens
+    if T > c.max_position_embeddings:
+        raise ValueError(f"max_prompt_len + max_new_tokens = {T} does not fit the context of {cfg.model} "
+                         f"({c.max_position_embeddings} positions)")
+    actor, ref = Model(c, "lm", source=cfg.model), Model(c, "lm", source=cfg.model)
+    if cfg.reward_model:
+        rc, rm_is_cls = read_model(cfg.reward_model)
+        if rc.vocab_size != c.vocab_size:
+            raise ValueError(f"policy (vocab {c.vocab_size}) and reward model (vocab {rc.vocab_size}) differ")
+        rm = Model(rc, "value", value_bias=not rm_is_cls, source=cfg.reward_model)
+        critic = Model(rc, "value", value_bias=True, source=cfg.reward_model)
+    else:
+        rm, critic = None, Model(c, "value", value_bias=True, source=cfg.model)
+    for m in (actor, critic, rm):
+        if m is not None and m.c.sliding_window is not None and T > m.c.sliding_window:
+            raise ValueError(f"{m.source}: {T} tokens exceed its sliding window ({m.c.sliding_window})")
+
+    S = cdiv(T, CACHE_MULTIPLE) * CACHE_MULTIPLE
+    rows_r, rows_i, rows_t = run.rollout_micro, run.infer_micro, run.local_micro
+    R, V, H = cfg.max_new_tokens, c.vocab_size, c.hidden_size
+    frozen_cb = 0 if run.offload_frozen else cb
+    dtype = "bf16" if cb == 2 else "fp32"
+    p = Plan()
+    p.persistent = [
+        ("actor weights, fp32 shard", 4 * actor.shard(W)),
+        ("actor AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * actor.shard(W)),
+        ("critic weights, fp32 shard", 4 * critic.shard(W)),
+        ("critic AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * critic.shard(W)),
+        (f"reference weights, {dtype} shard" + (" (on the CPU: --offload_frozen)" if run.offload_frozen else ""),
+         frozen_cb * ref.shard(W)),
+    ]
+    if rm is not None:
+        p.persistent.append((f"reward model weights, {dtype} shard" + (" (on the CPU)" if run.offload_frozen else ""),
+                             frozen_cb * rm.shard(W)))
+    p.persistent += [
+        (f"generation copy: the whole actor in {dtype}", cb * actor.numel()),
+        (f"KV cache: {rows_r} rows x {S} slots x {c.num_hidden_layers} layers x (k, v) x {c.num_key_value_heads} "
+         f"kv heads x {c.head_dim}", kv_cache_bytes(c, rows_r, S, cb)),
+    ]
+
+    # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less
+    P = cfg.max_prompt_len
+    p.phases.append((f"rollout: {run.local_rollout} prompts per GPU, {rows_r} at a time", [], [
+        ("weight sync", [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
+                          4 * actor.largest(W) * (W + 1) // W)]),
+        ("prefill", [(f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad",
+                      rows_r * P * block_forward_bytes(c, cb))]),
+        ("sampling", [(f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}",
+                       SAMPLING_BYTES * rows_r * V)]),
+    ]))
+
+    # ---- scoring: per inference micro-batch, reference, actor (fused logprob + KL), critic, reward model
+    def gathered_root(m):
+        return cb * m.gathered(m.root, W)
+
+    def units_fwd(m):  # the unit being computed and the next one, prefetched
+        return 2 * cb * m.gathered(m.block, W)
+
+    N_i, N_t = rows_i * R, rows_t * R
+    _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
+    work_i = rows_i * T
+    scoring = [
+        ("actor forward", [
+            ("reference LM head, gathered for the fused KL", gathered_root(ref)),
+            (f"reference hidden states, {N_i} response tokens", N_i * cb * H),
+            ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)),
+            (f"actor block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(c, cb)),
+            ("fused logprob/entropy + KL forward scratch", fwd_i)]),
+        ("critic forward", [
+            ("critic blocks gathered", units_fwd(critic)),
+            (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]),
+    ]
+    if rm is not None:
+        scoring.append(("reward model forward", [
+            ("reward model root, gathered", gathered_root(rm)),
+            ("reward model blocks gathered", units_fwd(rm)),
+            (f"reward model block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(rm.c, cb))]))
+    p.phases.append((f"scoring: {run.local_rollout} sequences per GPU, {rows_i} at a time, no grad",
+                     [("actor and critic roots, gathered (FSDP2 keeps a root after its forward)",
+                       gathered_root(actor) + gathered_root(critic))], scoring))
+
+    # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
+    kl = cfg.kl_loss_coef > 0
+    saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl)
+    tok = rows_t * T
+
+    def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's
+        per_block = cb * m.c.hidden_size if run.activation_checkpointing else block_saved_bytes(m.c, cb)
+        return tok * (m.L * per_block + 4 * m.c.hidden_size + 4 + cb * m.c.hidden_size)
+
+    def block_bwd(m):  # one block recomputed (checkpointing) and its gradients
+        recompute = block_saved_bytes(m.c, cb) if run.activation_checkpointing else 0
+        return tok * (recompute + block_grad_bytes(m.c, cb))
+
+    def units_bwd(m):  # two blocks gathered, one block's gradients in bf16 and its fp32 reduce-scatter input
+        return (3 * cb + 4) * m.gathered(m.block, W)
+
+    actor_saved = saved(actor) + saved_h
+    critic_saved = saved(critic) + tok * 4 * critic.c.hidden_size  # + the value head's float32 input
+    critic_root_grad = cb * critic.gathered(critic.root, W)  # the embedding's, at the end of its backward
+    lm_grad = cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
+    ac = "recomputed" if run.activation_checkpointing else "without checkpointing"
+    always = [("actor and critic grads, fp32 shard", 4 * (actor.shard(W) + critic.shard(W))),
+              ("actor and critic roots, gathered", gathered_root(actor) + gathered_root(critic))]
+    if kl:
+        always.append(("reference LM head, gathered for the KL loss", gathered_root(ref)))
+    p.phases.append((f"training: micro-batch of {rows_t} x {T} tokens ({N_t} response tokens), activation "
+                     f"checkpointing {'on' if run.activation_checkpointing else 'off'}", always, [
+        ("backward through the critic's blocks", [
+            ("actor activations saved", actor_saved), ("critic activations saved", critic_saved),
+            (f"a critic block {ac}, with its gradients", block_bwd(critic)),
+            ("critic blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(critic))]),
+        ("backward through the actor's head", [
+            ("actor activations saved", actor_saved), ("critic root gradients (embedding)", critic_root_grad),
+            ("LM head gradient dW", lm_grad),
+            (f"fused head backward scratch, {N_t} tokens" + (" (+ the KL's dW, added to it)" if kl else ""), bwd_h)]),
+        ("backward through the actor's blocks", [
+            ("actor activations saved", actor_saved), ("critic root gradients (embedding)", critic_root_grad),
+            ("LM head gradient dW", lm_grad),
+            (f"an actor block {ac}, with its gradients", block_bwd(actor)),
+            ("actor blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(actor))]),
+        ("end of the backward", [
+            ("root gradients of actor and critic" + (" (+ the tied head's, added)" if c.tie_word_embeddings else ""),
+             gathered_root(actor) + gathered_root(critic) + (lm_grad if c.tie_word_embeddings else 0)),
+            ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.root, W) for m in (actor, critic)))]),
+    ]))
+    facts = dict(W=W, cb=cb, T=T, S=S, actor=actor, critic=critic, rm=rm, run=run,
+                 math_attention=rows_t * c.num_attention_heads * T * T * 4)
+    return p, facts
+
+
+def _gib(b):
+    return b / GiB
+
+
+def report(cfg, n_gpus):
+    """-> (text, fits): the per-GPU plan for n_gpus GPUs of cfg.gpu_memory_gb GiB. Its last line reads
+    `peak 61.3 GiB per GPU of 80: fits` (or `: does not fit`); fits means peak + reserve <= gpu_memory_gb."""
+    p, f = build(cfg, n_gpus)
+    run, W, dtype = f["run"], f["W"], "bf16" if f["cb"] == 2 else "fp32"
+
+    def row(label, b, indent=2):
+        return f"{' ' * indent}{label:<{86 - indent}}{_gib(b):8.2f}"
+
+    def describe(role, m):
+        return (f"  {role:<13}{m.c.model_type} {m.numel() / 1e9:.2f}B ({m.L} x {numel(m.block) / 1e6:.1f}M + root "
+                f"{numel(m.root) / 1e6:.1f}M), {'value' if m.head == 'value' else 'LM'} head: {m.source}")
+
+    lines = [f"memory plan per GPU: {W} GPU{'s' if W > 1 else ''} of {cfg.gpu_memory_gb:g} GiB, {dtype} compute, "
+             f"FSDP2 over {W} rank{'s' if W > 1 else ''}, sizes in GiB (2^30 bytes)",
+             describe("actor", f["actor"]), describe("critic", f["critic"])]
+    if f["rm"] is not None:
+        lines.append(describe("reward model", f["rm"]))
+    lines.append(f"  per GPU      rollout {run.local_rollout} prompts, {run.rollout_micro} at a time; scoring "
+                 f"{run.infer_micro} and training {run.local_micro} rows at a time,")
+    lines.append(f"{'':15}rows of {f['T']} tokens ({cfg.max_prompt_len} prompt + {cfg.max_new_tokens} response)")
+    persistent = sum(b for _, b in p.persistent)
+    lines.append("persistent (in every phase)")
+    lines += [row(label, b) for label, b in p.persistent] + [row("total", persistent)]
+    peaks = []
+    for phase in p.phases:
+        title, always, moments = phase
+        lines.append(title)
+        lines += [row(label, b) for label, b in always]
+        for name, terms in moments:
+            lines.append(f"  {name}:")
+            lines += [row(label, b, indent=4) for label, b in terms]
+        worst = max(moments, key=lambda m: sum(b for _, b in m[1]))[0]
+        peaks.append(p.peak(phase))
+        lines.append(row(f"peak: persistent + {'the above + ' if always else ''}{worst}", peaks[-1]))
+    peak = max(peaks)
+    reserve = RESERVE_GIB * GiB + FRAGMENTATION * peak
+    fits = _gib(peak + reserve) <= cfg.gpu_memory_gb
+    lines.append(f"for comparison: attention without the fused kernel (SDPA's math path) would add "
+                 f"{_gib(f['math_attention']):.2f} GiB per layer\n  in training, float32 scores (rows x heads x T x T);"
+                 f" the fused kernel keeps one float32 logsumexp per token and head")
+    lines.append(f"reserve {_gib(reserve):.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
+                 f"context, NCCL, cuBLAS)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
+                 f"{cfg.gpu_memory_gb - _gib(reserve):.1f} GiB usable")
+    lines.append(f"peak {_gib(peak):.1f} GiB per GPU of {cfg.gpu_memory_gb:g}: {'fits' if fits else 'does not fit'}")
+    return "\n".join(lines), fits
