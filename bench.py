@@ -1,0 +1,440 @@
+"""
+Benchmarks that print tables, each comparing two paths side by side in one run (these machines are noisy):
+
+    python bench.py ppo_step [--steps=2 --dtype=fp32]    one PPO step on a ragged workload, padded vs padding-free
+    python bench.py generation [--device=cuda]           rollout.generate against transformers' generate, and
+                                                         finished rows dropped from the decode batch or not
+    python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
+The fused vocabulary kernels have their own: python -m kernels.
+
+ppo_step. The workload: SmolLM2-135M-Instruct (the embedded GGUF), 32 prompts a step, half of them short-answer
+questions ("What is 7 times 8? Reply with the number only.") and half open-ended chat requests ("Write a
+long story about ..."), responses that stop at EOS or at 128 tokens, the sentiment reward, float32 (or
+--dtype); minibatches of 16, micro-batches of 4 for scoring and training (a minibatch in several micro-batches,
+as on GPUs: the README's 8-GPU example has 8 rows per rank and micro-batches of 2). Every variant draws the same
+samples (the sampling noise is keyed by seed, step and row).
+
+    padded     what ppo.py did before: every micro-batch as wide as the whole batch (the widest prompt plus the
+               longest response), and generation decoding every row until the last one has finished
+               (on a CPU both variants run the same attention kernel, model.py's "sdpa")
+    default    ppo.py as it is: rows grouped by length and cropped to their real extent, finished rows
+               dropped from the decode batch
+
+Each variant runs `steps` PPO steps through ppo.main in this process, variants alternating `rounds` times; the
+table gives each stage's mean time per step (the first step of every run included: on a CPU nothing
+compiles), the fraction of computed token slots that were padding (perf/padding_frac) and the step's speedup.
+
+    python bench.py ppo_step                 # about 12 minutes on 2 CPU cores
+    python bench.py ppo_step --steps=1       # quicker, noisier
+"""
+import functools
+import json
+import math
+import os
+import tempfile
+import time
+
+import torch
+
+import ppo
+import rollout
+from model import FLEX_BLOCK, attend, attention_block_mask, attention_mask_4d, default_attn_impl
+from rollout import CACHE_MULTIPLE, generate, pad_prompts
+
+SHORT = ["What is {a} times {b}? Reply with the number only.", "Name the capital of {c}. One word.",
+         "Is {a} a prime number? Answer yes or no.", "What is {a} plus {b}? Just the number.",
+         "Spell the word '{w}' backwards. Only the result.", "Which is larger, {a} or {b}? Give the number."]
+LONG = ["Write a long story about {w} who finds a {t} in the attic.", "Describe your ideal weekend in {c} in detail.",
+        "Write a heartfelt letter to a friend you have not seen in years, about {w}.",
+        "Explain to a child why the sky changes colour at sunset, with examples.",
+        "Write a review of a restaurant in {c} that serves {t} dishes.", "Tell me everything you know about {t}s."]
+WORDS = dict(c=["France", "Japan", "Peru", "Kenya", "Norway", "Chile", "Egypt", "Canada"],
+             w=["a baker", "an old sailor", "a robot", "a lost cat", "a painter", "twin sisters", "a teacher", "a fox"],
+             t=["map", "violin", "clock", "garden", "lantern", "letter", "mushroom", "kite"])
+
+
+def ragged_prompts(path, n=64):
+    """n prompts, alternating short-answer questions and open-ended requests, as JSONL."""
+    with open(path, "w") as f:
+        for i in range(n):
+            tmpl = (SHORT if i % 2 == 0 else LONG)[(i // 2) % 6]
+            text = tmpl.format(a=7 + 3 * i, b=11 + 5 * i, **{k: v[i % len(v)] for k, v in WORDS.items()})
+            f.write(json.dumps({"prompt": text}) + "\n")
+    return path
+
+
+def padded_micro_batches(batch, rows, size):
+    """The micro-batches before grouping and cropping: consecutive rows, every one as wide as the whole batch."""
+    for i in range(0, len(rows), size):
+        r = rows[i : i + size]
+        mb = {k: (v[r] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+        slots = mb["tokens"].numel()
+        yield r, dict(mb, slots=slots, pad=slots - int(mb["attention_mask"].sum()))
+
+
+class Variant:
+    """Swaps the padded paths in for the duration of a `with` block."""
+
+    def __init__(self, padded):
+        self.padded = padded
+
+    def __enter__(self):
+        self.saved = ppo.micro_batches, ppo.generate
+        if self.padded:
+            ppo.micro_batches = padded_micro_batches
+            ppo.generate = functools.partial(rollout.generate, compact=False)
+        return self
+
+    def __exit__(self, *exc):
+        ppo.micro_batches, ppo.generate = self.saved
+
+
+def run(variant, prompts, out_dir, steps, dtype, threads):
+    cfg = ppo.Config(prompts=prompts, out_dir=out_dir, total_steps=steps, rollout_batch_size=32, mini_batch_size=16,
+                     micro_batch_size=4, inference_micro_batch_size=4, max_new_tokens=128, max_prompt_len=96,
+                     dtype=dtype, sample_every=0, save_every=0, seed=1)
+    with Variant(variant == "padded"):
+        ppo.main(cfg)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def ppo_step(steps=2, rounds=1, dtype="fp32", threads=None):
+    """One PPO step on the ragged workload, the padded paths against the default ones (see the top)."""
+    if threads:
+        torch.set_num_threads(threads)
+    cpu = "AVX512-BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "AVX2 (no AVX512-BF16)"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, dtype {dtype}, {steps} steps a run")
+    rows = {"padded": [], "default": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl"))
+        for r in range(rounds):
+            for variant in rows:
+                t0 = time.time()
+                rows[variant] += run(variant, prompts, os.path.join(tmp, f"{variant}-{r}"), steps, dtype, threads)
+                print(f"  {variant} round {r}: {time.time() - t0:.0f} s", flush=True)
+    keys = ["time/rollout", "time/score", "time/train", "time/step", "perf/padding_frac", "val/response_length"]
+    mean = {v: {k: sum(m[k] for m in ms) / len(ms) for k in keys} for v, ms in rows.items()}
+    print("\n| variant | rollout s | score s | train s | step s | padding frac | response len | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v, m in mean.items():
+        print(f"| {v} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | {m['time/step']:.1f} "
+              f"| {m['perf/padding_frac']:.3f} | {m['val/response_length']:.1f} "
+              f"| {mean['padded']['time/step'] / m['time/step']:.2f}x |")
+    same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
+    print(f"\nsame scores step by step in both variants (the same samples): {same}")
+
+
+# -----------------------------------------------------------------------------
+# generation: rollout.generate against transformers' generate, and finished rows dropped or not
+
+
+def _hf_twin(model):
+    """A transformers model holding the same weights as `model` (built from its config, no second load).
+    EOS is switched off in its generation config so that it runs every step, as ours does with eos None."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=model.lm_head_weight.dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers twin does not match: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    hf.generation_config.eos_token_id = None
+    return hf.to(model.lm_head_weight.device).eval()
+
+
+def _hf_generate(hf, prompts, new_tokens, pad_id):
+    idx, mask = pad_prompts(prompts, pad_id, hf.config.vocab_size, hf.device)
+    with torch.no_grad():
+        return hf.generate(input_ids=idx, attention_mask=mask.long(), max_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=pad_id)
+
+
+def _timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def _warm_compiled(model, prompts, new_tokens):
+    """Compiles (and on CUDA records) the decode step for this batch size and cache width with a short run:
+    the fewest new tokens (3 at least: CUDA graph trees run once, record, then replay) that round up to
+    the same cache width as new_tokens."""
+    P = max(len(p) for p in prompts)
+    S = math.ceil((P + new_tokens) / CACHE_MULTIPLE) * CACHE_MULTIPLE
+    generate(model, prompts, min(new_tokens, max(3, S - CACHE_MULTIPLE + 1 - P)), temperature=0, compile=True)
+
+
+def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
+    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled)."""
+    device = model.lm_head_weight.device
+    print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
+          f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile)")
+    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} {'ours':>8} {'ours+compile':>12} {'speedup':>7} "
+          f"{'agree':>6}")
+    for B in batches:
+        batch = [prompts[i % len(prompts)] for i in range(B)]
+        P = max(len(p) for p in batch)
+        runs = {"transformers": lambda: _hf_generate(hf, batch, new_tokens, pad_id),
+                "ours": lambda: generate(model, batch, new_tokens, temperature=0, compile=False).tokens}
+        best, outs = {k: float("inf") for k in runs}, {}
+        for _ in range(rounds):
+            for k, fn in runs.items():
+                dt, outs[k] = _timed(fn, device)
+                best[k] = min(best[k], dt)
+        if compile:  # after the eager runs, which free the cache a compiled step keeps
+            _warm_compiled(model, batch, new_tokens)
+            fn = lambda: generate(model, batch, new_tokens, temperature=0, compile=True).tokens
+            best["ours+compile"] = min(_timed(fn, device)[0] for _ in range(rounds))
+            model.clear_kv_cache()
+        tps = {k: B * new_tokens / v for k, v in best.items()}
+        differ = (outs["ours"] != outs["transformers"])[:, P:]  # (B, new_tokens)
+        same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
+        comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
+        speedup = max(v for k, v in tps.items() if k != "transformers") / tps["transformers"]
+        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} {tps['ours']:8.1f} {comp} {speedup:6.2f}x {same:6.0%}",
+              flush=True)
+
+
+def _bench_smollm2(device, runs, new_tokens, rounds, compile):
+    """runs: [(dtype, batch sizes)]."""
+    import os
+
+    from data import load_prompts
+    from checkpoint import load_tokenizer
+    from model import Transformer
+
+    tok = load_tokenizer("smollm2")
+    model = Transformer.from_pretrained("smollm2", device=device).eval()
+    prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64).ids
+    for dtype, batches in runs:
+        model.to(dtype)
+        hf = _hf_twin(model)  # built in this dtype: hf.to(dtype) would also round its RoPE inv_freq buffer
+        _compare(model, hf, prompts, batches, new_tokens, rounds, compile, tok.eos_token_id,
+                 f"SmolLM2-135M-Instruct, {str(dtype).replace('torch.', '')}, {_device_name(device)}")
+    del model, hf
+
+
+SHORT_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "What is 7 times 8?",
+                   "Which planet is closest to the sun?", "What colour is a ripe banana?",
+                   "How many days are in a leap year?", "What is the boiling point of water in Celsius?",
+                   "Who wrote Romeo and Juliet?", "What is the largest ocean on Earth?",
+                   "How many minutes are in an hour?", "What gas do plants take in from the air?",
+                   "What is the opposite of cold?", "How many continents are there?",
+                   "What language is spoken in Brazil?", "What is the square root of 81?",
+                   "Which animal is known as the king of the jungle?"]
+
+
+def _bench_ragged(device, batch, micros, new_tokens, rounds, dtype=torch.float32):
+    """Rows stopping early: SmolLM2 answering short questions and open-ended chat prompts (every other row),
+    greedy, stopping at EOS, with finished rows dropped from the decode batch (compact) or kept."""
+    import os
+
+    from data import load_prompts
+    from checkpoint import load_tokenizer
+    from model import Transformer
+
+    tok = load_tokenizer("smollm2")
+    model = Transformer.from_pretrained("smollm2", device=device).to(dtype).eval()
+    ids = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 128).ids
+    short = [tok.apply_chat_template([{"role": "user", "content": f"{q} Answer in a few words."}],
+                                     add_generation_prompt=True, return_dict=False) for q in SHORT_QUESTIONS]
+    # every other row a short answer, the others open-ended (reviews, letters, opinions) from prompts.jsonl
+    prompts = [short[i // 2 % len(short)] if i % 2 else ids[i * len(ids) // batch] for i in range(batch)]
+    kw = dict(temperature=0, eos_token_id=tok.eos_token_id, compile=False, max_prompt_len=128)
+    print(f"\nrows stopping early: SmolLM2-135M-Instruct, {str(dtype).replace('torch.', '')}, "
+          f"{_device_name(device)}: {batch} chat prompts, greedy, up to {new_tokens} new tokens, stop at EOS; "
+          f"tokens/s = response tokens / wall time, best of {rounds}")
+    print(f"{'batch':>5} {'micro':>5} {'lengths':>9} {'finished row-steps (off)':>24} {'compact off':>11} "
+          f"{'compact on':>10} {'speedup':>7} {'same':>5}")
+    for micro in micros:
+        m = micro or batch
+        best, outs = {}, {}
+        for _ in range(rounds):
+            for compact in (False, True):
+                dt, outs[compact] = _timed(lambda: generate(model, prompts, new_tokens, micro_batch_size=micro,
+                                                            compact=compact, **kw), device)
+                best[compact] = min(best.get(compact, float("inf")), dt)
+        L = outs[True].response_lengths
+        stepped = sum(len(L[i:i + m]) * int(L[i:i + m].max()) for i in range(0, batch, m))  # row-steps, off
+        n = int(L.sum())
+        same = torch.equal(outs[True].tokens, outs[False].tokens)
+        print(f"{batch:5d} {m:5d} {f'{int(L.min())}-{int(L.max())}':>9} {1 - n / stepped:24.0%} "
+              f"{n / best[False]:11.1f} {n / best[True]:10.1f} {best[False] / best[True]:6.2f}x {str(same):>5}",
+              flush=True)
+
+
+def _copy_bandwidth(device, nbytes=2 << 30):
+    """Bytes read + written per second by a large device-to-device copy: the practical roof."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    dt = min(_timed(lambda: y.copy_(x), device)[0] for _ in range(5))
+    return 2 * nbytes / dt
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def _device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+
+
+def _bench_roof(device, shapes, batch, prompt_len, new_tokens, rounds, compile=True, name="Llama-3-8B"):
+    """Random weights with a real model's shapes (a transformers LlamaConfig's fields) in bf16: decode
+    tokens/s against the memory-bandwidth roof (every weight and the filled part of the KV cache read
+    once per step), and transformers' generate at the same batch. Decode time = time(new_tokens) -
+    time(1 token), which both include the same prefill."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from model import ModelConfig, Transformer
+
+    torch._dynamo.reset()  # the SmolLM2 graphs are no longer needed
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(LlamaConfig(**shapes), dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None
+    cfg = ModelConfig.from_hf(hf.config)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(hf.state_dict(), strict=True, assign=True)  # the same weight tensors as hf
+    model.hf_config = hf.config
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+    bw = _copy_bandwidth(device, min(2 << 30, 4 * sum(p.numel() * p.element_size() for p in model.parameters())))
+    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
+    kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
+    roof_tps = batch / ((w_bytes + kv_bytes) / bw)
+
+    engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
+    if compile:
+        engines["ours+compile"] = lambda n: generate(model, prompts, n, temperature=0, compile=True)
+    engines["transformers"] = lambda n: _hf_generate(hf, prompts, n, 0)
+    res = {}
+    for key, fn in engines.items():
+        fn(1)
+        t_one = min(_timed(lambda: fn(1), device)[0] for _ in range(rounds))  # prefill + first token, no decode
+        if key == "ours+compile":  # compile and record at the full cache width, which the timed runs reuse
+            _warm_compiled(model, prompts, new_tokens)
+        t_full = min(_timed(lambda: fn(new_tokens), device)[0] for _ in range(rounds))
+        res[key] = batch * (new_tokens - 1) / (t_full - t_one), batch * new_tokens / t_full
+    model.clear_kv_cache()
+    print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: batch {batch}, prompts "
+          f"{min(lens)}-{max(lens)} tokens, {new_tokens} new tokens (greedy, no EOS stop)")
+    print(f"read per decode step: weights {w_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB (filled part, "
+          f"average); copy bandwidth {bw / 1e9:,.0f} GB/s -> roof {roof_tps:,.0f} tokens/s")
+    print(f"{'engine':>14} {'decode tok/s':>12} {'% of roof':>9} {'end-to-end tok/s':>16}")
+    for key, (dec, e2e) in res.items():
+        print(f"{key:>14} {dec:12,.0f} {dec / roof_tps:9.0%} {e2e:16,.0f}", flush=True)
+
+
+
+
+def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None, batches=(1, 8, 32),
+         cases=("compare", "ragged")):
+    """CPU: SmolLM2-135M-Instruct in float32 (and bfloat16) at each batch size, ours vs transformers.
+    CUDA: the same in bf16, then a random Llama-3-8B at batch 64 against the bandwidth roof.
+    "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
+    in one batch and in micro-batches of 8)."""
+    dev = torch.device(device)
+    batches = (batches,) if isinstance(batches, int) else tuple(batches)
+    cases = (cases,) if isinstance(cases, str) else tuple(cases)
+    if threads:
+        torch.set_num_threads(threads)
+    if "compare" in cases and dev.type == "cuda":
+        _bench_smollm2(dev, [(torch.bfloat16, (1, 8, 32, 64))], new_tokens, rounds, compile)
+        _bench_roof(dev, LLAMA3_8B, 64, 128, new_tokens, rounds, compile)
+    elif "compare" in cases:
+        runs = [(torch.float32, batches)] + ([(torch.bfloat16, (1,))] if bf16 else [])
+        _bench_smollm2(dev, runs, new_tokens, rounds, compile)
+    if "ragged" in cases:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        _bench_ragged(dev, 32, (None, 8), new_tokens, rounds, dtype)
+
+
+# -----------------------------------------------------------------------------
+# attention: model.py's fused default against the math kernel
+
+
+def attention(device="cpu", B=None, T=None, rounds=3):
+    """One attention layer, fused against the reference (CPU default B=2, T=512, float32; --device=cuda: B=4,
+    T=2048, bfloat16)."""
+    cuda = device.startswith("cuda")
+    _attention(device, B or (4 if cuda else 2), T or (2048 if cuda else 512), torch.bfloat16 if cuda else torch.float32,
+               rounds)
+
+
+def _attention(device, B, T, dtype, rounds):
+    """One attention layer at Llama-3-8B's head shapes (32 query heads, 8 key/value heads, 128 dims) on
+    a left-padded batch whose rows hold T, 3T/4, T/2, T/4, T, ... real tokens: forward + backward over T
+    tokens, and one decode step against a cache of T slots; the device's fused default against the
+    reference. The mask is built once per forward and shared by every layer: timed on its own."""
+    import time
+
+    nh, nkv, hs = 32, 8, 128
+    dev = torch.device(device)
+    fused = default_attn_impl(dev, hs)
+    g = torch.Generator(device=dev).manual_seed(0)
+    lengths = torch.tensor([T * (4 - b % 4) // 4 for b in range(B)], device=dev)
+    mask = (torch.arange(T, device=dev)[None] >= T - lengths[:, None]).long()  # (B, T)
+    q = torch.randn(B, nh, T, hs, device=dev, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(B, nkv, T, hs, device=dev, dtype=dtype, generator=g).requires_grad_() for _ in "kv")
+    dy = torch.randn(B, nh, T, hs, device=dev, dtype=dtype, generator=g)
+    q1 = q.detach()[:, :, -1:]  # (B, nh, 1, hs): the query of the next token, at slot T - 1
+
+    def masks(impl, q_slots, Q, S):  # built once per forward in the model, for every layer
+        if impl == "flex":
+            return attention_block_mask(mask, q_slots, Q, S)
+        return attention_mask_4d(mask, q_slots)
+
+    def timed(fn):
+        fn()  # warm-up (compiles flex)
+        best, peak = float("inf"), 0
+        for _ in range(rounds):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            best = min(best, time.perf_counter() - t0)
+        return best * 1e3, peak / 2**20
+
+    print(f"attention, one layer: B={B}, T={T}, {nh} query / {nkv} key-value heads of {hs}, {dtype}, "
+          f"{device}; rows of {lengths.tolist()} real tokens; best of {rounds}")
+    print(f"{'stage':<18} {'impl':<10} {'ms':>9} {'peak MiB':>9} {'speedup':>8} {'mask ms':>8}")
+    Tq = math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
+    stages = {"forward+backward": lambda impl: masks(impl, torch.arange(T, device=dev), Tq, Tq),
+              "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), 1, T)}
+    for stage, make_mask in stages.items():
+        ms = {}
+        for impl in (fused, "reference"):
+            m = make_mask(impl)
+            if stage == "forward+backward":
+                fn = lambda: torch.autograd.backward(attend(q, k, v, m, impl), dy)
+            else:
+                fn = lambda: attend(q1, k.detach(), v.detach(), m, impl)
+            with torch.set_grad_enabled(stage == "forward+backward"):
+                ms[impl], mib = timed(fn)
+            mask_ms = timed(lambda: make_mask(impl))[0]
+            speed = f"{ms['reference'] / ms[fused]:7.2f}x" if impl == "reference" else ""
+            mib = f"{mib:9.0f}" if dev.type == "cuda" else f"{'-':>9}"
+            print(f"{stage:<18} {impl:<10} {ms[impl]:9.2f} {mib} {speed:>8} {mask_ms:8.2f}")
+
+
+if __name__ == "__main__":
+    import fire
+
+    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention})
