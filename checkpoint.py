@@ -385,7 +385,36 @@ def save_hf(actor, tokenizer, folder, max_shard_size=MAX_SHARD_SIZE):
 
 
 # -----------------------------------------------------------------------------
-# models under FSDP2: built on the meta device, sharded, read once
+# processes (one code path for 1 and for N) and models under FSDP2: built on the meta device, sharded, read once
+
+
+def setup_distributed():
+    """Starts a process group whether or not torchrun did: nccl on GPU, gloo on CPU."""
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # gloo for CPU tensors: metrics, offloaded shards
+    if not dist.is_initialized():
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group(backend)
+        else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_sum(x):
+    """Sums a tensor (or nested list of floats) over ranks in float64; returns it on the CPU."""
+    t = torch.as_tensor(x).double().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)  # on the CPU: gloo
+    return t
 
 
 def shard(model, mesh, dtype, frozen=False, offload=False):

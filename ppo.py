@@ -61,7 +61,7 @@ import checkpoint
 from data import REWARD_FNS, PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows, row_seeds
 from gae import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, compute_gae, final_score, kl_estimate,
                  masked_var, masked_whiten, shape_rewards)
-from checkpoint import check_same_tokenizer, load_tokenizer, stop_token_ids
+from checkpoint import all_sum, check_same_tokenizer, load_tokenizer, print0, setup_distributed, stop_token_ids
 from model import Transformer, cpu_has_bf16, reward_at_last_token
 from rollout import generate
 
@@ -110,7 +110,7 @@ class Config:
     mini_batch_size: int = 8  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
-    rollout_micro_batch_size: int = 64  # prompts generated at once on one rank (capped at its share): sizes the KV cache
+    rollout_micro_batch_size: int = 32  # prompts generated at once on one rank (capped at its share): sizes the KV cache
     clip_coef: float = 0.2  # policy ratio clip epsilon
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
@@ -205,36 +205,7 @@ def derive(cfg, rank, W, device):
 
 
 # -----------------------------------------------------------------------------
-# distributed helpers (one code path for 1 process and for N)
-
-
-def setup_distributed():
-    """Starts a process group whether or not torchrun did: nccl on GPU, gloo on CPU."""
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # gloo for CPU tensors: metrics, offloaded shards
-    if not dist.is_initialized():
-        if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend)
-        else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def print0(*args, **kwargs):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def all_sum(x):
-    """Sums a tensor (or nested list of floats) over ranks in float64; returns it on the CPU."""
-    t = torch.as_tensor(x).double().cpu()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)  # on the CPU: gloo
-    return t
+# optimizer helpers
 
 
 def grad_norm(model, max_norm):
