@@ -15,14 +15,17 @@ as on GPUs: the README's 8-GPU example has 8 rows per rank and micro-batches of 
 samples (the sampling noise is keyed by seed, step and row).
 
     padded     what ppo.py did before: every micro-batch as wide as the whole batch (the widest prompt plus the
-               longest response), and generation decoding every row until the last one has finished
-               (on a CPU both variants run the same attention kernel, model.py's "sdpa")
-    default    ppo.py as it is: rows grouped by length and cropped to their real extent, finished rows
-               dropped from the decode batch
+               longest response), every layer computing every slot, and generation decoding every row until
+               the last one has finished (on a CPU both variants run the same attention kernel, model.py's "sdpa")
+    default    ppo.py as it is: rows grouped by length and cropped to their real extent, the padding-free layout
+               (projections, MLPs and heads on the real tokens only, attention on the cropped rows), finished
+               rows dropped from the decode batch
 
 Each variant runs `steps` PPO steps through ppo.main in this process, variants alternating `rounds` times; the
 table gives each stage's mean time per step (the first step of every run included: on a CPU nothing
-compiles), the fraction of computed token slots that were padding (perf/padding_frac) and the step's speedup.
+compiles), the fraction of computed token slots that were padding, in the projections and MLPs and in attention
+(perf/padding_frac: the attention's; the other layers' is the same number in the padded layout, 0 in the
+padding-free one), and the step's speedup.
 
     python bench.py ppo_step                 # about 10 minutes on 2 CPU cores (measured: 9 min 44 s)
     python bench.py ppo_step --steps=1       # quicker, noisier
@@ -38,7 +41,7 @@ import torch
 
 import ppo
 import rollout
-from model import FLEX_BLOCK, attend, attention_block_mask, attention_mask_4d, default_attn_impl
+from model import FLEX_BLOCK, Transformer, attend, attention_block_mask, attention_mask_4d, default_attn_impl
 from rollout import CACHE_MULTIPLE, generate, pad_prompts
 
 SHORT = ["What is {a} times {b}? Reply with the number only.", "Name the capital of {c}. One word.",
@@ -79,14 +82,15 @@ class Variant:
         self.padded = padded
 
     def __enter__(self):
-        self.saved = ppo.micro_batches, ppo.generate
+        self.saved = ppo.micro_batches, ppo.generate, Transformer.padding_free
         if self.padded:
             ppo.micro_batches = padded_micro_batches
             ppo.generate = functools.partial(rollout.generate, compact=False)
+            Transformer.padding_free = False
         return self
 
     def __exit__(self, *exc):
-        ppo.micro_batches, ppo.generate = self.saved
+        ppo.micro_batches, ppo.generate, Transformer.padding_free = self.saved
 
 
 def run(variant, prompts, out_dir, steps, dtype, threads):
@@ -115,11 +119,13 @@ def ppo_step(steps=2, rounds=1, dtype="fp32", threads=None):
                 print(f"  {variant} round {r}: {time.time() - t0:.0f} s", flush=True)
     keys = ["time/rollout", "time/score", "time/train", "time/step", "perf/padding_frac", "val/response_length"]
     mean = {v: {k: sum(m[k] for m in ms) / len(ms) for k in keys} for v, ms in rows.items()}
-    print("\n| variant | rollout s | score s | train s | step s | padding frac | response len | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| variant | rollout s | score s | train s | step s | padding: projections, MLPs | padding: attention "
+          "| response len | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for v, m in mean.items():
+        layers = m["perf/padding_frac"] if v == "padded" else 0.0  # the padding-free layout computes no padding there
         print(f"| {v} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | {m['time/step']:.1f} "
-              f"| {m['perf/padding_frac']:.3f} | {m['val/response_length']:.1f} "
+              f"| {layers:.3f} | {m['perf/padding_frac']:.3f} | {m['val/response_length']:.1f} "
               f"| {mean['padded']['time/step'] / m['time/step']:.2f}x |")
     same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
     print(f"\nsame scores step by step in both variants (the same samples): {same}")

@@ -22,6 +22,10 @@ Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 `position_ids = cumsum(mask) - 1`. Generation (rollout.py) preallocates a KV cache with
 `setup_kv_cache` and calls the model with `cache_pos`, the cache slots of the new tokens.
 
+Padding-free: when the queries include padding (T > 1), embeddings, norms, projections, MLPs and heads run on
+the real tokens only, packed as (N, H); attention scatters them into the (B, T) layout and back
+(`RealTokens`). A decode step (T = 1) and the "reference" impl run the padded layout.
+
 Attention: one masking rule (`may_attend`) over cache slots: query slot i reads key slot j iff
 j <= i and slot j holds a real token, or j == i (a padding query then reads its own slot: a finite
 output that nothing uses, not the NaN of an all-masked row). `Transformer.attn_impl` picks the kernel:
@@ -184,7 +188,7 @@ def rope_inv_freq(cfg, device=None):
 
 
 def apply_rope(x, cos, sin):
-    # x (B, nh, T, hs); cos, sin (B, 1, T, hs); rotate the two halves of each head
+    # x (..., nh, hs); cos, sin (..., 1, hs); rotate the two halves of each head
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -265,6 +269,24 @@ def attend(q, k, v, mask, impl):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+class RealTokens:
+    """Where the N real tokens of a (B, T) batch sit, for the padding-free layout: embeddings, norms,
+    projections and MLPs run on the (N, H) real tokens only, and attention, the one place that needs rows,
+    scatters them into a zero (B, T) layout and gathers its output back (a copy of N x (q + k + v + out)
+    values per layer, against the (B, T) padded layout's projections and MLPs on every slot)."""
+
+    def __init__(self, real):  # real (B, T) bool: the real tokens
+        self.B, self.T = real.shape
+        self.rows = real.flatten().nonzero().squeeze(1)  # (N,) flat indices into (B * T)
+
+    def gather(self, x):  # (B, T, ...) -> (N, ...)
+        return x.flatten(0, 1).index_select(0, self.rows)
+
+    def scatter(self, x):  # (N, ...) -> (B, T, ...), zero at padding
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])
+        return out.index_copy_(0, self.rows, x).unflatten(0, (self.B, self.T))
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values for one layer, written at explicit cache slots (gpt-fast)."""
 
@@ -294,19 +316,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hs, cfg.rms_norm_eps)
         self.kv_cache = None
 
-    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa"):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hs)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hs)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hs).transpose(1, 2)  # (B, nkv, T, hs)
+    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa", real=None):
+        # x (B, T, H), or (N, H): the real tokens only, `real` (RealTokens) says where they sit in (B, T)
+        q = self.q_proj(x).unflatten(-1, (self.nh, self.hs))  # (..., nh, hs)
+        k = self.k_proj(x).unflatten(-1, (self.nkv, self.hs))
+        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hs))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hs)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if real is not None:  # attention alone sees the (B, T) layout, padding slots zero (and masked)
+            q, k, v = real.scatter(q), real.scatter(k), real.scatter(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or nkv, T, hs)
         if cache_slots is not None:
             k, v = self.kv_cache.update(cache_slots, k, v)  # (B, nkv, S, hs)
-        y = attend(q, k, v, mask, impl)  # (B, nh, T, hs)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hs))
+        y = attend(q, k, v, mask, impl).transpose(1, 2).flatten(2)  # (B, T, nh * hs)
+        return self.o_proj(y if real is None else real.gather(y))
 
 
 class MLP(nn.Module):
@@ -328,8 +352,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa"):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_slots, impl)
+    def forward(self, x, cos, sin, mask, cache_slots=None, impl="sdpa", real=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_slots, impl, real)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -338,6 +362,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    padding_free = True  # run the real tokens only (RealTokens); False: the padded layout (an instance or the class)
+
     def __init__(self, cfg: ModelConfig, head="lm", value_bias=True):
         super().__init__()
         assert head in ("lm", "value"), f"head must be 'lm' or 'value', got {head!r}"
@@ -378,7 +404,9 @@ class Transformer(nn.Module):
         position_ids: (B, T) RoPE positions; default cumsum(mask) - 1 (left padding) or 0..T-1.
         cache_pos: (T,) cache slots of these tokens (needs `setup_kv_cache`).
         Returns logits (B, T, V) [head="lm"], values (B, T) [head="value"], or with
-        return_hidden the final normed hidden states (B, T, H).
+        return_hidden the final normed hidden states (B, T, H). Padding positions (the mask's zeros
+        among the queries) are not computed: their hidden states are 0, their outputs the heads' of 0
+        (the "reference" impl computes them, as its layout is padded).
         labels (B, T): the token each position predicts, -100 where ignored. Instead of logits it
         returns `logp` and `entropy` (B, T) of softmax(logits / temperature), float32, 0 where
         ignored, from the fused kernels (no (B, T, V) logits), and with ref_hidden (N, H) (the
@@ -406,18 +434,32 @@ class Transformer(nn.Module):
         else:
             mask = attention_mask_4d(attention_mask, q_slots)  # (B, 1, T, S')
 
+        # padding-free: with padding among the queries, everything but attention runs on the real tokens only
+        # (the reference keeps the padded layout); a decode step (T = 1, compiled) is always dense
+        real = None
+        if T > 1 and self.padding_free and impl != "reference":
+            is_real = attention_mask.index_select(1, q_slots) != 0  # (B, T)
+            if labels is not None and (labels.ne(-100) & ~is_real).any():
+                raise ValueError("labels at padding positions: a scored position must be a real token")
+            if not is_real.all():
+                real = RealTokens(is_real)
+                idx, position_ids = real.gather(idx), real.gather(position_ids)  # (N,)
+
         inv_freq = rope_inv_freq(self.config, idx.device)
-        freqs = position_ids[..., None].float() * inv_freq  # (B, T, hs/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hs)
-        x = self.model.embed_tokens(idx)  # (B, T, H)
+        freqs = position_ids[..., None].float() * inv_freq  # (B, T, hs/2) or (N, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)  # (..., 1, hs): the same for every head
+        x = self.model.embed_tokens(idx)  # (B, T, H) or (N, H)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         recompute = self.activation_checkpointing and cache_pos is None and torch.is_grad_enabled()
         for blk in self.model.layers:
             if recompute:  # keep each block's input only; the backward recomputes its activations
-                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, mask, impl=impl, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(blk, x, cos, sin, mask, impl=impl, real=real,
+                                                      use_reentrant=False)
             else:
-                x = blk(x, cos, sin, mask, cache_pos, impl)
+                x = blk(x, cos, sin, mask, cache_pos, impl, real)
         x = self.model.norm(x)
+        if real is not None:
+            x = real.scatter(x)  # (B, T, H), zero at padding
         if return_hidden:
             return x
         if labels is not None:
