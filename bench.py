@@ -21,21 +21,23 @@ samples (the sampling noise is keyed by seed, step and row).
                (projections, MLPs and heads on the real tokens only, attention on the cropped rows), finished
                rows dropped from the decode batch
 
-Each variant runs `steps` PPO steps through ppo.main in this process, variants alternating `rounds` times; the
-table gives each stage's mean time per step (the first step of every run included: on a CPU nothing
+Each variant runs `steps` PPO steps through ppo.main in a fresh process, `rounds` times, the variants alternating
+and taking turns to go first; the table gives each stage's mean time per step (the first step of every run included: on a CPU nothing
 compiles), the fraction of computed token slots that were padding, in the projections and MLPs and in attention
 (perf/padding_frac: the attention's; the other layers' is the same number in the padded layout, 0 in the
 padding-free one), and the step's speedup.
 
-    python bench.py ppo_step                 # about 10 minutes on 2 CPU cores (measured: 9 min 44 s)
-    python bench.py ppo_step --steps=1       # quicker, noisier
+    python bench.py ppo_step                         # about 22 minutes on 2 CPU cores (4 runs of 2 steps)
+    python bench.py ppo_step --steps=1 --rounds=1    # quicker, noisier
 """
 import functools
 import json
 import math
+import multiprocessing
 import os
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -94,6 +96,8 @@ class Variant:
 
 
 def run(variant, prompts, out_dir, steps, dtype, threads):
+    if threads:
+        torch.set_num_threads(threads)
     cfg = ppo.Config(prompts=prompts, out_dir=out_dir, total_steps=steps, rollout_batch_size=32, mini_batch_size=16,
                      micro_batch_size=4, inference_micro_batch_size=4, max_new_tokens=128, max_prompt_len=96,
                      dtype=dtype, sample_every=0, save_every=0, seed=1)
@@ -103,20 +107,28 @@ def run(variant, prompts, out_dir, steps, dtype, threads):
         return [json.loads(line) for line in f]
 
 
-def ppo_step(steps=2, rounds=1, dtype="fp32", threads=None):
+def run_isolated(*args):
+    """run() in a fresh process: no run inherits the previous one's heap (a CPU's freed pages, its allocator's
+    caches), so the order of the variants does not favour either."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run, *args).result()
+
+
+def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
     """One PPO step on the ragged workload, the padded paths against the default ones (see the top)."""
-    if threads:
-        torch.set_num_threads(threads)
     cpu = "AVX512-BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "AVX2 (no AVX512-BF16)"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {cpu}, dtype {dtype}, {steps} steps a run")
+    print(f"torch {torch.__version__}, {threads or torch.get_num_threads()} threads, CPU {cpu}, dtype {dtype}, "
+          f"{steps} steps a run, {rounds} rounds")
     rows = {"padded": [], "default": []}
     with tempfile.TemporaryDirectory() as tmp:
         prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl"))
         for r in range(rounds):
-            for variant in rows:
+            for variant in (list(rows) if r % 2 == 0 else list(rows)[::-1]):  # each goes first in turn
                 t0 = time.time()
-                rows[variant] += run(variant, prompts, os.path.join(tmp, f"{variant}-{r}"), steps, dtype, threads)
-                print(f"  {variant} round {r}: {time.time() - t0:.0f} s", flush=True)
+                ms = run_isolated(variant, prompts, os.path.join(tmp, f"{variant}-{r}"), steps, dtype, threads)
+                rows[variant] += ms
+                print(f"  round {r} {variant}: {time.time() - t0:.0f} s; steps "
+                      + ", ".join(f"{m['time/step']:.1f} s" for m in ms), flush=True)
     keys = ["time/rollout", "time/score", "time/train", "time/step", "perf/padding_frac", "val/response_length"]
     mean = {v: {k: sum(m[k] for m in ms) / len(ms) for k in keys} for v, ms in rows.items()}
     print("\n| variant | rollout s | score s | train s | step s | padding: projections, MLPs | padding: attention "
@@ -127,6 +139,10 @@ def ppo_step(steps=2, rounds=1, dtype="fp32", threads=None):
         print(f"| {v} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | {m['time/step']:.1f} "
               f"| {layers:.3f} | {m['perf/padding_frac']:.3f} | {m['val/response_length']:.1f} "
               f"| {mean['padded']['time/step'] / m['time/step']:.2f}x |")
+    for i in range(steps):  # the first step of a run allocates everything for the first time: each step apart
+        t = {v: [m["time/step"] for m in ms[i::steps]] for v, ms in rows.items()}
+        print(f"step {i + 1}: " + "; ".join(f"{v} " + ", ".join(f"{x:.1f}" for x in ts) + " s" for v, ts in t.items())
+              + f": {sum(t['padded']) / sum(t['default']):.2f}x")
     same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
     print(f"\nsame scores step by step in both variants (the same samples): {same}")
 

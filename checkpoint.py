@@ -615,8 +615,13 @@ class StopSignal:
 
     def __init__(self):
         self.received = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self.received.append(signum))
+        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.received.append(signum))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def close(self):
+        """Puts back the handlers it replaced."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def requested(self, all_sum):
         """True on every rank when any rank got a signal (all_sum: a sum over ranks, one collective)."""

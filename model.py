@@ -283,8 +283,8 @@ class RealTokens:
         return x.flatten(0, 1).index_select(0, self.rows)
 
     def scatter(self, x):  # (N, ...) -> (B, T, ...), zero at padding
-        out = x.new_zeros(self.B * self.T, *x.shape[1:])
-        return out.index_copy_(0, self.rows, x).unflatten(0, (self.B, self.T))
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])  # index_put_'s backward keeps the rows only (index_copy_'s
+        return out.index_put_((self.rows,), x).unflatten(0, (self.B, self.T))  # would keep a copy of x as well)
 
 
 class KVCache(nn.Module):

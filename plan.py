@@ -151,7 +151,7 @@ def _dims(c):
             c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.num_key_value_heads)
 
 
-def block_saved_bytes(c, cb=2):
+def block_saved_bytes(c, cb=2, padding_free=True):
     """What one model.Block forward saves for its backward, per token, each tensor once, parameters excluded
     (they are FSDP's); q = heads x head_dim, kv = kv heads x head_dim:
       each RMSNorm   its float32 input (pow and mul save it), rsqrt (one float), the normed value in the
@@ -162,13 +162,15 @@ def block_saved_bytes(c, cb=2):
       attention      the fused kernel's q, k, v, output and float32 logsumexp per head; o_proj saves
                      the same output (its layout follows q's (B, T, heads, head_dim), so the
                      reshape to (B, T, heads x head_dim) is a view)           cb (2q + 2kv) + 4 nh
+                     padding-free (model.RealTokens, the default): o_proj saves the output gathered
+                     back to the real tokens, a copy (counted at no padding, the widest case)   + cb q
       MLP            gate's output (silu saves it), silu's and up's outputs (their product saves both),
                      the product (down_proj saves it)                         4 cb I
     The residual stream itself is saved by none of them (the tests count this with saved-tensor hooks)."""
     H, I, q, kv, nh, nkv = _dims(c)
     norms = 2 * (4 * H + 4 + 2 * cb * H)
     qk = (4 + cb) * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
-    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I
+    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I + (cb * q if padding_free else 0)
 
 
 def block_grad_bytes(c, cb=2):

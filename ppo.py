@@ -499,79 +499,82 @@ def main(cfg: Config, reward_fn=None):
         print0(f"resumed from {ckpt} at step {tr['step']}")
     log, stop, bad_in_a_row = checkpoint.Logger(cfg, history, rank == 0), checkpoint.StopSignal(), 0
 
-    for step in range(first_step, cfg.total_steps + 1):
-        t0 = time.time()
-        # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
-        rows = sampler.next_batch()  # this rank's prompts: global rows rank * local_rollout + (0, 1, ...)
-        seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
-        m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
-        ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
-                      eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
-                      micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
-        mask = ro.response_mask  # (B, R) bool
-        texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
-                 for b in range(mask.size(0))]
-        batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
-                     response_mask=mask, P=ro.prompt_len)
-        t1 = time.time()
+    try:
+        for step in range(first_step, cfg.total_steps + 1):
+            t0 = time.time()
+            # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
+            rows = sampler.next_batch()  # this rank's prompts: global rows rank * local_rollout + (0, 1, ...)
+            seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
+            m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
+            ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
+                          eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
+                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
+            mask = ro.response_mask  # (B, R) bool
+            texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
+                     for b in range(mask.size(0))]
+            batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
+                         response_mask=mask, P=ro.prompt_len)
+            t1 = time.time()
 
-        # ---- 2. score (no grad), through the training forward's code path
-        sc = score_batch(m["actor"], m["ref"], m["critic"], m["reward_model"], batch, cfg, run)
-        if reward_fn is not None:
-            sc["score"] = torch.tensor([float(reward_fn(prompts.records[i], t)) for i, t in zip(rows, texts)], device=device)
-        if not torch.isfinite(sc["score"]).all():
-            raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
+            # ---- 2. score (no grad), through the training forward's code path
+            sc = score_batch(m["actor"], m["ref"], m["critic"], m["reward_model"], batch, cfg, run)
+            if reward_fn is not None:
+                sc["score"] = torch.tensor([float(reward_fn(prompts.records[i], t)) for i, t in zip(rows, texts)], device=device)
+            if not torch.isfinite(sc["score"]).all():
+                raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
 
-        # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
-        score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used
-        rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
-                                    cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
+            # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
+            score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used
+            rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
+                                        cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
 
-        # ---- 4. GAE, then advantages whitened over the whole batch (all ranks)
-        adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
-        adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
-        batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
-        t2 = time.time()
+            # ---- 4. GAE, then advantages whitened over the whole batch (all ranks)
+            adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
+            adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
+            batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
+            t2 = time.time()
 
-        # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
-        updates = []
-        for epoch in range(cfg.ppo_epochs):
-            mbs = minibatch_rows(cfg.rollout_batch_size, cfg.mini_batch_size, rank, world, cfg.seed, step,
-                                 epoch).to(device)  # (K, local_mini)
-            n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
-            for mb_rows, n in zip(mbs, n_tokens):
-                ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
-                updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
-                bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
-                if bad_in_a_row >= cfg.max_bad_updates:
-                    raise FloatingPointError(
-                        f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
-                        f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
-                        "is untouched: lower the learning rate and resume")
-        t3 = time.time()
+            # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
+            updates = []
+            for epoch in range(cfg.ppo_epochs):
+                mbs = minibatch_rows(cfg.rollout_batch_size, cfg.mini_batch_size, rank, world, cfg.seed, step,
+                                     epoch).to(device)  # (K, local_mini)
+                n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
+                for mb_rows, n in zip(mbs, n_tokens):
+                    ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
+                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
+                    bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
+                    if bad_in_a_row >= cfg.max_bad_updates:
+                        raise FloatingPointError(
+                            f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
+                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
+                            "is untouched: lower the learning rate and resume")
+            t3 = time.time()
 
-        # ---- 6. adaptive KL controller, on the KL that went into the reward
-        beta = kl_ctl.value
-        metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                               cfg.rollout_batch_size)
-        kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
+            # ---- 6. adaptive KL controller, on the KL that went into the reward
+            beta = kl_ctl.value
+            metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
+                                   cfg.rollout_batch_size)
+            kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
 
-        # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
-        t4 = time.time()
-        metrics.update({"step": step, "lr": m["actor_sched"].get_last_lr()[0], "critic_lr": m["critic_sched"].get_last_lr()[0],
-                        "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                        "time/tokens_per_sec": metrics["val/response_length"] * cfg.rollout_batch_size / (t4 - t0)})
-        log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
-        stopping = stop.requested(all_sum)  # every rank stops at the same step
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
-            trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
-            checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                            dict(trainer, step=step, metrics=log.history), cfg)
-            checkpoint.save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
-        if stopping:
-            print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
-                   f"resume with --resume=auto --out_dir={cfg.out_dir}")
-            break
+            # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
+            t4 = time.time()
+            metrics.update({"step": step, "lr": m["actor_sched"].get_last_lr()[0], "critic_lr": m["critic_sched"].get_last_lr()[0],
+                            "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
+                            "time/tokens_per_sec": metrics["val/response_length"] * cfg.rollout_batch_size / (t4 - t0)})
+            log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
+            stopping = stop.requested(all_sum)  # every rank stops at the same step
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
+                trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
+                checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
+                                dict(trainer, step=step, metrics=log.history), cfg)
+                checkpoint.save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
+            if stopping:
+                print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
+                       f"resume with --resume=auto --out_dir={cfg.out_dir}")
+                break
+    finally:
+        stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
     log.close()
     dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()

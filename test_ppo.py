@@ -3524,6 +3524,7 @@ def test_help_lists_every_option_with_default_and_comment():
 
 def test_reward_fn_from_python_reads_the_prompt_record(tiny_run, tmp_path):
     # from Python, main(cfg, reward_fn=f) with f(record, response) sees every field of the prompt's JSONL
+    # (and main leaves the signal handlers as it found them)
     # line: here a reward that checks an "answer" field (--reward_fn by name: test_first_minibatch...)
     rows = [{"prompt": p, "answer": w} for p, w in zip(TINY_PROMPTS, ["good", "day", "sun", "dog"] * 3)]
     prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
@@ -3538,12 +3539,17 @@ def answer_reward(record, response):
     assert set(record) == {{"prompt", "answer"}}, record
     scores.append(float(record["answer"] in response.split()))
     return scores[-1]
+import signal
+handlers = lambda: [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+before = handlers()
 ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=answer_reward)
+print("HANDLERS", handlers() == before)  # main's stop-on-signal handlers are gone: Ctrl-C works again
 print("SCORES", json.dumps(scores))
 """
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "HANDLERS True" in p.stdout
     scores = json.loads(p.stdout.split("SCORES ")[1])
     m = read_metrics(tmp_path / "py")[0]
     assert len(scores) == 8 and m["objective/scores"] == pytest.approx(sum(scores) / 8)
@@ -3762,17 +3768,22 @@ class FusedAttentionStandIn(torch.autograd.Function):
         raise NotImplementedError
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("qk_norm, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
-def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype):
+def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, padding_free):
     # every tensor a block's forward saves for its backward, once per storage, parameters and the shared rope
-    # tables excluded: exactly plan.block_saved_bytes per token (in float32 the norms' .float() is the input itself)
+    # tables excluded: exactly plan.block_saved_bytes per token (in float32 the norms' .float() is the input itself);
+    # padding-free, the (N, H) real tokens in and attention in (B, T) rows, at no padding (N = B T: the plan's case)
     monkeypatch.setattr(M, "attend", lambda q, k, v, mask, impl: FusedAttentionStandIn.apply(q, k, v))
     c = odd_config(qk_norm=qk_norm)
     blk = M.Block(c).to(dtype)
     B, T = 3, 7
-    x = torch.randn(B, T, c.hidden_size, dtype=dtype, requires_grad=True)
-    cos, sin = (torch.randn(B, T, 1, c.head_dim, dtype=dtype) for _ in range(2))
-    skip = {t.untyped_storage().data_ptr() for t in (*blk.parameters(), cos, sin)}
+    real = M.RealTokens(torch.ones(B, T, dtype=torch.bool)) if padding_free else None
+    lead = (B * T,) if padding_free else (B, T)
+    x = torch.randn(*lead, c.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = (torch.randn(*lead, 1, c.head_dim, dtype=dtype) for _ in range(2))
+    shared = (cos, sin) if real is None else (cos, sin, real.rows)  # one copy for every block
+    skip = {t.untyped_storage().data_ptr() for t in (*blk.parameters(), *shared)}
     saved = {}
 
     def pack(t):
@@ -3782,8 +3793,8 @@ def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        blk(x, cos, sin, None)
-    assert sum(saved.values()) == B * T * plan.block_saved_bytes(c, cb=dtype.itemsize)
+        blk(x, cos, sin, None, real=real)
+    assert sum(saved.values()) == B * T * plan.block_saved_bytes(c, cb=dtype.itemsize, padding_free=padding_free)
 
 
 def test_head_scratch_follows_the_kernels_chunking():
