@@ -22,10 +22,10 @@ samples (the sampling noise is keyed by seed, step and row).
                rows dropped from the decode batch
 
 Each variant runs `steps` PPO steps through ppo.main in a fresh process, `rounds` times, the variants alternating
-and taking turns to go first; the table gives each stage's mean time per step (the first step of every run included: on a CPU nothing
-compiles), the fraction of computed token slots that were padding, in the projections and MLPs and in attention
-(perf/padding_frac: the attention's; the other layers' is the same number in the padded layout, 0 in the
-padding-free one), and the step's speedup.
+and taking turns to go first. The table gives each stage's mean time per step (the first step of every run
+included: on a CPU nothing compiles), the fraction of computed token slots that were padding, in the projections
+and MLPs and in attention (perf/padding_frac: the attention's; the other layers' is the same number in the padded
+layout, 0 in the padding-free one), and the step's speedup; then each step's times apart.
 
     python bench.py ppo_step                         # about 22 minutes on 2 CPU cores (4 runs of 2 steps)
     python bench.py ppo_step --steps=1 --rounds=1    # quicker, noisier
