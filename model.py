@@ -23,8 +23,8 @@ Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 `setup_kv_cache` and calls the model with `cache_pos`, the cache slots of the new tokens.
 
 Padding-free: when the queries include padding (T > 1), embeddings, norms, projections, MLPs and heads run on
-the real tokens only, packed as (N, H); attention scatters them into the (B, T) layout and back
-(`RealTokens`). A decode step (T = 1) and the "reference" impl run the padded layout.
+the real tokens only, packed as (N, H) (N rounded up to a multiple of 16 with padding slots); attention
+scatters them into the (B, T) layout and back (`RealTokens`). A decode step (T = 1) and the "reference" impl run the padded layout.
 
 Attention: one masking rule (`may_attend`) over cache slots: query slot i reads key slot j iff
 j <= i and slot j holds a real token, or j == i (a padding query then reads its own slot: a finite
@@ -413,8 +413,9 @@ class Transformer(nn.Module):
         cache_pos: (T,) cache slots of these tokens (needs `setup_kv_cache`).
         Returns logits (B, T, V) [head="lm"], values (B, T) [head="value"], or with
         return_hidden the final normed hidden states (B, T, H). Padding positions (the mask's zeros
-        among the queries) are not computed: their hidden states are 0, their outputs the heads' of 0
-        (the "reference" impl computes them, as its layout is padded).
+        among the queries) are not computed: their hidden states are 0, their outputs the heads' of 0,
+        except the few (< ROW_MULTIPLE) computed to round the row count up, which hold what the padded
+        layout would (the "reference" impl computes them all, as its layout is padded).
         labels (B, T): the token each position predicts, -100 where ignored. Instead of logits it
         returns `logp` and `entropy` (B, T) of softmax(logits / temperature), float32, 0 where
         ignored, from the fused kernels (no (B, T, V) logits), and with ref_hidden (N, H) (the
