@@ -1845,6 +1845,54 @@ def test_triton_rows_independent_of_batch_interpreter(op, dtype, cfg):
 
 
 # -----------------------------------------------------------------------------
+# the Triton kernels compiled for an H100 (sm_90a machine code, no GPU): what the interpreter cannot see
+
+
+def test_kernels_compile_for_h100_at_the_default_tiles():
+    # compiled (not interpreted) kernels need a process without TRITON_INTERPRET; Llama-3-8B's head sizes
+    # at a row count not divisible by 16. The 128 x 256 tiles are the check's own negative case
+    script = """if True:
+        import json, torch
+        from kernels import aot
+        assert aot.available(), "this Triton has no JIT binder in triton.runtime.jit"
+        rows = {dt: aot.compile_report(aot.TRITON_DTYPES[dt], 16383, 4096, 128256) for dt in ("bf16", "fp32")}
+        wide = aot.tiles(128, 256, 64, 8, 3)
+        rows["wide"] = aot.compile_report(torch.bfloat16, 16383, 4096, 128256, cfg=wide, kl_cfg=wide)[:1]
+        print(json.dumps({k: [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "shared", "stages",
+                                                 "problems")} for r in v] for k, v in rows.items()}))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in rows["bf16"]] == ["logprob+entropy fwd", "logprob+entropy bwd", "kl fwd", "kl bwd"]
+    for dt in ("bf16", "fp32"):
+        for r in rows[dt]:
+            assert r["problems"] == [], (dt, r)
+            assert r["local_in_loops"] == 0 and r["shared"] <= 227 * 1024 and r["stages"] >= 2, (dt, r)
+            assert r["ldgsts"] > 0, (dt, r)  # the operand loads are asynchronous copies: pipelined
+            assert (r["hgmma"] > 0) == (dt == "bf16"), (dt, r)  # bf16: wgmma; fp32: exact FMAs ("ieee")
+    assert rows["wide"][0]["local_in_loops"] > 0 and "spill accesses in loops" in rows["wide"][0]["problems"][0]
+
+
+def test_compile_report_counts_spills_inside_loops_only():
+    from kernels.aot import loop_local_accesses
+    sass = """
+        /*0000*/                   STL [R1], R8 ;
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0020*/                   LDL R2, [R1+0x4] ;
+        /*0030*/              @!P6 BRA 0x10 ;
+        /*0040*/                   LDL.LU R4, [R1] ;
+        /*0050*/              @P0 BRA 0x80 ;
+        /*0060*/                   STL [R1+0x8], R3 ;
+        /*0070*/                   BRA 0x60;
+        /*0080*/                   EXIT ;
+    """
+    # loops: 0x10-0x30 (holds the LDL at 0x20) and 0x60-0x70 (the STL at 0x60); the forward branch at 0x50 is none
+    assert loop_local_accesses(sass) == 2
+
+
+# -----------------------------------------------------------------------------
 # label check and the label term of the torch backward
 
 

@@ -2,6 +2,8 @@
 
     python -m kernels                  # CPU: N=4096, H=576, V=49152 (SmolLM2's head), float32 and bfloat16
     python -m kernels --device cuda    # GPU: bfloat16, N=16384, (H, V) = (4096, 128256) and (896, 151936)
+    python -m kernels --device cuda --tiles   # ... and the fused ops at a few candidate tiles (tuning)
+    python -m kernels --target sm_90   # no GPU: compile for an H100, registers / spills / shared memory
 
 Rows: logprob+entropy (`linear_logprob_entropy`) and exact KL (`linear_kl`), each fused vs naive
 (float32 logits, log_softmax, gather / sum; the op's reference function on CPU). "fwd" runs under
@@ -21,6 +23,7 @@ with a measured cuBLAS bf16 (N, H) @ (H, V) matmul. Liger-Kernel's LigerFusedLin
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -29,7 +32,7 @@ import time
 
 import torch
 
-from kernels import linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_reference
+from kernels import aot, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOPS = {"logprob+entropy": (2, 8), "kl": (4, 12)}  # x N H V: forward, forward+backward
@@ -203,7 +206,7 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
     liger = liger_fn()
     if liger is None:
         print("Liger-Kernel not importable (pip install liger-kernel): its column is skipped")
-    header = (f"{'H':>5s} {'V':>7s} {'op':16s} {'impl':6s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s} {'fwd MB':>8s} "
+    header = (f"{'H':>5s} {'V':>7s} {'op':16s} {'impl':14s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s} {'fwd MB':>8s} "
               f"{'f+b ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s} {'f+b MB':>8s}")
     for H, V in shapes:
         N = args.gpu_n
@@ -219,6 +222,10 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
             variants = [("naive", naive_gpu(op)), ("fused", implementation(op, "fused", "cuda"))]
             if op == "logprob+entropy" and liger is not None:
                 variants.append(("liger", liger))
+            if args.tiles:  # the tile candidates of kernels/aot.py (its report says which compile without spills)
+                fused = implementation(op, "fused", "cuda")
+                variants += [(f"{n},{v},{h}/{w}/{s}", functools.partial(fused, config=aot.tiles(n, v, h, w, s)))
+                             for n, v, h, w, s in aot.CANDIDATES]
             inputs, grads = make_inputs(op, N, H, V, torch.bfloat16, dev, False)
             for impl, fn in variants:
                 cells = []
@@ -238,10 +245,11 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
                         continue
                     tflops = FLOPS[op][backward] * N * H * V / ms / 1e9
                     cells.append(f"{ms:8.1f} {tflops:8.0f} {100 * tflops / mm_tflops:5.0f} {mb:8.0f}")
-                print(f"{H:5d} {V:7d} {op:16s} {impl:6s} " + " ".join(cells), flush=True)
+                print(f"{H:5d} {V:7d} {op:16s} {impl:14s} " + " ".join(cells), flush=True)
             del inputs, grads
     print("\nnaive = bf16 matmul -> float32 logits -> log_softmax; liger = cross-entropy only (no entropy), "
-          "mean loss; TFLOP/s count the fused algorithm's work (see the module docstring) for every column")
+          "mean loss; n,v,h/w/s = the fused op at those tiles, warps and stages; TFLOP/s count the fused "
+          "algorithm's work (see the module docstring) for every column")
 
 
 # -----------------------------------------------------------------------------
@@ -258,10 +266,19 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES), help="CPU dtypes")
     p.add_argument("--rounds", type=int, default=2, help="CPU: fresh-process runs of every cell, best time kept")
     p.add_argument("--repeat", type=int, default=5, help="GPU: timed calls per cell (median)")
+    p.add_argument("--tiles", action="store_true", help="GPU: also time the fused ops at each tile candidate of "
+                   "kernels/aot.py (n,v,h/warps/stages)")
+    p.add_argument("--target", choices=("sm_90",), help="compile for this GPU (no GPU needed) and print the "
+                   "machine-code report of kernels/aot.py at (--gpu_n, 4096, 128256) instead of timing")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         cpu_worker(json.loads(args.worker))
+    elif args.target:
+        if not aot.available():
+            sys.exit("--target: needs a compiled (not TRITON_INTERPRET=1) Triton with the JIT binder of "
+                     "triton.runtime.jit; this one has none")
+        aot.report(N=args.gpu_n)
     elif args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device visible to torch")

@@ -53,6 +53,7 @@ from kernels.utils import (
     chunk_logits,
     chunk_shape,
     chunk_view,
+    default_config,
     dot_precision,
     gemm_operand,
     logits_tile,
@@ -390,7 +391,8 @@ def linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, backend="
     check_linear(where, "hidden", hidden, "weight", weight)
     check_linear(where, "ref_hidden", ref_hidden, "ref_weight", ref_weight)
     temperature = check_temperature(where, temperature)
-    cfg = config if config is not None else DEFAULT_KL_CONFIG
+    cfg = config if config is not None else default_config(torch.promote_types(hidden.dtype, ref_hidden.dtype),
+                                                           DEFAULT_KL_CONFIG)
     check_config(cfg, where)
     if ref_hidden.shape[0] != hidden.shape[0]:
         raise ValueError(f"{where}: hidden has N={hidden.shape[0]} rows but ref_hidden has {ref_hidden.shape[0]}")

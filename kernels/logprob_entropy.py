@@ -57,7 +57,6 @@ import triton
 import triton.language as tl
 
 from kernels.utils import (
-    DEFAULT_CONFIG,
     TileConfig,
     accum_dtype,
     addmm_f32,
@@ -70,6 +69,7 @@ from kernels.utils import (
     chunk_logits,
     chunk_shape,
     chunk_view,
+    default_config,
     dot_precision,
     gemm_operand,
     logits_tile,
@@ -389,7 +389,7 @@ def linear_logprob_entropy(hidden, weight, labels, temperature=1.0, backend="aut
     where = "linear_logprob_entropy"
     check_linear(where, "hidden", hidden, "weight", weight)
     temperature = check_temperature(where, temperature)
-    cfg = config if config is not None else DEFAULT_CONFIG
+    cfg = config if config is not None else default_config(hidden.dtype)
     check_config(cfg, where)
     N, V = hidden.shape[0], weight.shape[0]
     if not isinstance(labels, torch.Tensor) or labels.shape != (N,) or labels.is_floating_point():
