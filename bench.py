@@ -5,6 +5,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
     python bench.py generation [--device=cuda]           rollout.generate against transformers' generate, and
                                                          finished rows dropped from the decode batch or not
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
+    python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
+                                                         time per phase, tokens/s, peak memory beside the plan
 The fused vocabulary kernels have their own: python -m kernels.
 
 ppo_step. The workload: SmolLM2-135M-Instruct (the embedded GGUF), 32 prompts a step, half of them short-answer
@@ -95,13 +97,24 @@ class Variant:
         ppo.micro_batches, ppo.generate, Transformer.padding_free = self.saved
 
 
+class NoCheckpoints:
+    """ppo.main without its checkpoint writes (a 1.5B run's actor, critic and optimizer states are 36 GB)."""
+
+    def __enter__(self):
+        self.saved = ppo.checkpoint.save, ppo.checkpoint.save_hf
+        ppo.checkpoint.save = ppo.checkpoint.save_hf = lambda *args, **kwargs: None
+
+    def __exit__(self, *exc):
+        ppo.checkpoint.save, ppo.checkpoint.save_hf = self.saved
+
+
 def run(variant, prompts, out_dir, steps, dtype, threads):
     if threads:
         torch.set_num_threads(threads)
     cfg = ppo.Config(prompts=prompts, out_dir=out_dir, total_steps=steps, rollout_batch_size=32, mini_batch_size=16,
                      micro_batch_size=4, inference_micro_batch_size=4, max_new_tokens=128, max_prompt_len=96,
                      dtype=dtype, sample_every=0, save_every=0, seed=1)
-    with Variant(variant == "padded"):
+    with Variant(variant == "padded"), NoCheckpoints():
         ppo.main(cfg)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -456,7 +469,108 @@ def _attention(device, B, T, dtype, rounds):
             print(f"{stage:<18} {impl:<10} {ms[impl]:9.2f} {mib} {speed:>8} {mask_ms:8.2f}")
 
 
+# -----------------------------------------------------------------------------
+# PPO at a real model's shapes with random weights: time per phase, tokens/s, peak memory against the plan
+
+SHAPES = {  # config.json fields; the published ones for Qwen2.5-1.5B (tied embeddings, 2 kv heads)
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=4096),
+}
+
+
+def random_checkpoints(folder, shape, seed=0):
+    """A byte-level BPE tokenizer (the 256 byte symbols, the 676 two-letter words "aa" ... "zz" as merges; eos
+    <|im_end|>, pad <|endoftext|>), the kind Qwen2's tokenizer class reads, and two bf16 checkpoints of the shape
+    with random weights: the policy (causal LM) and the reward model (sequence classifier, one label). The
+    model's vocabulary is the shape's: sampled ids past the tokenizer's decode to nothing. Returns
+    (policy folder, reward model folder)."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              PreTrainedTokenizerFast)
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    merges = [(a, b) for a in letters for b in letters]
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    tk = Tokenizer(models.BPE(vocab, merges))
+    tk.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
+    tk.pre_tokenizer, tk.decoder = ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    paths = []
+    for role, auto, extra in (("policy", AutoModelForCausalLM, {}),
+                              ("rm", AutoModelForSequenceClassification, dict(num_labels=1))):
+        torch.manual_seed(seed + len(paths))
+        cfg = AutoConfig.for_model(**SHAPES[shape], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                   **extra)
+        path = os.path.join(folder, f"{shape}-{role}")
+        auto.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def word_prompts(path, n, length, seed=0):
+    """n prompts of length - 1 tokens: length // 2 random two-letter words (one token each) and the spaces
+    between them (one token each), one JSON line each."""
+    g = torch.Generator().manual_seed(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    with open(path, "w") as f:
+        for _ in range(n):
+            pairs = torch.randint(0, 26, (length // 2, 2), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(letters[a] + letters[b] for a, b in pairs)}) + "\n")
+    return path
+
+
+def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch_size=32, micro_batch_size=2,
+                inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
+                dtype="auto"):
+    """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
+    time per phase, response tokens/s, val/sampler_logprob_diff and, on CUDA, each phase's peak allocated memory
+    beside --dry_run's plan for one GPU. No checkpoint is written. Random weights rarely sample EOS, so
+    responses run to max_new_tokens."""
+    import plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        policy, rm = random_checkpoints(tmp, shape)
+        prompts = word_prompts(os.path.join(tmp, "prompts.jsonl"), rollout_batch_size * steps, max_prompt_len)
+        print(f"{shape}: random bf16 checkpoints and {rollout_batch_size * steps} prompts of {max_prompt_len} tokens "
+              f"written in {time.time() - t0:.0f} s", flush=True)
+        cfg = ppo.Config(model=policy, reward_model=rm, prompts=prompts, out_dir=os.path.join(tmp, "run"),
+                         total_steps=steps, rollout_batch_size=rollout_batch_size, mini_batch_size=mini_batch_size,
+                         micro_batch_size=micro_batch_size, inference_micro_batch_size=inference_micro_batch_size,
+                         rollout_micro_batch_size=rollout_micro_batch_size, max_prompt_len=max_prompt_len,
+                         max_new_tokens=max_new_tokens, dtype=dtype, sample_every=0, save_every=0, seed=1)
+        p, _ = plan.build(cfg, 1)
+        planned = [p.peak(phase) / plan.GiB for phase in p.phases]  # rollout, scoring, training
+        with NoCheckpoints():
+            ppo.main(cfg)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{shape}, random weights, {device}, torch {torch.__version__}: {rollout_batch_size} prompts a step, "
+          f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
+          f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}")
+    print("| step | rollout s | score s | train s | step s | response tokens/s | response length | "
+          "sampler logprob diff | peak GiB rollout / score / train |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        peaks = " / ".join(f"{m[f'mem/{k}_peak_gib']:.1f}" if f"mem/{k}_peak_gib" in m else "-"
+                           for k in ("rollout", "score", "train"))
+        print(f"| {m['step']} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | "
+              f"{m['time/step']:.1f} | {m['time/tokens_per_sec']:.0f} | {m['val/response_length']:.0f} | "
+              f"{m['val/sampler_logprob_diff']:.2e} | {peaks} |")
+    print("plan (--dry_run=1), GiB: " + " / ".join(f"{x:.1f}" for x in planned))
+    if "mem/train_peak_gib" in rows[-1]:
+        measured = [max(m[f"mem/{k}_peak_gib"] for m in rows) for k in ("rollout", "score", "train")]
+        print("measured / plan: " + " / ".join(f"{a / b:.2f}" for a, b in zip(measured, planned)))
+
+
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention})
+    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention, "real_shapes": real_shapes})
