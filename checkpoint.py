@@ -393,6 +393,10 @@ def setup_distributed():
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
+        if local_rank >= torch.cuda.device_count():  # else CUDA's "invalid device ordinal", naming nothing
+            raise RuntimeError(f"LOCAL_RANK={local_rank}, but this node has {torch.cuda.device_count()} GPU(s): start "
+                               "at most one process per GPU (torchrun --nproc_per_node), or hide the GPUs "
+                               "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU")
         torch.cuda.set_device(local_rank)
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # gloo for CPU tensors: metrics, offloaded shards
     if not dist.is_initialized():

@@ -1875,6 +1875,61 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
     assert rows["wide"][0]["local_in_loops"] > 0 and "spill accesses in loops" in rows["wide"][0]["problems"][0]
 
 
+# -----------------------------------------------------------------------------
+# the Triton kernels compiled and run on a GPU, against float64 (CUDA only; the same checks run above
+# under the interpreter at small tiles)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# (N, H, V, logit offset): N not a multiple of any block, V not a multiple of any vocab tile (nor of the
+# backward's vocab chunk at N = 1000), logits near -1e4 and +1e4 (float32 spacing ~1e-3 there)
+GPU_CASES = [(1000, 512, 32000 + 77, 0.0), (333, 256, 5003, -1e4), (77, 256, 5003, 1e4)]
+
+
+def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0):
+    """Both ops' outputs and gradients on `device` (backend "triton") against float64 autograd through
+    the materialised references, on the same rounded inputs. hidden is a transposed view (strides (1, N)),
+    the actor's weight a stride-2 view; a third of the rows are masked (zero upstream gradient)."""
+    hidden, weight, labels = make(N, H, V, scale=4.0, seed=seed, dtype=dtype, offset=offset)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=seed + 1)
+    g_lp, g_ent, g_kl = per_token(N, seed + 2), per_token(N, seed + 3), per_token(N, seed + 4)
+    masked = torch.arange(N) % 3 == 1
+    for g in (g_lp, g_ent, g_kl):
+        g[masked] = 0.0
+    h = hidden.to(device).T.contiguous().T.requires_grad_()
+    w_big = torch.zeros(V, 2 * H, dtype=dtype, device=device)
+    w_big[:, ::2] = weight.to(device)
+    w = w_big[:, ::2].requires_grad_()
+    assert not (h.is_contiguous() or w.is_contiguous())
+    dev = [t.to(device) for t in (labels, ref_hidden, ref_weight, g_lp, g_ent, g_kl)]
+    lp, ent = linear_logprob_entropy(h, w, dev[0], 0.8, backend="triton", config=cfg)
+    dh, dw = torch.autograd.grad((dev[3].float() * lp + dev[4].float() * ent).sum(), [h, w])
+    r_lp, r_ent, r_dh, r_dw = lpe_ref_grads(hidden, weight, labels, 0.8, g_lp, g_ent)
+    kl = linear_kl(h, w, dev[1], dev[2], 0.8, backend="triton", config=cfg)
+    kdh, kdw = torch.autograd.grad((dev[5].float() * kl).sum(), [h, w])
+    r_kl, r_kdh, r_kdw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, 0.8, g_kl)
+    out = [(lp, r_lp, "logprob"), (ent, r_ent, "entropy"), (dh, r_dh, "d hidden"), (dw, r_dw, "d weight"),
+           (kl, r_kl, "kl"), (kdh, r_kdh, "kl d hidden"), (kdw, r_kdw, "kl d weight")]
+    for t, _, what in out:
+        assert torch.isfinite(t).all(), what
+    assert lp.dtype == ent.dtype == kl.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
+    return [(t.detach().cpu(), r, what) for t, r, what in out]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("N,H,V,offset", GPU_CASES)
+def test_cuda_kernels_match_float64(dtype, tiles, N, H, V, offset):
+    cfg = None if tiles == "default" else TILES  # the ops' defaults for the dtype, or the interpreter's tiles
+    for t, r, what in kernels_against_float64("cuda", dtype, cfg, N, H, V, offset):
+        if offset:  # float32 logits near 1e4 carry absolute errors of ~1e-3
+            close(t, r, 0, 5e-3, what)
+        elif what.startswith(("logprob", "entropy", "kl")) and "d " not in what:
+            close(t, r, 1e-5, 2e-6, what)
+        else:  # gradients: one rounding to bf16 (2^-8), or float32 accumulation over V
+            close(t, r, 2**-8 if dtype == torch.bfloat16 else 1e-4, 1e-5, what)
+
+
 def test_compile_report_counts_spills_inside_loops_only():
     from kernels.aot import loop_local_accesses
     sass = """
@@ -2180,6 +2235,29 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     # a batch with other prompt lengths fits the same cache width: same buffers, same compiled step
     prompts2 = random_prompts([7, 1, 4, 12], seed=12)
     comp2 = generate(model, prompts2, 20, temperature=0, compile=True)
+    assert model.model.layers[0].self_attn.kv_cache.k is cache
+    assert torch.equal(comp2.tokens, generate_reference(model, prompts2, 20, temperature=0).tokens)
+    model.clear_kv_cache()
+
+
+@needs_cuda
+def test_cuda_graph_decode_matches_eager(rollout_tiny):
+    # on CUDA, compile=True (the default there) runs the decode step compiled with CUDA graphs over one
+    # fixed-shape cache: the same samples as the eager step, in micro-batches too, and the cache reused
+    import copy
+
+    model = copy.deepcopy(rollout_tiny["llama"][0]).cuda()
+    prompts = random_prompts([5, 9, 2, 13, 7], seed=10)
+    kw = dict(temperature=0.7, top_k=20, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[4, 1, 7, 3, 9])
+    eager = generate(model, prompts, 20, compile=False, **kw)
+    for micro in (None, 2):
+        comp = generate(model, prompts, 20, compile=True, micro_batch_size=micro, **kw)
+        assert comp.tokens.is_cuda
+        assert torch.equal(eager.tokens, comp.tokens) and torch.equal(eager.response_mask, comp.response_mask)
+        assert (eager.logprobs - comp.logprobs).abs().max() < 1e-5
+    cache = model.model.layers[0].self_attn.kv_cache.k
+    prompts2 = random_prompts([7, 1, 4, 12, 3], seed=12)
+    comp2 = generate(model, prompts2, 20, temperature=0, compile=True, micro_batch_size=2)
     assert model.model.layers[0].self_attn.kv_cache.k is cache
     assert torch.equal(comp2.tokens, generate_reference(model, prompts2, 20, temperature=0).tokens)
     model.clear_kv_cache()
@@ -3421,6 +3499,32 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1, but this node has 1 GPU\(s\)"):
+        C.setup_distributed()
+    assert not torch.distributed.is_initialized()
+
+
+@needs_cuda
+def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
+    # one GPU, bf16 (the default there): the first minibatch of an update that sees the weights that scored
+    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2
+    kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
+              save_every=1)
+    p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
+    assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
+    m = full[0]
+    assert m["val/ratio"] == 1.0 and m["policy/clipfrac_avg"] == 0.0 and m["objective/kl"] == 0.0
+    assert all(0 < m[f"mem/{phase}_peak_gib"] < 80 for phase in ("rollout", "score", "train"))  # CUDA only
+    run_ppo(tiny_run, tmp_path / "part", total_steps=1, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=2, resume="auto", **kw)
+    assert [r["step"] for r in resumed] == [1, 2]
+    assert_close_runs(full, resumed, tmp_path / "full", tmp_path / "part")
 
 
 def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-5):
