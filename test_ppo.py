@@ -452,7 +452,7 @@ def test_block_mask_is_the_dense_rule(T, W, Q, S, slots):
     dense = M.attention_mask_4d(mask, q_slots)  # (B, 1, T, W)
     bm = M.attention_block_mask(mask, q_slots, Q, S)
     assert bm.seq_lengths == (Q, S)
-    full = create_mask(bm.mask_mod, len(lengths), 1, Q, S)  # (B, 1, Q, S) the mask flex applies
+    full = create_mask(bm.mask_mod, len(lengths), 1, Q, S, device=mask.device)  # (B, 1, Q, S): what flex applies
     assert torch.equal(full[:, :, :T, :W], dense)
     assert not full[:, :, :T, W:].any()  # slots past the mask are never read by a real query
     assert torch.equal(full[:, :, T:], torch.arange(S).eq(0).expand_as(full[:, :, T:]))  # padding query: key 0
