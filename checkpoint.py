@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -406,6 +407,19 @@ def setup_distributed():
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def phase_end(device, peaks, phase):
+    """Ends a phase of the step and returns the host time. On CUDA it first waits for the queued kernels
+    (they run asynchronously: a host clock alone would charge a phase's work to the next one), records
+    the caching allocator's peak over the phase as peaks["mem/<phase>_peak_gib"] (what --dry_run's phase
+    peaks predict; plan.py) and starts counting the next phase's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        if phase is not None:
+            peaks[f"mem/{phase}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.time()
 
 
 def print0(*args, **kwargs):

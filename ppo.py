@@ -454,19 +454,6 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
 # the main loop
 
 
-def phase_end(device, peaks, phase):
-    """Ends a phase of the step and returns the host time. On CUDA it first waits for the queued kernels
-    (they run asynchronously: a host clock alone would charge a phase's work to the next one), records
-    the caching allocator's peak over the phase as peaks["mem/<phase>_peak_gib"] (what --dry_run's phase
-    peaks predict; plan.py) and starts counting the next phase's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        if phase is not None:
-            peaks[f"mem/{phase}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-    return time.time()
-
-
 def main(cfg: Config, reward_fn=None):
     """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn."""
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
@@ -515,7 +502,7 @@ def main(cfg: Config, reward_fn=None):
     try:
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
-            t0 = phase_end(device, peaks, None)
+            t0 = checkpoint.phase_end(device, peaks, None)
             # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
             rows = sampler.next_batch()  # this rank's prompts: global rows rank * local_rollout + (0, 1, ...)
             seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
@@ -528,7 +515,7 @@ def main(cfg: Config, reward_fn=None):
                      for b in range(mask.size(0))]
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
                          response_mask=mask, P=ro.prompt_len)
-            t1 = phase_end(device, peaks, "rollout")
+            t1 = checkpoint.phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
             sc = score_batch(m["actor"], m["ref"], m["critic"], m["reward_model"], batch, cfg, run)
@@ -546,7 +533,7 @@ def main(cfg: Config, reward_fn=None):
             adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
             adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
             batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
-            t2 = phase_end(device, peaks, "score")
+            t2 = checkpoint.phase_end(device, peaks, "score")
 
             # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
             updates = []
@@ -563,7 +550,7 @@ def main(cfg: Config, reward_fn=None):
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
                             "is untouched: lower the learning rate and resume")
-            t3 = phase_end(device, peaks, "train")
+            t3 = checkpoint.phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             beta = kl_ctl.value
