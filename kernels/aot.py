@@ -28,7 +28,7 @@ import torch
 from kernels import kl, logprob_entropy
 from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import (DEFAULT_CONFIG, TileConfig, cdiv, default_config, dot_precision, interpreted,
-                           pipeline_stages, vocab_chunk)
+                           num_splits, pipeline_stages, vocab_chunk)
 
 H100_SMS = 132
 H100_SMEM = 227 * 1024  # the most shared memory one block may hold on sm_90
@@ -80,8 +80,8 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
     strides = (H, 1, H, 1)  # contiguous (N, H) hidden and (V, H) weight
     for op, c, pairs in (("logprob+entropy", cfg, 1), ("kl", kl_cfg, 2)):
         BN, BV = c.block_n, c.block_v
-        splits = max(1, min(cdiv(V, BV), max(16, cdiv(4 * H100_SMS, cdiv(N, BN)))))  # utils.num_splits, CUDA
-        per_split = cdiv(cdiv(V, splits), BV) * BV
+        splits = num_splits(c, torch.device("cuda"), cdiv(N, BN), cdiv(V, BV), sms=H100_SMS)
+        per_split = cdiv(cdiv(V, splits), BV) * BV  # as the launchers split the vocabulary
         vc = min(vocab_chunk(c, N, V, c.gpu_chunk_elems, BV), V)  # the backward's vocab chunk
         flags = dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=c.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
                      num_warps=c.num_warps, num_stages=pipeline_stages(c, dtype.itemsize, pairs))
@@ -173,22 +173,22 @@ def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None) -> list:
     return rows
 
 
-def report(N=16384, H=4096, V=128256, candidates=CANDIDATES, out=print):
+def report(N=16384, H=4096, V=128256, candidates=CANDIDATES):
     """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one, then the candidate
     tiles in bf16 (both ops), one row per launch."""
     import triton
-    out(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={N}, H={H}, V={V}. "
+    print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={N}, H={H}, V={V}. "
         "regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in loops)")
     head = (f"{'tiles':9s} {'dtype':5s} {'rows':7s} {'kernel':20s} {'n,v,h':11s} {'warps':>5s} {'stages':>6s} "
             f"{'regs':>4s} {'stack':>5s} {'shared':>6s} {'HGMMA':>5s} {'LDGSTS':>6s} {'local':>10s}  problems")
-    out(head)
-    out("-" * len(head))
+    print(head)
+    print("-" * len(head))
     runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (N, N + 7)]
     runs += [("candidate", "bf16", N, tiles(*c)) for c in candidates]
     for label, dt, n, cfg in runs:
-        for r in compile_report(TRITON_DTYPES[dt], n, H, V, cfg, cfg and replace(cfg)):
+        for r in compile_report(TRITON_DTYPES[dt], n, H, V, cfg, cfg):
             local = f"{r['local']} ({r['local_in_loops']})"
-            out(f"{label:9s} {dt:5s} {'aligned' if n % 16 == 0 else 'ragged':7s} {r['kernel']:20s} "
+            print(f"{label:9s} {dt:5s} {'aligned' if n % 16 == 0 else 'ragged':7s} {r['kernel']:20s} "
                 f"{','.join(map(str, r['tiles'])):11s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} "
                 f"{r['stack']:5d} {r['shared'] / 1024:6.0f} {r['hgmma']:5d} {r['ldgsts']:6d} {local:>10s}  "
                 + ("; ".join(r["problems"]) or "-"), flush=True)

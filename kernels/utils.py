@@ -272,7 +272,7 @@ def pipeline_stages(cfg: TileConfig, itemsize: int, n_operand_pairs: int = 1) ->
     return stages
 
 
-def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_tiles: int) -> int:
+def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_tiles: int, sms: int = None) -> int:
     """Vocab ranges per row block in the Triton forwards. On CUDA: about 4 programs per SM, and at least
     16 splits so that the programs resident at once cover few row blocks of h (each stays in L2 while the
     splits walk their W tiles) instead of 132 different row blocks that together overflow L2.
@@ -282,12 +282,13 @@ def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_til
     num_splits=0 the split count follows the number of row blocks, i.e. N: a row's split merges (and the
     backward's cuBLAS kernels, chosen by shape) can differ between batch sizes, so there a row's results
     are equal across N only to float rounding. Under the interpreter tl.dot is numpy's matmul, whose
-    float32 rounding depends on a row's position inside its (BLOCK_N, BLOCK_H) tile."""
+    float32 rounding depends on a row's position inside its (BLOCK_N, BLOCK_H) tile. sms: the GPU's
+    multiprocessor count, read from the device when not given."""
     if cfg.num_splits > 0:
         return min(cfg.num_splits, vocab_tiles)
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sms or torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(vocab_tiles, max(16, cdiv(4 * sms, row_blocks))))
 
 
