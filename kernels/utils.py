@@ -7,6 +7,7 @@ Triton building block both use: `logits_tile`, one (BLOCK_N, BLOCK_V) tile of x 
 """
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +17,27 @@ import triton.language as tl
 BACKENDS = ("auto", "triton", "torch")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPES = (torch.float32,) + HALF_DTYPES
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a loop bound computed from tl.program_id (held as a 1-element array)
+    into an int with int(array), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
+    Triton 3.7 squeezes the array first; this applies the same one-line change to 3.6, the Triton that
+    torch 2.11's CUDA build pins. Compiled kernels never take this path."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.__version__.startswith("3.6."):
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_interpreter_loop_bounds()
 
 
 @dataclass(frozen=True)
