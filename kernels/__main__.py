@@ -1,7 +1,7 @@
 """Benchmark: the fused vocabulary ops against the naive path that materialises (N, V) logits.
 
     python -m kernels                  # CPU: N=4096, H=576, V=49152 (SmolLM2's head), float32 and bfloat16
-    python -m kernels --device cuda    # GPU: bfloat16, N=16384, (H, V) = (4096, 128256) and (896, 151936)
+    python -m kernels --device cuda    # GPU: bfloat16, N=16384, (H, V) = (4096, 128256), (896, 151936), (1536, 151936)
     python -m kernels --device cuda --tiles   # ... and the fused ops at a few candidate tiles (tuning)
     python -m kernels --target sm_90   # no GPU: compile for an H100, registers / spills / shared memory
 
@@ -36,7 +36,7 @@ from kernels import aot, linear_kl, linear_kl_reference, linear_logprob_entropy,
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOPS = {"logprob+entropy": (2, 8), "kl": (4, 12)}  # x N H V: forward, forward+backward
-GPU_SHAPES = ((4096, 128256), (896, 151936))  # (H, V): Llama-3-8B's head, Qwen2.5-0.5B's head
+GPU_SHAPES = ((4096, 128256), (896, 151936), (1536, 151936))  # (H, V): Llama-3-8B's, Qwen2.5-0.5B's and -1.5B's heads
 
 # -----------------------------------------------------------------------------
 # inputs and the two implementations of each op
