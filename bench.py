@@ -324,10 +324,10 @@ def _device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
 
 
-def _bench_roof(device, shapes, batch, prompt_len, new_tokens, rounds, compile=True, name="Llama-3-8B"):
-    """Random weights with a real model's shapes (a transformers LlamaConfig's fields) in bf16: decode
-    tokens/s against the memory-bandwidth roof (every weight and the filled part of the KV cache read
-    once per step), and transformers' generate at the same batch. Decode time = time(new_tokens) -
+def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile=True, name="Llama-3-8B"):
+    """Random weights with a real model's shapes (a transformers LlamaConfig's fields) in bf16, at each batch
+    size: decode tokens/s against the memory-bandwidth roof (every weight and the filled part of the KV cache
+    read once per step), and transformers' generate on the same weights. Decode time = time(new_tokens) -
     time(1 token), which both include the same prefill."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -343,44 +343,41 @@ def _bench_roof(device, shapes, batch, prompt_len, new_tokens, rounds, compile=T
     model.load_state_dict(hf.state_dict(), strict=True, assign=True)  # the same weight tensors as hf
     model.hf_config = hf.config
     model.eval()
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-
-    bw = _copy_bandwidth(device, min(2 << 30, 4 * sum(p.numel() * p.element_size() for p in model.parameters())))
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = _copy_bandwidth(device, min(2 << 30, 4 * w_bytes))
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
-    kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
-    roof_tps = batch / ((w_bytes + kv_bytes) / bw)
-
-    engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
-    if compile:
-        engines["ours+compile"] = lambda n: generate(model, prompts, n, temperature=0, compile=True)
-    engines["transformers"] = lambda n: _hf_generate(hf, prompts, n, 0)
-    res = {}
-    for key, fn in engines.items():
-        fn(1)
-        t_one = min(_timed(lambda: fn(1), device)[0] for _ in range(rounds))  # prefill + first token, no decode
-        if key == "ours+compile":  # compile and record at the full cache width, which the timed runs reuse
-            _warm_compiled(model, prompts, new_tokens)
-        t_full = min(_timed(lambda: fn(new_tokens), device)[0] for _ in range(rounds))
-        res[key] = batch * (new_tokens - 1) / (t_full - t_one), batch * new_tokens / t_full
-    model.clear_kv_cache()
-    print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: batch {batch}, prompts "
-          f"{min(lens)}-{max(lens)} tokens, {new_tokens} new tokens (greedy, no EOS stop)")
-    print(f"read per decode step: weights {w_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB (filled part, "
-          f"average); copy bandwidth {bw / 1e9:,.0f} GB/s -> roof {roof_tps:,.0f} tokens/s")
-    print(f"{'engine':>14} {'decode tok/s':>12} {'% of roof':>9} {'end-to-end tok/s':>16}")
-    for key, (dec, e2e) in res.items():
-        print(f"{key:>14} {dec:12,.0f} {dec / roof_tps:9.0%} {e2e:16,.0f}", flush=True)
-
-
+    print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: prompts of {prompt_len // 2}-{prompt_len} "
+          f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights {w_bytes / 1e9:.2f} GB, copy bandwidth "
+          f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
+    print(f"{'batch':>5} {'KV GB':>6} {'roof tok/s':>10} {'engine':>14} {'decode tok/s':>12} {'% of roof':>9} "
+          f"{'end-to-end tok/s':>16}")
+    g = torch.Generator().manual_seed(0)
+    for batch in batches:
+        lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+        kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
+        roof_tps = batch / ((w_bytes + kv_bytes) / bw)
+        engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
+        if compile:
+            engines["ours+compile"] = lambda n: generate(model, prompts, n, temperature=0, compile=True)
+        engines["transformers"] = lambda n: _hf_generate(hf, prompts, n, 0)
+        for key, fn in engines.items():
+            fn(1)
+            t_one = min(_timed(lambda: fn(1), device)[0] for _ in range(rounds))  # prefill + first token, no decode
+            if key == "ours+compile":  # compile and record at the full cache width, which the timed runs reuse
+                _warm_compiled(model, prompts, new_tokens)
+            t_full = min(_timed(lambda: fn(new_tokens), device)[0] for _ in range(rounds))
+            dec, e2e = batch * (new_tokens - 1) / (t_full - t_one), batch * new_tokens / t_full
+            print(f"{batch:5d} {kv_bytes / 1e9:6.2f} {roof_tps:10,.0f} {key:>14} {dec:12,.0f} {dec / roof_tps:9.0%} "
+                  f"{e2e:16,.0f}", flush=True)
+        model.clear_kv_cache()
 
 
 def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None, batches=(1, 8, 32),
-         cases=("compare", "ragged")):
-    """CPU: SmolLM2-135M-Instruct in float32 (and bfloat16) at each batch size, ours vs transformers.
-    CUDA: the same in bf16, then a random Llama-3-8B at batch 64 against the bandwidth roof.
+               cases=("compare", "ragged")):
+    """"compare": SmolLM2-135M-Instruct at each batch size, ours vs transformers; CPU: float32 (and bfloat16),
+    CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
+    and 64, decode against the bandwidth roof and transformers.
     "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
     in one batch and in micro-batches of 8)."""
     dev = torch.device(device)
@@ -390,10 +387,11 @@ def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, 
         torch.set_num_threads(threads)
     if "compare" in cases and dev.type == "cuda":
         _bench_smollm2(dev, [(torch.bfloat16, (1, 8, 32, 64))], new_tokens, rounds, compile)
-        _bench_roof(dev, LLAMA3_8B, 64, 128, new_tokens, rounds, compile)
     elif "compare" in cases:
         runs = [(torch.float32, batches)] + ([(torch.bfloat16, (1,))] if bf16 else [])
         _bench_smollm2(dev, runs, new_tokens, rounds, compile)
+    if "roof" in cases:
+        _bench_roof(dev, LLAMA3_8B, (1, 8, 64), 128, new_tokens, rounds, compile)
     if "ragged" in cases:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         _bench_ragged(dev, 32, (None, 8), new_tokens, rounds, dtype)

@@ -582,3 +582,11 @@ def generate_reference(model, prompts, max_new_tokens, temperature=1.0, top_k=0,
     ended = ~alive if eos else torch.zeros_like(alive)
     return _rollout(idx, prompt_mask, torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(logps, 1), ended,
                     seeds)
+
+
+if __name__ == "__main__":  # the benchmark, beside the other cross-file ones: python rollout.py [--device=cuda]
+    import fire
+
+    from bench import generation
+
+    fire.Fire(generation)
