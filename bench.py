@@ -41,6 +41,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from string import ascii_lowercase
 
 import torch
 
@@ -496,9 +497,8 @@ def random_checkpoints(folder, shape, seed=0):
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                               PreTrainedTokenizerFast)
 
-    letters = "abcdefghijklmnopqrstuvwxyz"
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    merges = [(a, b) for a in letters for b in letters]
+    merges = [(a, b) for a in ascii_lowercase for b in ascii_lowercase]
     vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
     tk = Tokenizer(models.BPE(vocab, merges))
     tk.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
@@ -521,11 +521,11 @@ def word_prompts(path, n, length, seed=0):
     """n prompts of length - 1 tokens: length // 2 random two-letter words (one token each) and the spaces
     between them (one token each), one JSON line each."""
     g = torch.Generator().manual_seed(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
     with open(path, "w") as f:
         for _ in range(n):
             pairs = torch.randint(0, 26, (length // 2, 2), generator=g).tolist()
-            f.write(json.dumps({"prompt": " ".join(letters[a] + letters[b] for a, b in pairs)}) + "\n")
+            words = " ".join(ascii_lowercase[a] + ascii_lowercase[b] for a, b in pairs)
+            f.write(json.dumps({"prompt": words}) + "\n")
     return path
 
 
