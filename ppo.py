@@ -586,7 +586,11 @@ def main(cfg: Config, reward_fn=None):
 if __name__ == "__main__":
     import fire
 
-    result = main(fire.Fire(Config, serialize=lambda cfg: None))
+    def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
+        return Config(*args, **kwargs)
+
+    cli.__signature__, cli.__doc__ = inspect.signature(Config), Config.__doc__
+    result = main(fire.Fire(cli, name="ppo.py", serialize=lambda cfg: None))
     # Everything is written and the process group is destroyed: skip the interpreter's teardown, where
     # torch's gloo backend can still abort under load ("terminate called without an active exception":
     # a thread destroyed while joinable, after destroy_process_group), failing a run that has finished.

@@ -3685,6 +3685,7 @@ def test_help_lists_every_option_with_default_and_comment():
     assert p.returncode == 0, p.stderr[-2000:]
     src = open(os.path.join(REPO, "ppo.py")).read()
     out = p.stdout + p.stderr  # fire writes help to stderr when not on a terminal
+    assert "GROUPS" not in out and "VALUES" not in out, out[-2000:]  # the flags once, not each field again
     flags = re.split(r"\n    (?=-)", out[out.index("FLAGS"):])[1:]  # one block per option
     by_name = {re.search(r"--(\w+)=", b).group(1): " ".join(b.split()) for b in flags}
     for f in dataclasses.fields(ppo.Config):
