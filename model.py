@@ -9,7 +9,7 @@ block with a few switches:
     x = x + down_proj(silu(gate_proj(rmsnorm(x))) * up_proj(rmsnorm(x)))
 
 Parameter names are the checkpoints' own (`model.layers.0.self_attn.q_proj.weight`, ...), so
-loading is a straight copy of the state dict (checkpoint.py reads the files: safetensors folders, Hub ids,
+loading is a straight copy of the state dict (hf.py reads the files: safetensors folders, Hub ids,
 GGUF files through transformers). transformers is used for configs, tokenizers and reading GGUF files,
 and as the reference in the tests, never as the model. No dropout anywhere.
 
@@ -62,6 +62,8 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from hf import MAX_SHARD_SIZE, read_checkpoint, read_config, write_pretrained
 
 SUPPORTED = {  # model_type -> what differs from Llama
     "llama": {},
@@ -501,8 +503,6 @@ class Transformer(nn.Module):
         head: None reads it from the checkpoint (`*ForSequenceClassification` -> "value").
         device="meta": built from the config alone (config.json, or the GGUF metadata), no weights read,
         hf_config set: FSDP2 shards it, then `read_state`'s tensors are loaded into it."""
-        from checkpoint import read_checkpoint, read_config  # the file formats live there
-
         if torch.device(device).type == "meta":
             return cls._from_hf_config(read_config(name_or_path), name_or_path, head).to(dtype)
         hf, state = read_checkpoint(name_or_path)
@@ -515,8 +515,6 @@ class Transformer(nn.Module):
         """The full state dict from_pretrained loads, CPU tensors in `dtype`, after the same checks (keys,
         shapes, one label) and head conversions (a critic from a policy draws its fresh value head here, from
         the global RNG). Loaded into `from_pretrained(..., device="meta")`, it gives from_pretrained's model."""
-        from checkpoint import read_checkpoint
-
         hf, state = read_checkpoint(name_or_path)
         return cls._from_hf_config(hf, name_or_path, head)._checked_state(state, name_or_path, dtype)
 
@@ -557,24 +555,6 @@ class Transformer(nn.Module):
                                  f"{tuple(state[k].shape)}, config expects {tuple(v.shape)}")
         return {k: state[k].to(device="cpu", dtype=dtype) for k in expected}
 
-    def critic(self):
-        """A value model with this policy's backbone (a copy) and a fresh scalar head."""
-        critic = Transformer(self.config, head="value").to(self.model.embed_tokens.weight.device)
-        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
-        state.update({k: v.to(self.model.embed_tokens.weight) for k, v in new_value_head(self.config.hidden_size).items()})
-        critic.load_state_dict(state)
-        critic.hf_config = self.hf_config
-        return critic
-
-    def frozen_copy(self, device, dtype):
-        """A plain (unsharded, no grad) copy in the compute dtype: the reference, the generation engine."""
-        with torch.device("meta"):
-            copy = Transformer(self.config, head=self.head)
-        state = {k: v.detach().to(device=device, dtype=dtype, copy=True) for k, v in self.state_dict().items()}
-        copy.load_state_dict(state, assign=True)  # copy=True: never share storage with the trained model
-        copy.hf_config = self.hf_config
-        return copy.requires_grad_(False)
-
     @torch.no_grad()
     def copy_weights_from(self, src):
         """Copies src's parameters (an FSDP-sharded model: gathered, every rank takes part) into this plain model."""
@@ -587,9 +567,7 @@ class Transformer(nn.Module):
     def save_pretrained(self, folder, tokenizer=None, dtype=None, max_shard_size=None):
         """Writes config.json, the safetensors weights (in the checkpoint's dtype unless `dtype` is given) and
         the tokenizer, so that transformers' AutoModelForCausalLM / AutoModelForSequenceClassification loads
-        them back; atomic (checkpoint.write_pretrained; max_shard_size None: transformers' default)."""
-        from checkpoint import MAX_SHARD_SIZE, write_pretrained
-
+        them back; atomic (hf.write_pretrained; max_shard_size None: transformers' default)."""
         write_pretrained(self, folder, tokenizer, dtype=dtype, max_shard_size=max_shard_size or MAX_SHARD_SIZE)
 
 
@@ -641,7 +619,7 @@ if __name__ == "__main__":
 
     def main(path="smollm2", prompt="What is the capital of France?", new_tokens=24):
         """Greedy demo: a short answer from a checkpoint, with the plain loop (rollout.py is the fast path)."""
-        from checkpoint import load_tokenizer
+        from hf import load_tokenizer
 
         tok = load_tokenizer(path)
         model = Transformer.from_pretrained(path).eval()

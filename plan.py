@@ -49,7 +49,7 @@ import torch
 
 from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk
-from checkpoint import read_config
+from hf import read_config
 from model import ModelConfig
 from rollout import CACHE_MULTIPLE
 
@@ -235,11 +235,10 @@ class Plan:
                 + max(sum(b for _, b in terms) for _, terms in moments))
 
 
-def build(cfg, W):
-    """-> (Plan, facts: a dict of the sizes the text quotes) for a ppo.Config and W GPUs."""
-    import ppo
-
-    run = ppo.derive(cfg, 0, W, torch.device("cuda"))  # the run's checks and derived sizes, as on a GPU
+def build(cfg, run):
+    """-> (Plan, facts: a dict of the sizes the text quotes) for a ppo.Config and its derived sizes on run.world
+    GPUs (ppo.derive with a CUDA device: the run's checks and per-rank sizes, as on a GPU)."""
+    W = run.world
     cb = torch.tensor([], dtype=run.dtype).element_size()
     policy, policy_is_cls = read_model(cfg.model)
     if policy_is_cls:
@@ -379,10 +378,10 @@ def _gib(b):
     return b / GiB
 
 
-def report(cfg, n_gpus):
-    """-> (text, fits): the per-GPU plan for n_gpus GPUs of cfg.gpu_memory_gb GiB. Its last line reads
+def report(cfg, run):
+    """-> (text, fits): the per-GPU plan for run.world GPUs of cfg.gpu_memory_gb GiB. Its last line reads
     `peak 61.3 GiB per GPU of 80: fits` (or `: does not fit`); fits means peak + reserve <= gpu_memory_gb."""
-    p, f = build(cfg, n_gpus)
+    p, f = build(cfg, run)
     run, W, dtype = f["run"], f["W"], "bf16" if f["cb"] == 2 else "fp32"
 
     def row(label, b, indent=2):

