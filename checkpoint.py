@@ -1,6 +1,6 @@
 """
-Sharded state in and out: models loaded from HF checkpoints into FSDP2 shards, and the run's training
-checkpoints (save, find, resume).
+Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), and its
+training checkpoints (save, find, resume).
 
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
@@ -27,7 +27,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hf import check_same_tokenizer
 from model import Transformer
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
@@ -104,6 +105,36 @@ def frozen_like(actor, mesh, run):
             p.to_local().copy_(q.to_local())
     ref.hf_config = actor.hf_config
     return ref
+
+
+def build_models(cfg, run, tokenizer, mesh):
+    """The run's models: the actor, and the critic when the advantage estimator has one (run.critic), FSDP2 with
+    fp32 master weights; the reference and the reward model (FSDP2, frozen, compute dtype); the generation copy
+    (whole on every rank, compute dtype; refilled from the actor before each rollout). Built on the meta device and
+    read once, by rank 0. The critic starts from the reward model (which may learn a bias), or from the policy's
+    backbone with a fresh head drawn on rank 0 from the seeded global RNG."""
+    actor = load_sharded(cfg.model, mesh, run, head="lm")
+    ctx = actor.config.max_position_embeddings
+    if cfg.max_prompt_len + cfg.max_new_tokens > ctx:
+        raise ValueError(f"max_prompt_len {cfg.max_prompt_len} + max_new_tokens {cfg.max_new_tokens} "
+                         f"does not fit the context of {cfg.model} ({ctx} positions)")
+    with torch.device("meta"):
+        gen = Transformer(actor.config).to(run.dtype)
+    gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
+    m = dict(actor=actor, ref=frozen_like(actor, mesh, run), gen=gen, reward_model=None)
+    if cfg.reward_model:
+        check_same_tokenizer(tokenizer, cfg.model, cfg.reward_model)
+        m["reward_model"] = load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
+        V, V_rm = actor.config.vocab_size, m["reward_model"].config.vocab_size
+        if V_rm != V:
+            raise ValueError(f"policy {cfg.model} (vocab {V}) and reward model {cfg.reward_model} (vocab {V_rm}) "
+                             "use different vocabularies")
+    if run.critic:
+        m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True) if cfg.reward_model
+                       else load_sharded(cfg.model, mesh, run, head="value"))
+    for name in run.trained:
+        m[name].activation_checkpointing = run.activation_checkpointing
+    return m
 
 
 # -----------------------------------------------------------------------------
@@ -177,13 +208,22 @@ def find(cfg):
 
 
 def check_config(folder, cfg):
-    """Refuses a checkpoint written under settings that would change the run (MAY_CHANGE_ON_RESUME aside)."""
+    """Refuses a checkpoint written under settings that would change the run (MAY_CHANGE_ON_RESUME aside). A field
+    the checkpoint's config lacks (added to Config since) must be at its default: the run that wrote it behaved as
+    the default does. A field only the checkpoint has (removed since) is ignored."""
     with open(os.path.join(folder, "config.json")) as f:
         saved = json.load(f)
     now = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
-    diff = {k: (saved.get(k), now[k]) for k in now if k not in MAY_CHANGE_ON_RESUME and saved.get(k) != now[k]}
+    default = json.loads(json.dumps({f.name: f.default for f in fields(cfg)}))
+    diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
     if diff:
         raise ValueError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}")
+    newer = {k: (default[k], now[k]) for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
+             and now[k] != default[k]}
+    if newer:
+        raise ValueError(f"checkpoint {folder} was written before " + ", ".join(f"--{k}" for k in newer) + " existed, "
+                         "so its run used the default; resuming with another value would change the run. "
+                         f"(default, now): {newer}")
     if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps:
         raise ValueError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="

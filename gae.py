@@ -1,5 +1,6 @@
 """
-Per-token rewards, GAE, masked statistics and the KL coefficient controllers.
+Per-token rewards, GAE, the other advantage estimators (GRPO, RLOO, REINFORCE++), masked statistics and the KL
+coefficient controllers.
 
 Everything here works on (B, T) tensors over the RESPONSE positions only
 (T = response length), with `mask` (B, T) marking the real response tokens: a run
@@ -180,19 +181,22 @@ def shape_rewards(score, logp, ref_logp, mask, kl_coef, kl_estimator="k1",
     if tuple(score.shape) != (B,):
         raise ValueError(f"score has shape {tuple(score.shape)}, expected ({B},)")
     seq_score = final_score(score, ended, score_clip, non_stop_penalty)  # (B,)
-    lengths = _response_lengths(mask)  # (B,)
-
     kl = kl_estimate(logp, ref_logp, kl_estimator, kl_exact)  # (B, T)
     if use_absolute_kl:
         kl = kl.abs()
     kl = torch.where(mask, kl, 0.0)
     dtype = _float_dtype(kl, seq_score)
 
-    # the score goes on the last response token: column lengths - 1 (none when length 0)
-    is_last = torch.arange(T, device=mask.device) == (lengths - 1)[:, None]  # (B, T)
     rewards = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
-    rewards = rewards + torch.where(is_last, seq_score.to(dtype)[:, None], 0.0)
-    return rewards, kl
+    return rewards + score_on_last_token(seq_score.to(dtype), mask), kl
+
+
+def score_on_last_token(score, mask):
+    """(B,) sequence scores -> (B, T): each row's score on its last response token (column length - 1; none for a
+    row without response tokens), 0 elsewhere."""
+    lengths = _response_lengths(mask)  # (B,)
+    is_last = torch.arange(mask.size(1), device=mask.device) == (lengths - 1)[:, None]  # (B, T)
+    return torch.where(is_last, score[:, None], 0.0)
 
 
 # -----------------------------------------------------------------------------
@@ -309,6 +313,87 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_ranks=True):
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0.0).to(_float_dtype(x))
+
+
+# -----------------------------------------------------------------------------
+# advantage estimators: one function each, chosen by --advantage_estimator
+#
+# Each gets the step's tensors over the response positions and returns (adv, ret), (B, T) each and 0 off the mask;
+# ret is the critic's value target, None for an estimator that needs no critic (then none is built):
+#     score      (B,)    the sequence score as used (final_score: clipped, non-stop penalty)
+#     kl_reward  (B, T)  the per-token KL penalty -beta * kl_t, 0 off the mask
+#     values     (B, T)  the critic's values; None for a critic-free estimator
+#     mask       (B, T)  the real response tokens
+#     cfg        the run's Config: gamma, lam, samples_per_prompt, whiten_advantages, any field a fork adds
+# Rows come in groups of cfg.samples_per_prompt consecutive rows, the samples of one prompt; a group never
+# straddles ranks, so a group baseline is local. Whitening (gae's option, reinforce_pp's definition) is over all
+# ranks. How the KL penalty meets the score:
+#     gae           r_t = kl_reward_t + [t last] score; GAE over r and the critic's values
+#     grpo, rloo    the baseline acts on the sequence score only: s' = (s - mean) / std of its group (grpo) or
+#                   s - mean of the group's other samples (rloo); A_t = sum_{u >= t} gamma^(u-t) r_u with
+#                   r_u = kl_reward_u + [u last] s', so each token still answers for the KL of what follows it
+#     reinforce_pp  A_t = the same return-to-go of the raw score and the KL penalty, whitened over the batch
+#                   (Hu 2025, REINFORCE++): the batch statistics are the baseline
+
+ADVANTAGE_ESTIMATORS = {}  # name -> estimator function (its .critic says whether it needs a critic)
+
+
+def advantage_estimator(name, critic=False):
+    """Decorator: registers an estimator under `name`, for --advantage_estimator=name."""
+    def register(fn):
+        fn.critic = critic
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return register
+
+
+def returns_to_go(rewards, mask, gamma):
+    """(B, T) -> sum_{u >= t} gamma^(u-t) r_u per row, 0 off the mask: GAE with zero values and lam = 1."""
+    return compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def _groups(score, n):
+    """(B,) -> (B / n, n): the samples of each prompt in a row."""
+    if n < 2 or score.numel() % n:
+        raise ValueError(f"a group baseline needs groups of n >= 2 samples per prompt; got {score.numel()} rows, n={n}")
+    return score.view(-1, n)
+
+
+def grpo_scores(score, n, eps=1e-6):
+    """(B,) -> (s - mean) / (std + eps) within each group of n consecutive rows (Shao et al. 2024, GRPO; the
+    unbiased std, as TRL and OpenRLHF use)."""
+    s = _groups(score, n)
+    return ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + eps)).flatten()
+
+
+def rloo_scores(score, n):
+    """(B,) -> s minus the mean of the other n - 1 samples of its group (Ahmadian et al. 2024, RLOO)."""
+    s = _groups(score, n)
+    return (s - (s.sum(1, keepdim=True) - s) / (n - 1)).flatten()
+
+
+@advantage_estimator("gae", critic=True)
+def gae_advantages(score, kl_reward, values, mask, cfg):
+    adv, ret = compute_gae(kl_reward + score_on_last_token(score, mask), values, mask, cfg.gamma, cfg.lam)
+    return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), ret
+
+
+@advantage_estimator("grpo")
+def grpo_advantages(score, kl_reward, values, mask, cfg):
+    s = grpo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
+    return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
+
+
+@advantage_estimator("rloo")
+def rloo_advantages(score, kl_reward, values, mask, cfg):
+    s = rloo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
+    return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
+
+
+@advantage_estimator("reinforce_pp")
+def reinforce_pp_advantages(score, kl_reward, values, mask, cfg):
+    ret = returns_to_go(kl_reward + score_on_last_token(score.to(kl_reward.dtype), mask), mask, cfg.gamma)
+    return masked_whiten(ret, mask), None
 
 
 # -----------------------------------------------------------------------------

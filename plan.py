@@ -253,9 +253,12 @@ def build(cfg, run):
         if rc.vocab_size != c.vocab_size:
             raise ValueError(f"policy (vocab {c.vocab_size}) and reward model (vocab {rc.vocab_size}) differ")
         rm = Model(rc, "value", value_bias=not rm_is_cls, source=cfg.reward_model)
-        critic = Model(rc, "value", value_bias=True, source=cfg.reward_model)
     else:
-        rm, critic = None, Model(c, "value", value_bias=True, source=cfg.model)
+        rm, rc = None, c
+    # the critic, when the advantage estimator has one: from the reward model, or the policy with a fresh head
+    critic = Model(rc, "value", value_bias=True, source=cfg.reward_model or cfg.model) if run.critic else None
+    trained = [m for m in (actor, critic) if m is not None]
+    names = "actor and critic" if critic else "actor"
     for m in (actor, critic, rm):
         if m is not None and m.c.sliding_window is not None and T > m.c.sliding_window:
             raise ValueError(f"{m.source}: {T} tokens exceed its sliding window ({m.c.sliding_window})")
@@ -266,11 +269,10 @@ def build(cfg, run):
     frozen_cb = 0 if run.offload_frozen else cb
     dtype = "bf16" if cb == 2 else "fp32"
     p = Plan()
-    p.persistent = [
-        ("actor weights, fp32 shard", 4 * actor.shard(W)),
-        ("actor AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * actor.shard(W)),
-        ("critic weights, fp32 shard", 4 * critic.shard(W)),
-        ("critic AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * critic.shard(W)),
+    p.persistent = [line for name, m in (("actor", actor), ("critic", critic)) if m is not None for line in (
+        (f"{name} weights, fp32 shard", 4 * m.shard(W)),
+        (f"{name} AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * m.shard(W)))]
+    p.persistent += [
         (f"reference weights, {dtype} shard" + (" (on the CPU: --offload_frozen)" if run.offload_frozen else ""),
          frozen_cb * ref.shard(W)),
     ]
@@ -285,7 +287,8 @@ def build(cfg, run):
 
     # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less
     P = cfg.max_prompt_len
-    p.phases.append((f"rollout: {run.local_rollout} prompts per GPU, {rows_r} at a time", [], [
+    per_prompt = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
+    p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [
         ("weight sync", [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
                           4 * actor.largest(W) * (W + 1) // W)]),
         ("prefill", [(f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad",
@@ -311,18 +314,19 @@ def build(cfg, run):
             ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)),
             (f"actor block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(c, cb)),
             ("fused logprob/entropy + KL forward scratch", fwd_i)]),
-        ("critic forward", [
-            ("critic blocks gathered", units_fwd(critic)),
-            (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]),
     ]
+    if critic is not None:
+        scoring.append(("critic forward", [
+            ("critic blocks gathered", units_fwd(critic)),
+            (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]))
     if rm is not None:
         scoring.append(("reward model forward", [
             ("reward model root, gathered", gathered_root(rm)),
             ("reward model blocks gathered", units_fwd(rm)),
             (f"reward model block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(rm.c, cb))]))
-    p.phases.append((f"scoring: {run.local_rollout} sequences per GPU, {rows_i} at a time, no grad",
-                     [("actor and critic roots, gathered (FSDP2 keeps a root after its forward)",
-                       gathered_root(actor) + gathered_root(critic))], scoring))
+    p.phases.append((f"scoring: {run.local_rows} sequences per GPU, {rows_i} at a time, no grad",
+                     [(f"{names} root{'s' if critic else ''}, gathered (FSDP2 keeps a root after its forward)",
+                       sum(gathered_root(m) for m in trained))], scoring))
 
     # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
     kl = cfg.kl_loss_coef > 0
@@ -341,34 +345,35 @@ def build(cfg, run):
         return (3 * cb + 4) * m.gathered(m.block, W)
 
     actor_saved = saved(actor) + saved_h
-    critic_saved = saved(critic) + tok * 4 * critic.c.hidden_size  # + the value head's float32 input
-    critic_root_grad = cb * critic.gathered(critic.root, W)  # the embedding's, at the end of its backward
     lm_grad = cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
     ac = "recomputed" if run.activation_checkpointing else "without checkpointing"
-    always = [("actor and critic grads, fp32 shard", 4 * (actor.shard(W) + critic.shard(W))),
-              ("actor and critic roots, gathered", gathered_root(actor) + gathered_root(critic))]
+    always = [(f"{names} grads, fp32 shard", 4 * sum(m.shard(W) for m in trained)),
+              (f"{names} root{'s' if critic else ''}, gathered", sum(gathered_root(m) for m in trained))]
     if kl:
         always.append(("reference LM head, gathered for the KL loss", gathered_root(ref)))
-    p.phases.append((f"training: micro-batch of {rows_t} x {T} tokens ({N_t} response tokens), activation "
-                     f"checkpointing {'on' if run.activation_checkpointing else 'off'}", always, [
-        ("backward through the critic's blocks", [
+    moments, held = [], []  # held: what the critic's backward (it runs first) leaves for the actor's
+    if critic is not None:
+        critic_saved = saved(critic) + tok * 4 * critic.c.hidden_size  # + the value head's float32 input
+        held = [("critic root gradients (embedding)", cb * critic.gathered(critic.root, W))]  # its embedding's
+        moments.append(("backward through the critic's blocks", [
             ("actor activations saved", actor_saved), ("critic activations saved", critic_saved),
             (f"a critic block {ac}, with its gradients", block_bwd(critic)),
-            ("critic blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(critic))]),
+            ("critic blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(critic))]))
+    moments += [
         ("backward through the actor's head", [
-            ("actor activations saved", actor_saved), ("critic root gradients (embedding)", critic_root_grad),
-            ("LM head gradient dW", lm_grad),
+            ("actor activations saved", actor_saved), *held, ("LM head gradient dW", lm_grad),
             (f"fused head backward scratch, {N_t} tokens" + (" (+ the KL's dW, added to it)" if kl else ""), bwd_h)]),
         ("backward through the actor's blocks", [
-            ("actor activations saved", actor_saved), ("critic root gradients (embedding)", critic_root_grad),
-            ("LM head gradient dW", lm_grad),
+            ("actor activations saved", actor_saved), *held, ("LM head gradient dW", lm_grad),
             (f"an actor block {ac}, with its gradients", block_bwd(actor)),
             ("actor blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(actor))]),
         ("end of the backward", [
-            ("root gradients of actor and critic" + (" (+ the tied head's, added)" if c.tie_word_embeddings else ""),
-             gathered_root(actor) + gathered_root(critic) + (lm_grad if c.tie_word_embeddings else 0)),
-            ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.root, W) for m in (actor, critic)))]),
-    ]))
+            (f"root gradients of {names}" + (" (+ the tied head's, added)" if c.tie_word_embeddings else ""),
+             sum(gathered_root(m) for m in trained) + (lm_grad if c.tie_word_embeddings else 0)),
+            ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.root, W) for m in trained))]),
+    ]
+    p.phases.append((f"training: micro-batch of {rows_t} x {T} tokens ({N_t} response tokens), activation "
+                     f"checkpointing {'on' if run.activation_checkpointing else 'off'}", always, moments))
     facts = dict(W=W, cb=cb, T=T, S=S, actor=actor, critic=critic, rm=rm, run=run,
                  math_attention=rows_t * c.num_attention_heads * T * T * 4)
     return p, facts
@@ -393,10 +398,11 @@ def report(cfg, run):
 
     lines = [f"memory plan per GPU: {W} GPU{'s' if W > 1 else ''} of {cfg.gpu_memory_gb:g} GiB, {dtype} compute, "
              f"FSDP2 over {W} rank{'s' if W > 1 else ''}, sizes in GiB (2^30 bytes)",
-             describe("actor", f["actor"]), describe("critic", f["critic"])]
+             describe("actor", f["actor"])] + ([describe("critic", f["critic"])] if f["critic"] else [])
     if f["rm"] is not None:
         lines.append(describe("reward model", f["rm"]))
-    lines.append(f"  per GPU      rollout {run.local_rollout} prompts, {run.rollout_micro} at a time; scoring "
+    n = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
+    lines.append(f"  per GPU      rollout {run.local_rollout} prompts{n}, {run.rollout_micro} at a time; scoring "
                  f"{run.infer_micro} and training {run.local_micro} rows at a time,")
     lines.append(f"{'':15}rows of {f['T']} tokens ({cfg.max_prompt_len} prompt + {cfg.max_new_tokens} response)")
     persistent = sum(b for _, b in p.persistent)

@@ -4,18 +4,22 @@ PPO for RLHF, top to bottom: one main() with the whole algorithm in view.
 Four models (Ouyang et al. 2022; Ziegler et al. 2019):
     actor      trained, starts from the SFT checkpoint            (FSDP2, AdamW)
     critic     trained, one value per token, from the reward model (FSDP2, AdamW)
-               or, with a reward function, from the actor with a fresh scalar head
+               or, with a reward function, from the actor with a fresh scalar head;
+               none with a critic-free advantage estimator (grpo, rloo, reinforce_pp)
     reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
     reward     frozen sequence-classification model, or a reward function of (prompt record, response)
 All are built on the meta device and filled from one read of each checkpoint on rank 0 (checkpoint.py);
 the memory they need per GPU is printed before launch by --dry_run (plan.py).
 
 Each step:
-    1. rollout   sample responses with a KV cache (rollout.py) from the actor's full weights, in micro-batches
+    1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
+                 actor's full weights, in micro-batches
     2. score     no grad: old_logp and entropy (actor), ref_logp (reference), values (critic),
                  the sequence score (reward model / function)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
-    4. GAE       advantages and returns, advantages whitened over the whole batch (all ranks)
+    4. advantage GAE with the critic's values, advantages whitened over the whole batch (all ranks); or a
+                 critic-free estimator: a group baseline on the score (grpo, rloo), batch-whitened returns
+                 (reinforce_pp); one function each in gae.ADVANTAGE_ESTIMATORS
     5. optimise  ppo_epochs x minibatches x micro-batches:
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
@@ -32,8 +36,9 @@ logprob, entropy and KL come from the fused kernels in kernels/ on the actor's h
 (tokens, vocab) logits are never materialised. The same temperature divides the logits in sampling and
 in every logprob.
 
-Randomness is keyed, not drawn from a running generator (data.py): the sampling noise of global row g
-at step s from (seed, s, g), hashed by rollout.py, and the minibatch order of epoch e from (seed, s, e).
+Randomness is keyed, not drawn from a running generator: the sampling noise of global row g at step s from
+(seed, s, g), hashed by rollout.py, and the minibatch order of epoch e from (seed, s, e) (data.py). Row g is
+sample g % n of prompt g // n (n = samples_per_prompt): a prompt's samples sit side by side on one rank.
 So a run gives the same samples and minibatches on any number of ranks, up to float rounding, and a
 resumed run, on any number of ranks, repeats the uninterrupted one (checkpoint.py).
 
@@ -47,10 +52,9 @@ import inspect
 import json
 import os
 import random
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -60,23 +64,17 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
-from gae import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, compute_gae, final_score, kl_estimate,
-                 masked_sum, masked_var, masked_whiten, shape_rewards)
-from hf import check_same_tokenizer, load_tokenizer, save_hf, stop_token_ids
-from model import Transformer, cpu_has_bf16, reward_at_last_token
+from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
+                 kl_estimate, masked_sum, masked_var, shape_rewards)
+from hf import load_tokenizer, save_hf, stop_token_ids
+from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS
 from rollout import generate, row_seeds
-from runtime import Logger, StopSignal, all_sum, phase_end, print0, setup_distributed
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, phase_end, print0,
+                     setup_distributed)
 
 
-def _doc_from_comments(cls):
-    """The fields' comments become the docstring's Args section: `python ppo.py --help` shows them."""
-    comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
-    cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
-    return cls
-
-
-@_doc_from_comments
+@doc_from_comments
 @dataclass
 class Config:
     # models and data
@@ -94,7 +92,8 @@ class Config:
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the HF-format actor
     # rollout
     total_steps: int = 16  # PPO steps (one rollout batch each)
-    rollout_batch_size: int = 16  # prompts per step, over all ranks
+    rollout_batch_size: int = 16  # prompts per step, over all ranks (each sampled samples_per_prompt times)
+    samples_per_prompt: int = 1  # responses sampled per prompt: a step has rollout_batch_size x this many rows
     max_new_tokens: int = 24  # response length limit
     temperature: float = 0.7  # sampling temperature, also used in every logprob
     # reward
@@ -106,11 +105,12 @@ class Config:
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
+    advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # PPO
     ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batch_size: int = 8  # sequences per optimizer step, over all ranks
+    mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
     rollout_micro_batch_size: int = 32  # prompts generated at once on one rank (capped at its share): sizes the KV cache
@@ -118,7 +118,7 @@ class Config:
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
-    whiten_advantages: bool = True  # normalise advantages over the batch (all ranks)
+    whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
@@ -142,22 +142,7 @@ class Config:
     gpu_memory_gb: float = 80.0  # memory of one GPU, for --dry_run
 
     def __post_init__(self):  # fire reads "--lr=1" as an int and "--model=7" as one: hold fields to their types
-        for f in fields(self):
-            v, want = getattr(self, f.name), float if f.type == float | None else f.type
-            if v is None and f.type == float | None:
-                continue
-            if want is tuple:
-                v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
-                ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-            elif want is str:
-                v, ok = str(v), True
-            else:  # bool, int, float: a bool is not a number here, an int is a float
-                ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
-                v = want(v) if ok else v
-            if not ok:
-                raise ValueError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
-            setattr(self, f.name, v)
-
+        hold_to_types(self)
 
 @dataclass
 class Run:
@@ -167,20 +152,33 @@ class Run:
     device: torch.device
     dtype: torch.dtype  # compute dtype
     local_rollout: int  # this rank's prompts per step
+    local_rows: int  # this rank's rows per step: local_rollout x samples_per_prompt
     local_mini: int  # this rank's sequences per minibatch
     local_micro: int  # sequences per forward/backward
     infer_micro: int  # sequences per scoring forward
     rollout_micro: int  # prompts generated at once
     activation_checkpointing: bool  # for the actor and the critic
     offload_frozen: bool  # reference and reward model shards on the CPU between forwards
+    critic: bool  # the advantage estimator needs a critic (else none is built)
+    rows: int  # rows per step over all ranks: rollout_batch_size x samples_per_prompt
+
+    @property
+    def trained(self):  # the models with an optimizer
+        return ("actor", "critic") if self.critic else ("actor",)
 
 
 def derive(cfg, rank, W, device):
     """The derived values of a run of W ranks, after checking that the Config makes sense for it."""
+    n, rows = cfg.samples_per_prompt, cfg.rollout_batch_size * cfg.samples_per_prompt
+    assert n >= 1, f"samples_per_prompt must be >= 1, not {n}"
     assert cfg.rollout_batch_size % W == 0, f"rollout_batch_size {cfg.rollout_batch_size} must divide by {W} ranks"
     assert cfg.mini_batch_size % W == 0, f"mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks"
-    assert cfg.rollout_batch_size % cfg.mini_batch_size == 0, \
-        f"rollout_batch_size {cfg.rollout_batch_size} must be a multiple of mini_batch_size {cfg.mini_batch_size}"
+    assert rows % cfg.mini_batch_size == 0, (f"rollout_batch_size x samples_per_prompt = {rows} rows must be a "
+                                             f"multiple of mini_batch_size {cfg.mini_batch_size}")
+    assert cfg.advantage_estimator in ADVANTAGE_ESTIMATORS, \
+        f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, not {cfg.advantage_estimator!r}"
+    assert n >= 2 or cfg.advantage_estimator not in ("grpo", "rloo"), \
+        f"advantage_estimator={cfg.advantage_estimator} baselines a sample by its group: needs samples_per_prompt >= 2"
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     assert (cfg.mini_batch_size // W) % local_micro == 0, \
         f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of micro_batch_size {local_micro}"
@@ -200,11 +198,12 @@ def derive(cfg, rank, W, device):
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
     local_rollout = cfg.rollout_batch_size // W
-    rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout)
+    rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout * n)
     assert cfg.inference_micro_batch_size >= 1 and rollout_micro >= 1, "micro-batch sizes must be >= 1"
-    return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout,
-               cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout), rollout_micro,
-               ac, cfg.offload_frozen and device.type == "cuda")
+    return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
+               cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
+               rollout_micro, ac, cfg.offload_frozen and device.type == "cuda",
+               ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
 
 
 # -----------------------------------------------------------------------------
@@ -259,14 +258,15 @@ def value_forward(critic, mb):
 @torch.no_grad()
 def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
     """Step 2, in micro-batches through the training forward's code path (so the first ratio is 1):
-    old_logp, entropy, ref_logp, kl_exact, values (B, R), and the reward model's score (B,) if any;
+    old_logp, entropy, ref_logp, kl_exact, values (B, R) if there is a critic, and the reward model's score (B,) if any;
     "slots" and "pad", the token slots computed and how many were padding."""
     B, R = batch["response_mask"].shape
     out = dict(slots=0, pad=0)
     for rows, mb in micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro):
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
-        part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"],
-                    values=value_forward(critic, mb))
+        part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"])
+        if critic is not None:
+            part["values"] = value_forward(critic, mb)
         if reward_model is not None:  # read where transformers' *ForSequenceClassification reads, on the
             rm_pad = reward_model.hf_config.pad_token_id  # padding written with the reward model's own pad id
             tokens = mb["tokens"] if rm_pad is None else torch.where(mb["attention_mask"].bool(), mb["tokens"], rm_pad)
@@ -286,7 +286,8 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
 
 
 def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
-    """Step 5 on one micro-batch -> (actor_loss, critic_loss, stats: dict of 0-dim float64 sums).
+    """Step 5 on one micro-batch -> (actor_loss, critic_loss (None without a critic), stats: dict of 0-dim
+    float64 sums).
 
     Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens,
     the minibatch's response-token count over all ranks, then multiplied by the world size
@@ -294,7 +295,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     token mean over the minibatch. Rollout tensors are cleaned outside the mask first, so a NaN
     in a padded slot reaches neither the loss nor the gradient."""
     mask = mb["response_mask"]
-    adv, ret, old_logp, old_values = (torch.where(mask, mb[k], 0.0) for k in ("adv", "ret", "old_logp", "old_values"))
+    adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
 
     # clipped surrogate (Schulman et al. 2017), optional dual clip (Ye et al. 2020)
@@ -309,23 +310,25 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     if cfg.kl_loss_coef > 0:
         actor_tok = actor_tok + cfg.kl_loss_coef * pol["kl"]
 
-    # clipped value loss around the rollout's values (off the response the critic's output is cleaned too:
-    # a non-finite value there would turn the zero gradient of the square into NaN)
-    vpred = torch.where(mask, value_forward(critic, mb), 0.0)
-    vf_losses = (vpred - ret).square()
-    if cfg.loss_clip_val > 0:
-        vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)  # vpred itself inside
-        vf_losses2 = (vclipped - ret).square()
-        vf = 0.5 * torch.max(vf_losses, vf_losses2)
-    else:
-        vf_losses2, vf = vf_losses, 0.5 * vf_losses
-
-    scale = world / n_tokens
     tsum = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
-    stats = dict(policy_loss=tsum(pg), value_loss=tsum(vf), entropy=tsum(pol["entropy"]),
-                 approxkl=tsum(0.5 * logratio.square()), clipfrac=tsum((pg_losses2 > pg_losses).float()),
-                 vf_clipfrac=tsum((vf_losses2 > vf_losses).float()), ratio=tsum(ratio), ratio_sq=tsum(ratio.square()))
-    return tsum(actor_tok) * scale, tsum(vf) * scale, {k: v.detach().double() for k, v in stats.items()}
+    stats = dict(policy_loss=tsum(pg), entropy=tsum(pol["entropy"]), approxkl=tsum(0.5 * logratio.square()),
+                 clipfrac=tsum((pg_losses2 > pg_losses).float()), ratio=tsum(ratio), ratio_sq=tsum(ratio.square()))
+    critic_loss, scale = None, world / n_tokens
+    if critic is not None:
+        # clipped value loss around the rollout's values (off the response the critic's output is cleaned too:
+        # a non-finite value there would turn the zero gradient of the square into NaN)
+        ret, old_values = torch.where(mask, mb["ret"], 0.0), torch.where(mask, mb["old_values"], 0.0)
+        vpred = torch.where(mask, value_forward(critic, mb), 0.0)
+        vf_losses = (vpred - ret).square()
+        if cfg.loss_clip_val > 0:
+            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)  # vpred inside
+            vf_losses2 = (vclipped - ret).square()
+            vf = 0.5 * torch.max(vf_losses, vf_losses2)
+        else:
+            vf_losses2, vf = vf_losses, 0.5 * vf_losses
+        stats.update(value_loss=tsum(vf), vf_clipfrac=tsum((vf_losses2 > vf_losses).float()))
+        critic_loss = tsum(vf) * scale
+    return tsum(actor_tok) * scale, critic_loss, {k: v.detach().double() for k, v in stats.items()}
 
 
 def ptx_loss(actor, pairs, n_tokens, world, device):
@@ -340,7 +343,8 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
 
 
 def lr_lambda(cfg):
-    total = cfg.total_steps * cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.mini_batch_size)  # optimizer steps
+    rows = cfg.rollout_batch_size * cfg.samples_per_prompt
+    total = cfg.total_steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
 
     def f(i):
         warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
@@ -351,12 +355,12 @@ def lr_lambda(cfg):
 
 
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
-    """One optimizer step of actor and critic on one minibatch (`rows` of this rank, n_tokens over all
-    ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips the step."""
+    """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
+    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips it."""
     sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
     for _, mb in micro_batches(batch, rows, run.local_micro):
-        actor_loss, critic_loss, st = ppo_losses(m["actor"], m["critic"], mb, cfg, n_tokens, run.world, m["ref"])
-        (actor_loss + critic_loss).backward()
+        actor_loss, critic_loss, st = ppo_losses(m["actor"], m.get("critic"), mb, cfg, n_tokens, run.world, m["ref"])
+        (actor_loss if critic_loss is None else actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
         slots = [slots[0] + mb["slots"], slots[1] + mb["pad"]]
     if ptx_pairs is not None:
@@ -365,13 +369,13 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
             ptx = ptx_loss(m["actor"], pairs[i : i + run.local_micro], n_ptx, run.world, run.device)
             (cfg.ptx_coef * ptx).backward()
             sums["ptx"] = sums.get("ptx", 0.0) + ptx.detach().double() * (n_tokens / run.world)  # a token mean x n_tokens
-    norms = torch.stack([grad_norm(m["actor"], cfg.max_grad_norm), grad_norm(m["critic"], cfg.max_grad_norm)])
+    norms = torch.stack([grad_norm(m[name], cfg.max_grad_norm) for name in run.trained])
     finite = bool(torch.isfinite(norms).all())  # a host sync, with micro_batches' one
-    for opt, sched in ((m["actor_opt"], m["actor_sched"]), (m["critic_opt"], m["critic_sched"])):
+    for name in run.trained:
         if finite:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+            m[name + "_opt"].step()
+        m[name + "_opt"].zero_grad(set_to_none=True)
+        m[name + "_sched"].step()
     return dict(sums=sums, n_tokens=n_tokens, norms=norms.double().cpu(), skipped=not finite, slots=slots)
 
 
@@ -379,40 +383,19 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
 # setup and metrics: what main() calls so that it reads as the algorithm
 
 
-def build_models(cfg, run, tokenizer, mesh):
-    """actor and critic (FSDP2, fp32 master weights), reference and reward model (FSDP2, frozen, compute dtype),
-    the generation copy (whole on every rank, compute dtype; refilled from the actor before each rollout),
-    and both optimizers and schedulers. Models are built on the meta device and read once, by rank 0."""
-    actor = checkpoint.load_sharded(cfg.model, mesh, run, head="lm")
-    ctx = actor.config.max_position_embeddings
-    if cfg.max_prompt_len + cfg.max_new_tokens > ctx:
-        raise ValueError(f"max_prompt_len {cfg.max_prompt_len} + max_new_tokens {cfg.max_new_tokens} "
-                         f"does not fit the context of {cfg.model} ({ctx} positions)")
-    with torch.device("meta"):
-        gen = Transformer(actor.config).to(run.dtype)
-    gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
-    m = dict(actor=actor, ref=checkpoint.frozen_like(actor, mesh, run), gen=gen, reward_model=None)
-    if cfg.reward_model:
-        check_same_tokenizer(tokenizer, cfg.model, cfg.reward_model)
-        m["reward_model"] = checkpoint.load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
-        V, V_rm = actor.config.vocab_size, m["reward_model"].config.vocab_size
-        if V_rm != V:
-            raise ValueError(f"policy {cfg.model} (vocab {V}) and reward model {cfg.reward_model} (vocab {V_rm}) "
-                             "use different vocabularies")
-        m["critic"] = checkpoint.load_sharded(cfg.reward_model, mesh, run, head="value", bias=True)  # may learn a bias
-    else:  # the policy's backbone and a fresh head, drawn on rank 0 from the seeded global RNG
-        m["critic"] = checkpoint.load_sharded(cfg.model, mesh, run, head="value")
-    for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr)):
-        m[name].activation_checkpointing = run.activation_checkpointing
+def add_optimizers(m, cfg, run):
+    """AdamW and the LR schedule for each trained model (actor, and critic when there is one)."""
+    for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr))[: len(run.trained)]:
         m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
                                              fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
         m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
     return m
 
 
-def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all):
+def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained):
     """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
-    (masked_var adds its own), per-minibatch means averaged over every minibatch of the step."""
+    (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
+    (ret None) no value metric is logged."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
 
     seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
@@ -437,16 +420,19 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
         "objective/kl_coef": beta,
         "objective/non_score_reward": -beta * out["objective/kl"],
         "policy/approxkl_avg": avg["approxkl"], "policy/clipfrac_avg": avg["clipfrac"],
-        "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"], "loss/value_avg": avg["value_loss"],
-        "val/clipfrac_avg": avg["vf_clipfrac"], "val/ratio": avg["ratio"], "val/ratio_var": avg["ratio_sq"] - avg["ratio"] ** 2,
-        "val/explained_var": 1.0 - float(masked_var(ret - sc["values"], mask)) / max(float(masked_var(ret, mask)), 1e-12),
+        "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"],
+        "val/ratio": avg["ratio"], "val/ratio_var": avg["ratio_sq"] - avg["ratio"] ** 2,
         "val/response_length": n_resp / B_all,
-        "val/grad_norm_actor": norms[0], "val/grad_norm_critic": norms[1],
+        **{f"val/grad_norm_{name}": norm for name, norm in zip(trained, norms)},
         "val/skipped_updates": sum(u["skipped"] for u in updates),
         "perf/padding_frac": pad / slots,
     })
-    if "ptx" in avg:
-        out["loss/ptx_avg"] = avg["ptx"]
+    if ret is not None:
+        out.update({"loss/value_avg": avg["value_loss"], "val/clipfrac_avg": avg["vf_clipfrac"],
+                    "val/explained_var": 1.0 - float(masked_var(ret - sc["values"], mask))
+                    / max(float(masked_var(ret, mask)), 1e-12)})
+    named = {"policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac"}
+    out.update({f"loss/{k}_avg": v for k, v in avg.items() if k not in named})  # ptx, and a fork's own terms
     return out
 
 
@@ -476,7 +462,7 @@ def main(cfg: Config, reward_fn=None):
     tokenizer = load_tokenizer(cfg.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_token_ids(cfg.model, tokenizer, extra=cfg.stop_token_ids)
-    m = build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,)))
+    m = add_optimizers(checkpoint.build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}")
@@ -484,11 +470,12 @@ def main(cfg: Config, reward_fn=None):
     sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
-    stateful = dict(actor_sched=m["actor_sched"], critic_sched=m["critic_sched"], kl_ctl=kl_ctl, sampler=sampler,
+    stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler)
+    estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
-    models = {"actor": (m["actor"], m["actor_opt"]), "critic": (m["critic"], m["critic_opt"])}
+    models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
     history, first_step = [], 1
     if ckpt:
         tr = checkpoint.load(ckpt, models, cfg)
@@ -504,8 +491,8 @@ def main(cfg: Config, reward_fn=None):
             peaks = {}
             t0 = phase_end(device, peaks, None)
             # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
-            rows = sampler.next_batch()  # this rank's prompts: global rows rank * local_rollout + (0, 1, ...)
-            seeds = row_seeds(cfg.seed, step, range(rank * run.local_rollout, (rank + 1) * run.local_rollout))
+            rows = [i for i in sampler.next_batch() for _ in range(cfg.samples_per_prompt)]  # a prompt's samples
+            seeds = row_seeds(cfg.seed, step, range(rank * run.local_rows, (rank + 1) * run.local_rows))  # side by side
             m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
             ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
                           eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
@@ -518,7 +505,7 @@ def main(cfg: Config, reward_fn=None):
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
-            sc = score_batch(m["actor"], m["ref"], m["critic"], m["reward_model"], batch, cfg, run)
+            sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run)
             if reward_fn is not None:
                 sc["score"] = torch.tensor([float(reward_fn(prompts.records[i], t)) for i, t in zip(rows, texts)], device=device)
             if not torch.isfinite(sc["score"]).all():
@@ -529,16 +516,18 @@ def main(cfg: Config, reward_fn=None):
             rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
                                         cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
 
-            # ---- 4. GAE, then advantages whitened over the whole batch (all ranks)
-            adv, ret = compute_gae(rewards, sc["values"], mask, cfg.gamma, cfg.lam)
-            adv = masked_whiten(adv, mask) if cfg.whiten_advantages else adv
-            batch.update(old_logp=sc["old_logp"], old_values=sc["values"], adv=adv, ret=ret)
+            # ---- 4. advantages (GAE with the critic's values by default; gae.ADVANTAGE_ESTIMATORS)
+            kl_reward = torch.where(mask, -kl_ctl.value * kl, 0.0)  # (B, R), the reward's KL part
+            adv, ret = estimate_advantages(score, kl_reward, sc.get("values"), mask, cfg)
+            batch.update(old_logp=sc["old_logp"], adv=adv)
+            if ret is not None:
+                batch.update(old_values=sc["values"], ret=ret)
             t2 = phase_end(device, peaks, "score")
 
             # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
             updates = []
             for epoch in range(cfg.ppo_epochs):
-                mbs = minibatch_rows(cfg.rollout_batch_size, cfg.mini_batch_size, rank, world, cfg.seed, step,
+                mbs = minibatch_rows(run.rows, cfg.mini_batch_size, rank, world, cfg.seed, step,
                                      epoch).to(device)  # (K, local_mini)
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
                 for mb_rows, n in zip(mbs, n_tokens):
@@ -555,15 +544,15 @@ def main(cfg: Config, reward_fn=None):
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             beta = kl_ctl.value
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                                   cfg.rollout_batch_size)
-            kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
+                                   run.rows, run.trained)
+            kl_ctl.update(metrics["objective/kl"], run.rows)
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             t4 = time.time()
-            metrics.update({"step": step, "lr": m["actor_sched"].get_last_lr()[0], "critic_lr": m["critic_sched"].get_last_lr()[0],
+            metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
+                                             for name in run.trained},
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                            "time/tokens_per_sec": metrics["val/response_length"] * cfg.rollout_batch_size / (t4 - t0),
-                            **peaks})
+                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:

@@ -1,13 +1,15 @@
 """
-The process a run lives in: the process group (one code path for 1 process and for N under torchrun), printing
-on rank 0, sums over ranks, the phase timer, the metrics log and stopping on a signal. Plumbing that ppo.py
+The process a run lives in: the command line, the process group (one code path for 1 process and for N under
+torchrun), printing on rank 0, sums over ranks, the phase timer, the metrics log and stopping on a signal. Plumbing that ppo.py
 calls so that its main loop reads as the algorithm; nothing here knows about models.
 """
+import inspect
 import json
 import os
+import re
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,37 @@ def phase_end(device, peaks, phase):
 
 
 # -----------------------------------------------------------------------------
+# the command line: fire parses it into ppo.Config
+
+
+def doc_from_comments(cls):
+    """The fields' comments become the docstring's Args section: `python ppo.py --help` shows them."""
+    comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
+    cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
+    return cls
+
+
+def hold_to_types(cfg):
+    """Each field of the dataclass cfg converted to its annotated type, or a ValueError naming the flag: fire reads
+    "--lr=1" as an int and "--model=7" as one."""
+    for f in fields(cfg):
+        v, want = getattr(cfg, f.name), float if f.type == float | None else f.type
+        if v is None and f.type == float | None:
+            continue
+        if want is tuple:
+            v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+            ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        elif want is str:
+            v, ok = str(v), True
+        else:  # bool, int, float: a bool is not a number here, an int is a float
+            ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
+            v = want(v) if ok else v
+        if not ok:
+            raise ValueError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
+        setattr(cfg, f.name, v)
+
+
+# -----------------------------------------------------------------------------
 # the metrics log, stopping on a signal
 
 
@@ -90,9 +123,10 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(m, step=m["step"])
         if m["step"] % self.cfg.log_every == 0:
+            vloss = f"| vloss {m['loss/value_avg']:.4f} " if "loss/value_avg" in m else ""  # with a critic
             print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} | kl {m['objective/kl']:+.3f} "
                   f"| entropy {m['objective/entropy']:.3f} | clipfrac {m['policy/clipfrac_avg']:.3f} "
-                  f"| vloss {m['loss/value_avg']:.4f} | len {m['val/response_length']:.1f} "
+                  f"{vloss}| len {m['val/response_length']:.1f} "
                   f"| stop {m['val/stop_rate']:.2f} | {m['time/step']:.1f}s", flush=True)
         if sample and self.cfg.sample_every and m["step"] % self.cfg.sample_every == 0:
             print(f"--- sample (score {sample[0]:+.3f})\n{sample[1]}{sample[2]}\n---", flush=True)

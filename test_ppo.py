@@ -3079,6 +3079,87 @@ def test_whiten_two_processes_equals_one(tmp_path):
     assert abs(outs[0]["local_mean"] - want_mean) > 1.0
 
 
+# ---- advantage estimators -----------------------------------------------------
+
+
+def brute_force_advantages(name, score, kl_reward, mask, n, gamma):
+    """float64 Python loops: the group baseline (or none) on the sequence score, then A_t = sum_{u >= t}
+    gamma^(u-t) r_u with r_u = kl_reward_u + [u last] score'; reinforce_pp then whitens over every token."""
+    import statistics
+
+    B, T = mask.shape
+    s = [float(x) for x in score]
+    if name in ("grpo", "rloo"):
+        out = []
+        for b in range(B):
+            group = s[b // n * n : b // n * n + n]
+            if name == "grpo":
+                out.append((s[b] - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6))
+            else:
+                out.append(s[b] - (sum(group) - s[b]) / (n - 1))
+        s = out
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        L = int(mask[b].sum())
+        r = [float(kl_reward[b, t]) + (s[b] if t == L - 1 else 0.0) for t in range(L)]
+        for t in range(L):
+            adv[b, t] = sum(gamma ** (u - t) * r[u] for u in range(t, L))
+    if name == "reinforce_pp":
+        vals = [float(adv[b, t]) for b in range(B) for t in range(T) if mask[b, t]]
+        mean, var = statistics.fmean(vals), statistics.variance(vals)
+        adv = torch.where(mask, (adv - mean) / math.sqrt(var + 1e-8), 0.0)
+    return adv
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("n,gamma", [(2, 1.0), (4, 0.97), (5, 1.0)])
+def test_critic_free_advantages_match_brute_force(name, n, gamma):
+    # groups of n consecutive rows with ragged responses (a one-token row, a full row), a group of equal scores
+    # (grpo: 0 / eps, not NaN), and NaN / inf in every slot off the mask
+    from gae import ADVANTAGE_ESTIMATORS
+
+    g = torch.Generator().manual_seed(n)
+    B, T = 3 * n, 9
+    mask = _lengths_mask(torch.randint(1, T + 1, (B,), generator=g).tolist(), T)
+    mask[0, :], mask[1, 1:] = True, False
+    score = torch.randn(B, generator=g) * 3
+    score[n : 2 * n] = 0.5  # one group where every sample scored the same
+    kl_reward = torch.where(mask, torch.randn(B, T, generator=g) * 0.1, 0.0)
+    cfg = types.SimpleNamespace(samples_per_prompt=n, gamma=gamma, lam=0.95, whiten_advantages=True)
+    fn = ADVANTAGE_ESTIMATORS[name]
+    adv, ret = fn(score, kl_reward, None, mask, cfg)
+    assert ret is None and not fn.critic and adv.dtype == torch.float32
+    expected = brute_force_advantages(name, score, kl_reward, mask, n, gamma)
+    assert torch.allclose(adv.double(), expected, rtol=1e-5, atol=1e-5), (adv.double() - expected).abs().max()
+    assert torch.equal(adv, torch.where(mask, adv, 0.0))
+    if name == "grpo":  # the equal group's samples get the KL part only
+        assert torch.allclose(adv[n : 2 * n].double(), brute_force_advantages("none", score * 0, kl_reward, mask, n,
+                                                                             gamma)[n : 2 * n], atol=1e-6)
+    # a masked-out NaN in the rewards or values reaches nothing; the baseline needs whole groups
+    adv2, _ = fn(score, _plant_garbage(kl_reward, mask), _plant_garbage(torch.zeros(B, T), mask), mask, cfg)
+    assert torch.equal(adv, adv2)
+    if name != "reinforce_pp":
+        with pytest.raises(ValueError, match="groups of n >= 2"):
+            fn(score[:-1], kl_reward[:-1], None, mask[:-1], cfg)
+
+
+def test_gae_estimator_is_the_gae_of_the_shaped_rewards():
+    # the default estimator: GAE of -beta * kl_t + score on the last token, whitened when asked; ret for the critic
+    from gae import ADVANTAGE_ESTIMATORS
+
+    g = torch.Generator().manual_seed(0)
+    mask = _lengths_mask([5, 1, 7, 3], 7)
+    score, kl = torch.randn(4, generator=g), torch.where(mask, torch.randn(4, 7, generator=g), 0.0)
+    values = torch.randn(4, 7, generator=g)
+    rewards, _ = shape_rewards(score, kl, torch.zeros(4, 7), mask, 0.1)  # k1 of (kl, 0) is kl
+    for whiten in (False, True):
+        cfg = types.SimpleNamespace(samples_per_prompt=1, gamma=0.99, lam=0.9, whiten_advantages=whiten)
+        adv, ret = ADVANTAGE_ESTIMATORS["gae"](score, torch.where(mask, -0.1 * kl, 0.0), values, mask, cfg)
+        ref_adv, ref_ret = compute_gae(rewards, values, mask, 0.99, 0.9)
+        assert torch.equal(ret, ref_ret) and ADVANTAGE_ESTIMATORS["gae"].critic
+        assert torch.equal(adv, masked_whiten(ref_adv, mask) if whiten else ref_adv)
+
+
 # ---- KL controllers ---------------------------------------------------------
 
 
@@ -3456,7 +3537,8 @@ def test_ppo_losses_hand_computed(monkeypatch):
               adv=torch.tensor([[2.0, -1.0, 1.0, -1.0, -1.0, nan]]), old_values=torch.tensor([[0.0, 0, 0, 1.5, 0, nan]]),
               ret=torch.tensor([[1.0] * 5 + [nan]]))
     cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1)
-    actor_loss, critic_loss, st = ppo.ppo_losses(None, None, mb, cfg, n_tokens=10, world=2)
+    critic = torch.nn.Identity()  # a stand-in: value_forward is replaced (None would mean "no critic")
+    actor_loss, critic_loss, st = ppo.ppo_losses(None, critic, mb, cfg, n_tokens=10, world=2)
     # policy per token (ratio r, advantage A): max(-A r, -A clip(r, 0.8, 1.2)), then min(., -3A) where A < 0
     #   r=1.5, A=+2: max(-3.0, -2.4) = -2.4   clipped above, A > 0: gradient 0
     #   r=0.5, A=-1: max( 0.5,  0.8) =  0.8   clipped below, A < 0: gradient 0
@@ -3482,16 +3564,20 @@ def test_ppo_losses_hand_computed(monkeypatch):
     (actor_loss + critic_loss).backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg + [0.0]) * scale, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(vpred.grad[0], torch.tensor(g_vf + [0.0]) * scale, rtol=1e-5, atol=1e-7)
+    # without a critic: the same actor loss and policy statistics, and no value loss at all
+    a0, c0, st0 = ppo.ppo_losses(None, None, mb, cfg, n_tokens=10, world=2)
+    assert c0 is None and a0.item() == actor_loss.item() and "value_loss" not in st0 and "vf_clipfrac" not in st0
+    assert all(torch.equal(st0[k], st[k]) for k in st0)
 
     # the dual clip binding: A = -1, r = 5: max(5, 0.8) = 5, above -c A = 3, so 3 with gradient 0
     logp1 = torch.tensor([[math.log(5.0)]], requires_grad=True)
     use(logp1, torch.zeros(1, 1), torch.zeros(1, 1))
     one = dict(response_mask=torch.tensor([[True]]), old_logp=torch.zeros(1, 1), adv=torch.tensor([[-1.0]]),
                old_values=torch.zeros(1, 1), ret=torch.zeros(1, 1))
-    a, _, _ = ppo.ppo_losses(None, None, one, cfg, n_tokens=1, world=1)
+    a, _, _ = ppo.ppo_losses(None, critic, one, cfg, n_tokens=1, world=1)
     a.backward()
     assert a.item() == pytest.approx(3.0) and logp1.grad.item() == 0.0
-    a, _, _ = ppo.ppo_losses(None, None, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
+    a, _, _ = ppo.ppo_losses(None, critic, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
     assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
 
 
@@ -3520,6 +3606,97 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
+
+
+# -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
+
+
+def dcp_keys(folder):
+    """The state names a training checkpoint holds (torch.distributed.checkpoint's metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_var", "val/grad_norm_critic", "critic_lr")
+
+
+def test_critic_free_run_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path):
+    # grpo over 2 samples per prompt: no critic is built, optimised, checkpointed or logged; 2 ranks repeat 1 rank
+    # (a group lives on one rank), and a resumed run repeats the uninterrupted one bitwise
+    kw = dict(advantage_estimator="grpo", samples_per_prompt=2, rollout_batch_size=4, save_every=2, temperature=1.0)
+    p, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+    assert all(k not in r for r in one for k in CRITIC_METRICS) and "vloss" not in p.stdout
+    assert all(r["policy/approxkl_avg"] > 0 for r in one)  # the actor trains
+    keys = dcp_keys(tmp_path / "one" / "checkpoints" / "step-000004")
+    assert any(k.startswith("actor.") for k in keys) and not any("critic" in k for k in keys)
+    trainer = torch.load(tmp_path / "one" / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)
+    assert "critic_sched" not in trainer and "actor_sched" in trainer
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
+    assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
+    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
+    assert_close_runs(one[:2], two)
+
+
+def test_samples_per_prompt_with_gae_differ_and_are_rank_invariant(tiny_run, tmp_path):
+    # 4 prompts x 4 samples = 16 rows a step: a prompt's samples sit side by side and draw their own noise
+    # (the reward function sees them in order), and 2 ranks train on what 1 rank does
+    kw = dict(samples_per_prompt=4, rollout_batch_size=4, mini_batch_size=8, micro_batch_size=4, temperature=1.0,
+              total_steps=2)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "one"),
+            **kw}
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+import ppo, reward
+seen = []
+def recorded(record, response):
+    seen.append((record["prompt"], response))
+    return reward.sentiment_reward(record, response)
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=recorded)
+print("SEEN", json.dumps(seen))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = json.loads(p.stdout.split("SEEN ")[1])
+    assert len(seen) == 2 * 16
+    for i in range(0, len(seen), 4):
+        group = seen[i : i + 4]
+        assert len({prompt for prompt, _ in group}) == 1, group  # one prompt's samples, side by side
+        assert len({response for _, response in group}) == 4, group  # each with its own noise
+    one = read_metrics(tmp_path / "one")
+    _, two = run_ppo(tiny_run, tmp_path / "two", nproc=2, **kw)
+    assert_close_runs(one, two)
+
+
+def test_a_new_advantage_estimator_is_one_function(tiny_run, tmp_path):
+    # a fork registers an estimator (here: the sign of the group-centred score, no critic) and runs it by name
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "fork"),
+            "total_steps": 1, "advantage_estimator": "sign", "samples_per_prompt": 2, "rollout_batch_size": 4}
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+import torch
+import gae, ppo
+calls = []
+
+@gae.advantage_estimator("sign")
+def sign_advantages(score, kl_reward, values, mask, cfg):
+    s = score.view(-1, cfg.samples_per_prompt)
+    calls.append(values is None)
+    return torch.where(mask, torch.sign(s - s.mean(1, keepdim=True)).flatten()[:, None], 0.0), None
+
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
+print("CALLS", json.dumps(calls))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.split("CALLS ")[1]) == [True]  # called once, with no critic's values
+    m = read_metrics(tmp_path / "fork")[0]
+    assert m["policy/approxkl_avg"] > 0 and not any(k in m for k in CRITIC_METRICS)
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
@@ -3630,7 +3807,15 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     # the linear schedule's horizon is total_steps: changing it on resume would move the LR curve
     p, _ = run_ppo(tiny_run, tmp_path, total_steps=2, resume="auto", lr_schedule="linear", check=False)
     assert p.returncode != 0 and "linear LR schedule" in p.stderr and "total_steps=2" in p.stderr
-    # the micro-batch size may change: it only regroups the same token-mean loss
+    # a checkpoint from before a field existed: refused when the field is set away from its default, naming it
+    saved = tmp_path / "checkpoints" / "step-000001" / "config.json"
+    cfg = json.loads(saved.read_text())
+    del cfg["samples_per_prompt"], cfg["advantage_estimator"]
+    saved.write_text(json.dumps(cfg))
+    p, _ = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", samples_per_prompt=2,
+                   check=False)
+    assert p.returncode != 0 and "before --samples_per_prompt existed" in p.stderr
+    # ... and resumed when it is at its default; the micro-batch size may change (it only regroups the loss)
     p, rows = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", micro_batch_size=1)
     assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1]
 
@@ -3647,6 +3832,10 @@ def test_config_errors_name_the_problem():
                              ("keep_checkpoints must be >= 1", dict(keep_checkpoints=0), 1),
                              ("target_kl > 0 needs kl_coef > 0", dict(target_kl=1.0, kl_coef=0.0), 1),
                              ("kl_estimator must be one of", dict(kl_estimator="k4"), 1),
+                             ("advantage_estimator must be one of", dict(advantage_estimator="ppo2"), 1),
+                             ("needs samples_per_prompt >= 2", dict(advantage_estimator="rloo"), 1),
+                             ("8 rows must be a multiple of mini_batch_size 3",
+                              dict(rollout_batch_size=4, samples_per_prompt=2, mini_batch_size=3), 1),
                              ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
                              ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2)]:
         with pytest.raises(AssertionError, match=re.escape(match)):
@@ -3868,7 +4057,7 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
     rm = make_reward_model(tmp_path / "rm")
     cfg = ppo.Config(model=tiny_run["policy"], reward_model=rm, dtype=dtype)
     run = ppo.derive(cfg, 0, 1, torch.device("cpu"))
-    m = ppo.build_models(cfg, run, load_tokenizer(cfg.model), init_device_mesh("cpu", (1,)))
+    m = C.build_models(cfg, run, load_tokenizer(cfg.model), init_device_mesh("cpu", (1,)))
     dt = run.dtype
 
     def full(model):
@@ -3886,7 +4075,7 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
     # a critic from the policy: its backbone, and the fresh head the seeded RNG draws
     cfg = ppo.Config(model=tiny_run["policy"], dtype=dtype)
     torch.manual_seed(5)
-    crit = full(ppo.build_models(cfg, run, load_tokenizer(cfg.model), init_device_mesh("cpu", (1,)))["critic"])
+    crit = full(C.build_models(cfg, run, load_tokenizer(cfg.model), init_device_mesh("cpu", (1,)))["critic"])
     torch.manual_seed(5)
     want = Transformer.from_pretrained(tiny_run["policy"], head="value").state_dict()
     assert crit.keys() == want.keys() and all(torch.equal(crit[k], want[k]) for k in want)
@@ -4054,6 +4243,34 @@ def test_param_bytes_per_rank_match_fsdp2_on_two_ranks(tmp_path):
             last = sum((s[0] - math.ceil(s[0] / 2)) * math.prod(s[1:]) for s in m.root.values()) + \
                 m.L * sum((s[0] - math.ceil(s[0] / 2)) * math.prod(s[1:]) for s in m.block.values())
             assert got[1][name]["adam"] == 2 * 4 * last < 2 * want
+
+
+def test_dry_run_without_a_critic_plans_no_critic(tiny_run, group):
+    # a critic-free estimator: no critic line anywhere in the plan, the rest as with a critic, and the trained
+    # model's planned bytes are what build_models allocates
+    from dataclasses import asdict
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ppo
+
+    cfg = ppo.Config(model=tiny_run["policy"], advantage_estimator="rloo", samples_per_prompt=2, rollout_batch_size=8,
+                     mini_batch_size=8, max_prompt_len=16, max_new_tokens=16, dtype="fp32")
+    gae_cfg = ppo.Config(**{**asdict(cfg), "advantage_estimator": "gae"})
+    on_gpu = ppo.derive(cfg, 0, 1, torch.device("cuda"))
+    (p, f), (text, _) = plan.build(cfg, on_gpu), plan.report(cfg, on_gpu)
+    q, g = plan.build(gae_cfg, ppo.derive(gae_cfg, 0, 1, torch.device("cuda")))
+    assert "critic" not in text and f["critic"] is None and g["critic"] is not None
+    assert "8 prompts x 2 samples" in text and "scoring: 16 sequences" in text
+    assert p.persistent == [line for line in q.persistent if not line[0].startswith("critic")]
+    for (_, always, moments), (_, q_always, q_moments) in zip(p.phases, q.phases):
+        assert not any("critic" in label for label, _ in always + [t for _, terms in moments for t in terms])
+        assert sum(b for _, b in always) <= sum(b for _, b in q_always)
+    m = C.build_models(cfg, ppo.derive(cfg, 0, 1, torch.device("cpu")), None, init_device_mesh("cpu", (1,)))
+    assert "critic" not in m
+    planned = dict(p.persistent)
+    assert planned["actor weights, fp32 shard"] == sum(4 * q.to_local().numel() for q in m["actor"].parameters())
+    assert planned["actor weights, fp32 shard"] == 4 * f["actor"].numel()
 
 
 # -----------------------------------------------------------------------------
