@@ -3762,6 +3762,8 @@ def read_wandb_records(path):
     return out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                    reason="needs the optional package wandb (pip install wandb), which --wandb imports")
 def test_wandb_logs_offline(tiny_run, tmp_path):
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test", kl_estimator="exact",
                       env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
