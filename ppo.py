@@ -54,6 +54,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -89,7 +90,8 @@ class Config:
     sft_data: str = ""  # optional JSONL of prompt/response pairs for the ptx (SFT) loss
     ptx_coef: float = 0.0  # weight of the SFT loss mixed into the actor loss (needs sft_data)
     ptx_batch_size: int = 8  # SFT pairs per optimizer step, over all ranks
-    out_dir: str = "out"  # metrics.jsonl, checkpoints and the HF-format actor
+    out_dir: str = "out"  # metrics.jsonl, checkpoints and the HF-format actor; one run at a time (out_dir/.lock)
+    overwrite: bool = False  # a new run into an out_dir that holds one moves the old run aside (out_dir.old-<time>)
     # rollout
     total_steps: int = 16  # PPO steps (one rollout batch each)
     rollout_batch_size: int = 16  # prompts per step, over all ranks (each sampled samples_per_prompt times)
@@ -299,7 +301,9 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
 
     # clipped surrogate (Schulman et al. 2017), optional dual clip (Ye et al. 2020)
-    logratio = torch.where(mask, pol["logp"] - old_logp, 0.0)
+    # the log-ratio clamped before exp (as verl and OpenRLHF do): past ~88.7 float32's exp is inf, and the gradient
+    # NaN; at +-20 the clip has long made the token's gradient 0 or its ratio irrelevant
+    logratio = torch.where(mask, pol["logp"] - old_logp, 0.0).clamp(-20.0, 20.0)
     ratio = logratio.exp()
     pg_losses = -adv * ratio
     pg_losses2 = -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)
@@ -453,10 +457,10 @@ def main(cfg: Config, reward_fn=None):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite)  # out_dir is this run's, or a clear refusal
     print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
            f"micro-batch {run.local_micro}")
-    ckpt = checkpoint.find(cfg)  # the checkpoint to resume from, checked against cfg before any model is read
+    ckpt = checkpoint.find(cfg)  # the checkpoint to resume from, verified and checked against cfg, before any model
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
     tokenizer = load_tokenizer(cfg.model)
@@ -476,13 +480,13 @@ def main(cfg: Config, reward_fn=None):
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
-    history, first_step = [], 1
+    history, first_step, run_id = [], 1, uuid.uuid4().hex  # run_id: whose checkpoints rotation may delete
     if ckpt:
         tr = checkpoint.load(ckpt, models, cfg)
         for k, obj in stateful.items():
             if obj is not None:
                 obj.load_state_dict(tr[k])
-        history, first_step = tr["metrics"], tr["step"] + 1
+        history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr.get("run_id", run_id)
         print0(f"resumed from {ckpt} at step {tr['step']}")
     log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
 
@@ -558,7 +562,7 @@ def main(cfg: Config, reward_fn=None):
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                                dict(trainer, step=step, metrics=log.history), cfg)
+                                dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
                 save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
@@ -566,6 +570,7 @@ def main(cfg: Config, reward_fn=None):
                 break
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
+        release()  # out_dir/.lock (a run killed before this point leaves a stale lock: the next run takes it over)
     log.close()
     dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()

@@ -1,12 +1,14 @@
 """
 The process a run lives in: the command line, the process group (one code path for 1 process and for N under
-torchrun), printing on rank 0, sums over ranks, the phase timer, the metrics log and stopping on a signal. Plumbing that ppo.py
+torchrun), printing on rank 0, sums over ranks, the free disk, the phase timer, the metrics log and stopping on a
+signal. Plumbing that ppo.py
 calls so that its main loop reads as the algorithm; nothing here knows about models.
 """
 import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from dataclasses import asdict, fields
@@ -46,6 +48,18 @@ def all_sum(x):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)  # on the CPU: gloo
     return t
+
+
+def check_space(folder, local_bytes, what):
+    """Every rank calls it with the bytes its share of `what` will take in folder: raises OSError on every rank when
+    the sum over ranks (plus 1% and 16 MiB for the small files) passes the free space rank 0 sees there."""
+    os.makedirs(folder, exist_ok=True)
+    free = shutil.disk_usage(folder).free if dist.get_rank() == 0 else 0
+    need, free = all_sum([float(local_bytes) * 1.01 + 16 * 2**20, float(free)]).tolist()
+    if need > free:
+        raise OSError(f"not enough disk space for {what} in {folder}: it needs about {need / 2**30:.2f} GiB, "
+                      f"{free / 2**30:.2f} GiB are free; nothing was written and the previous checkpoint is kept. "
+                      "Free some space (or move --out_dir), then resume with --resume=auto")
 
 
 def phase_end(device, peaks, phase):
@@ -138,12 +152,22 @@ class Logger:
 
 class StopSignal:
     """SIGTERM / SIGINT (what a cluster sends before preemption) only set a flag: the step in flight
-    finishes, then every rank checkpoints at the same step and exits."""
+    finishes, then every rank checkpoints at the same step and exits. A second signal stops the process at
+    once (a step that hangs, in a reward function say): the last complete checkpoint stays as it was, and
+    what the interrupted write left is removed at the next start."""
 
     def __init__(self):
         self.received = []
-        self.previous = {sig: signal.signal(sig, lambda signum, frame: self.received.append(signum))
-                         for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        self.received.append(signum)
+        if len(self.received) == 1:  # os.write: print() may be in the middle of a write this handler interrupted
+            os.write(2, f"signal {signum}: stopping after the step in flight, with a checkpoint; send it again "
+                        "to stop at once\n".encode())
+        else:
+            os.write(2, f"signal {signum} again: stopping now; the last complete checkpoint is kept\n".encode())
+            os._exit(128 + signum)
 
     def close(self):
         """Puts back the handlers it replaced."""

@@ -56,6 +56,8 @@ import rollout as R
 from rollout import filter_logits, generate, generate_reference, sample
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+# the long end-to-end runs; PPO_QUICK=1 pytest test_ppo.py skips them (the quick subset to run while working)
+slow = pytest.mark.skipif(os.environ.get("PPO_QUICK") == "1", reason="slow: PPO_QUICK=1 skips it")
 
 
 # ==================================================================================================
@@ -3581,6 +3583,23 @@ def test_ppo_losses_hand_computed(monkeypatch):
     assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
 
 
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(monkeypatch):
+    # exp(100) overflows float32: the log-ratio is clamped at +-20 before exp, so the loss and its gradient stay
+    # finite (the clipped surrogate then takes the clipped branch for A > 0 and the clamped ratio for A < 0)
+    import ppo
+
+    logp = torch.tensor([[100.0, -100.0, 0.5]], requires_grad=True)
+    monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
+        logp=logp, entropy=torch.zeros(1, 3)))
+    mb = dict(response_mask=torch.ones(1, 3, dtype=torch.bool), old_logp=torch.zeros(1, 3),
+              adv=torch.tensor([[-1.0, 1.0, 1.0]]))
+    loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(), n_tokens=3, world=1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert st["ratio"].item() == pytest.approx(math.exp(20) + math.exp(-20) + math.exp(0.5), rel=1e-6)
+    assert loss.item() == pytest.approx((math.exp(20) - math.exp(-20) - 1.2) / 3, rel=1e-6)
+
+
 # -- resume, preemption, bad input ---------------------------------------------------------------
 
 
@@ -3793,11 +3812,194 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_run, tmp_path):
 
     shutil.copytree(ckpts / "step-000002", ckpts / "step-000004")
     os.remove(ckpts / "step-000004" / "trainer.pt")
-    with pytest.raises(AssertionError, match=r"incomplete checkpoint, missing \['trainer.pt'\]"):
+    with pytest.raises(AssertionError, match=r"step-000004: trainer.pt is missing"):
         run_ppo(tiny_run, out, total_steps=5, resume=str(ckpts / "step-000004"))
     p, rows = run_ppo(tiny_run, out, total_steps=3, resume="auto")
     assert "resumed from" in p.stdout and "step-000002" in p.stdout
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+# -- never lose a run: one owner per out_dir, checkpoints that prove themselves, kill -9 anywhere -------------------
+
+
+def folder_snapshot(folder):
+    """{relative path: bytes} of every file under folder."""
+    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(folder) for n in names}
+
+
+def popen_ppo(tiny_run, out_dir, **kw):
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    before = folder_snapshot(out)
+    assert ".lock" not in before and "checkpoints/step-000002/manifest.json" in before
+    p, _ = run_ppo(tiny_run, out, total_steps=1, seed=7, check=False)  # a new run into the same folder
+    assert p.returncode != 0 and "holds an earlier run" in p.stderr and "--resume=auto" in p.stderr
+    assert "--overwrite" in p.stderr and folder_snapshot(out) == before
+    # --overwrite moves the old run aside, whole, and starts fresh
+    p, rows = run_ppo(tiny_run, out, total_steps=1, seed=7, overwrite=True)
+    aside = [d for d in os.listdir(tmp_path) if d.startswith("run.old-")]
+    assert len(aside) == 1 and folder_snapshot(tmp_path / aside[0]) == before and [r["step"] for r in rows] == [1]
+    # the export is readable like any saved model (the umask's mode, not mkdtemp's private 0700)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "actor").st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_two_runs_in_one_out_dir_and_a_stale_lock(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    a = popen_ppo(tiny_run, out, total_steps=500)
+    deadline = time.time() + 240
+    while not read_metrics(out) and time.time() < deadline and a.poll() is None:
+        time.sleep(0.1)
+    b, _ = run_ppo(tiny_run, out, total_steps=3, resume="auto", check=False)
+    assert b.returncode != 0 and f"in use by another run: PID {a.pid} on host" in b.stderr, b.stderr[-2000:]
+    a.kill()  # kill -9: the lock stays behind, stale
+    a.wait()
+    assert os.path.isfile(out / ".lock")
+    p, rows = run_ppo(tiny_run, out, total_steps=2, resume="auto")
+    assert "taking over the stale lock" in p.stdout and [r["step"] for r in rows] == [1, 2]
+    assert not os.path.exists(out / ".lock")
+
+
+@slow
+def test_kill_9_anywhere_and_resume_is_exact(tiny_run, tmp_path):
+    # kill -9 in the middle of a step, of a checkpoint write and of the export, resuming after each: the final
+    # metrics and weights equal an uninterrupted run's bitwise, and nothing of the interrupted writes is left
+    kw = dict(total_steps=4, save_every=1, keep_checkpoints=2)
+    _, full = run_ppo(tiny_run, tmp_path / "full", **kw)
+    out = tmp_path / "killed"
+
+    def kill_when(ready, proc, timeout=240):
+        deadline = time.time() + timeout
+        while not ready() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.002)
+        assert proc.poll() is None, proc.communicate()[0][-2000:]  # killed while still running
+        proc.kill()
+        proc.wait()
+
+    ckpts = out / "checkpoints"
+    moments = [lambda: glob.glob(str(ckpts / "step-*.tmp")),  # mid-checkpoint
+               lambda: glob.glob(str(out / ".tmp-*")),  # mid-export
+               lambda: len(read_metrics(out)) >= 3]  # mid-step (after step 3's metrics, in its checkpoint or step 4)
+    for i, ready in enumerate(moments):
+        kill_when(ready, popen_ppo(tiny_run, out, resume="auto", **kw))
+    p, rows = run_ppo(tiny_run, out, resume="auto", **kw)
+    assert_same_run(tmp_path / "full", full, out, rows)
+    left = [n for n in os.listdir(out) if n.startswith(".tmp") or n.endswith(".tmp") or n == ".lock"]
+    left += [n for n in os.listdir(ckpts) if not re.fullmatch(r"step-\d+", n)]
+    assert left == [] and sorted(os.listdir(ckpts)) == ["step-000003", "step-000004"]
+
+
+def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, capsys, group):
+    # truncating or deleting any file of the newest checkpoint: resume takes the one before, naming the file
+    import shutil
+
+    import ppo
+
+    out = tmp_path / "run"
+    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    newest = out / "checkpoints" / "step-000002"
+    files = sorted(os.listdir(newest))
+    assert {"manifest.json", "trainer.pt", "config.json", ".metadata", "rng-rank0.pt"} <= set(files)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(newest, pristine)
+    cfg = ppo.Config(**{**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+                        "total_steps": 3, "resume": "auto"})
+    for name in files:
+        for damage in ("truncate", "delete"):
+            shutil.rmtree(newest)
+            shutil.copytree(pristine, newest)
+            if damage == "delete":
+                os.remove(newest / name)
+            else:
+                with open(newest / name, "r+b") as f:
+                    f.truncate(max(os.path.getsize(newest / name) // 2, 1) - 1)
+            capsys.readouterr()
+            assert C.find(cfg) == str(out / "checkpoints" / "step-000001"), (name, damage)
+            said = capsys.readouterr().out
+            assert f"skipping {newest}" in said and name in said, (name, damage, said)
+    # and end to end: a truncated model shard; the run resumes at step 1 and repeats an uninterrupted one
+    shard = next(n for n in files if n.endswith(".distcp"))
+    shutil.rmtree(newest)
+    shutil.copytree(pristine, newest)
+    with open(newest / shard, "r+b") as f:
+        f.truncate(100)
+    p, rows = run_ppo(tiny_run, out, total_steps=3, resume="auto")
+    assert f"skipping {newest}: {shard} has 100 bytes" in p.stdout and "resumed from" in p.stdout
+    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=3, save_every=1)
+    assert_same_run(tmp_path / "full", full, out, rows)
+
+
+def test_a_full_disk_stops_before_writing_and_keeps_the_checkpoint(tiny_run, tmp_path):
+    # the disk "fills" after the first checkpoint: the second is refused before a byte is written
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 3, "save_every": 1}
+    script = f"""
+import json, shutil, sys
+sys.path.insert(0, {REPO!r})
+import ppo
+usage, calls = shutil.disk_usage, []
+def full_after_the_first_save(path):
+    calls.append(path)
+    u = usage(path)
+    return u._replace(free=u.free if len(calls) <= 2 else 1000)  # the first checkpoint and export, then full
+shutil.disk_usage = full_after_the_first_save
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0 and "not enough disk space for the training checkpoint in" in p.stderr, p.stderr[-2000:]
+    assert str(out / "checkpoints") in p.stderr and "GiB are free" in p.stderr
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000001"] and C.verify(out / "checkpoints" / "step-000001") is None
+    _, rows = run_ppo(tiny_run, out, total_steps=2, resume="auto")
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_a_second_signal_stops_a_hanging_step_at_once(tiny_run, tmp_path):
+    # the reward function hangs in step 2; SIGTERM asks for a checkpoint after the step (which never ends),
+    # a second SIGTERM stops the process: step 1's checkpoint is intact and resumes
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 3, "save_every": 1}
+    script = f"""
+import json, sys, time
+sys.path.insert(0, {REPO!r})
+import ppo, reward
+calls = []
+def hangs_in_step_2(record, response):
+    calls.append(1)
+    if len(calls) > 8:
+        print("HANGING", flush=True)
+        time.sleep(3600)
+    return reward.sentiment_reward(record, response)
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=hangs_in_step_2)
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if "HANGING" in line:
+            break
+    p.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert p.poll() is None  # the first signal waits for the step in flight
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    rest = p.communicate(timeout=60)[0]
+    assert p.returncode == 128 + signal.SIGTERM and time.time() - t0 < 10, "".join(lines) + rest
+    assert "stopping now" in rest and C.verify(out / "checkpoints" / "step-000001") is None
+    _, rows = run_ppo(tiny_run, out, total_steps=2, resume="auto")
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
