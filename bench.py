@@ -453,8 +453,9 @@ def _attention(device, B, T, dtype, rounds):
           f"{device}; rows of {lengths.tolist()} real tokens; best of {rounds}")
     print(f"{'stage':<18} {'impl':<10} {'ms':>9} {'peak MiB':>9} {'speedup':>8} {'mask ms':>8}")
     Tq = math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
+    # a decode step's flex mask has a row per query head of a key/value head (model.attend folds them into rows)
     stages = {"forward+backward": lambda impl: masks(impl, torch.arange(T, device=dev), Tq, Tq),
-              "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), 1, T)}
+              "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), nh // nkv, T)}
     for stage, make_mask in stages.items():
         ms = {}
         for impl in (fused, "reference"):

@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import decimal
 import glob
 import importlib.util
@@ -73,6 +74,18 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(rope_theta=1e6, head_dim=16)),
     "smollm2": (transformers.LlamaConfig, dict(rope_theta=100000.0, tie_word_embeddings=True)),
 }
+
+
+# query / key-value heads that take CUDA's fused path (flex attention: head_dim >= 16; hidden = heads x 16) at the
+# GQA ratios of SmolLM2-135M (9 / 3) and Qwen2.5-1.5B (12 / 2), which are no powers of two, and at ratio 1
+FLEX_HEADS = {3: (6, 2), 6: (12, 2), 1: (2, 2)}  # ratio -> (query heads, key/value heads)
+FLEX_HEAD_DIM = 16
+
+
+def flex_heads(ratio):
+    """Config fields of a tiny model with FLEX_HEADS[ratio] heads of FLEX_HEAD_DIM."""
+    nh, nkv = FLEX_HEADS[ratio]
+    return dict(num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=nh * FLEX_HEAD_DIM)
 
 
 def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
@@ -443,6 +456,8 @@ def max_diff(a, b):
     (9, 9, 128, 140, None),  # prefill into a cache of 140 slots
     (1, 11, 1, 140, [10]),  # eager decode: mask over the 11 filled slots, the whole cache read
     (1, 140, 1, 140, [10]),  # compiled decode: mask over the whole cache
+    (1, 11, 3, 140, [10]),  # decode, 3 query heads per key/value head folded into 3 rows (SmolLM2's 9 / 3)
+    (1, 140, 6, 140, [10]),  # compiled decode, 6 per key/value head (Qwen2.5-1.5B's 12 / 2)
     (200, 200, 256, 256, None),  # two tiles
 ])
 def test_block_mask_is_the_dense_rule(T, W, Q, S, slots):
@@ -453,9 +468,10 @@ def test_block_mask_is_the_dense_rule(T, W, Q, S, slots):
     bm = M.attention_block_mask(mask, q_slots, Q, S)
     assert bm.seq_lengths == (Q, S)
     full = create_mask(bm.mask_mod, len(lengths), 1, Q, S, device=mask.device)  # (B, 1, Q, S): what flex applies
-    assert torch.equal(full[:, :, :T, :W], dense)
-    assert not full[:, :, :T, W:].any()  # slots past the mask are never read by a real query
-    assert torch.equal(full[:, :, T:], torch.arange(S).eq(0).expand_as(full[:, :, T:]))  # padding query: key 0
+    rows = Q if T == 1 else T  # a decode step's rows are all its one query; past T otherwise: padding queries
+    assert torch.equal(full[:, :, :rows, :W], dense.expand(-1, -1, rows, -1))
+    assert not full[:, :, :rows, W:].any()  # slots past the mask are never read by a real query
+    assert torch.equal(full[:, :, rows:], torch.arange(S).eq(0).expand_as(full[:, :, rows:]))  # padding query: key 0
     # a tile is computed iff it holds an allowed pair: padding tiles are skipped
     bs = M.FLEX_BLOCK
     tiles = torch.nn.functional.pad(full, (0, -S % bs, 0, -Q % bs))
@@ -598,6 +614,41 @@ def op_names(fn):
     return {e.key for e in prof.key_averages()}
 
 
+@contextlib.contextmanager
+def compiled_graphs():
+    """Records every graph inductor compiles meanwhile, as it lowers it (after AOT autograd's decompositions):
+    per graph, for every call, (op name, shapes of its first three tensor arguments, a symbolic size as a string).
+    A compiled region runs no profiled aten op (under CUDA graphs, none at all), so this is where to look for what
+    it computes. A plain function as a graph pass turns inductor's graph cache off (it cannot hash one): every graph
+    is lowered again."""
+    import torch._inductor.config
+
+    graphs = []
+
+    def shape(x):
+        return tuple(d if isinstance(d, int) else str(d) for d in x.shape)
+
+    def record(graph):
+        graphs.append([(str(n.target), [shape(a.meta["val"]) for a in n.args[:3] if isinstance(a, torch.fx.Node)
+                                        and isinstance(a.meta.get("val"), torch.Tensor)])
+                       for n in graph.nodes if n.op == "call_function"])
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record):
+        yield graphs
+
+
+def unfused_attention(graphs):
+    """The ops of compiled graphs that compute attention outside a fused kernel: SDPA of any backend (its math
+    backend is decomposed into bmm, amax, exp and sum), softmax, batched matmuls (the projections are plain mm)."""
+    return {op for g in graphs for op, _ in g if any(w in op for w in ("scaled_dot_product", "softmax", "bmm"))}
+
+
+def flex_calls(graphs):
+    """(q, k, v) shapes of every flex attention call in compiled graphs."""
+    return [shapes for g in graphs for op, shapes in g if op == "flex_attention"]
+
+
+
 def test_cpu_default_is_the_fused_flash_kernel(tmp_path):
     model = tiny(tmp_path, "llama2").train()  # GQA: 4 query heads, 2 key/value heads
     model.activation_checkpointing = True
@@ -647,6 +698,42 @@ def test_flex_matches_reference_on_cpu(tmp_path, monkeypatch):
         out = prefill_decode(model, "flex", idx, mask, pos, 7, 128, whole_cache=False)
     real = mask.bool()
     assert max_diff(out[real], ref[real]) < 1e-5
+
+
+@pytest.mark.parametrize("ratio,family", [(3, "smollm2"), (6, "qwen2"), (1, "llama2")])
+def test_flex_decode_reads_each_key_value_head_once(tmp_path, monkeypatch, ratio, family):
+    """A decode step folds the `ratio` query heads of each key/value head into `ratio` query rows of that head, so
+    flex attention sees as many query heads as key/value heads and no GQA (inductor's decoding kernel, one program
+    per key/value head and cache split, takes GQA only at a power-of-two ratio). Ragged left-padded rows, an
+    eager decode (mask over the filled slots) and the compiled step's whole-cache mask, against the reference;
+    flex uncompiled (torch's unfused version of it, the same BlockMask), so nothing compiles here."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    calls = []  # (q shape, k shape, enable_gqa) of every flex call
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), kw.get("enable_gqa", False)))
+        return flex_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(M, "compiled_flex_attention", lambda: spy)
+    make_checkpoint(tmp_path, family, num_hidden_layers=1, **flex_heads(ratio))
+    model = Transformer.from_pretrained(str(tmp_path)).eval()
+    (nh, nkv), hs = FLEX_HEADS[ratio], FLEX_HEAD_DIM
+    idx, mask, pos = decode_batch()  # 5 rows: a ragged prompt block of 7, then 6 decoded columns
+    real = mask.bool()
+    with torch.no_grad():
+        ref = run(model, "reference", idx, attention_mask=mask, position_ids=pos)
+        for whole_cache in (False, True):
+            calls.clear()
+            out = prefill_decode(model, "flex", idx, mask, pos, 7, 140, whole_cache)  # 2 tiles of keys, 1 partial
+            assert max_diff(out[real], ref[real]) < 1e-5 * ref.abs().max(), whole_cache  # float32 rounding
+            assert calls[0] == ((5, nh, M.FLEX_BLOCK, hs), (5, nkv, 140, hs), ratio > 1)  # the prefill, GQA
+            assert calls[1:] == [((5, nkv, ratio, hs), (5, nkv, 140, hs), False)] * 6  # 6 decode steps, folded
+        calls.clear()  # one token without a cache is folded too (row 3: padding)
+        i1, m1, p1 = idx[:, 6:7], mask[:, 6:7], pos[:, 6:7]
+        ref1 = run(model, "reference", i1, attention_mask=m1, position_ids=p1)
+        assert max_diff(run(model, "flex", i1, attention_mask=m1, position_ids=p1), ref1) < 1e-5 * ref1.abs().max()
+        assert calls == [((5, nkv, ratio, hs), (5, nkv, 1, hs), False)]
 
 
 # -- CUDA: the fused path never runs the math kernel -------------------------------------------------
@@ -2032,6 +2119,21 @@ def rollout_tiny(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def flex_tiny(tmp_path_factory):
+    """GQA ratio -> a tiny random model that takes CUDA's fused path (flex attention), with FLEX_HEADS[ratio]:
+    3 (SmolLM2's 9 / 3, a Llama) and 6 (Qwen2.5-1.5B's 12 / 2, a Qwen2)."""
+    out = {}
+    for ratio, family in ((3, "llama"), (6, "qwen2")):
+        cfg_cls, extra = ROLLOUT_FAMILIES[family]
+        torch.manual_seed(ratio)
+        hf = AutoModelForCausalLM.from_config(cfg_cls(**{**ROLLOUT_TINY, **extra, **flex_heads(ratio)}))
+        folder = tmp_path_factory.mktemp(f"flex{ratio}")
+        hf.save_pretrained(folder)
+        out[ratio] = Transformer.from_pretrained(str(folder)).eval()
+    return out
+
+
 def random_prompts(lengths, seed=0, low=3, high=128):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
@@ -2249,6 +2351,31 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     assert model.model.layers[0].self_attn.kv_cache.k is cache
     assert torch.equal(comp2.tokens, generate_reference(model, prompts2, 20, temperature=0).tokens)
     model.clear_kv_cache()
+
+
+def test_compiled_flex_decode_folds_query_heads(flex_tiny, monkeypatch):
+    # the CUDA path on a CPU: flex attention inside the decode step, compiled with fixed shapes over the whole cache
+    # (inductor's C++ flex kernel), at SmolLM2's non-power-of-two ratio of 3 query heads per key/value head. Its
+    # graph runs flex attention over the 2 key/value heads with 3 query rows each (no GQA, so on CUDA inductor's
+    # decoding kernel) and no unfused attention, and it samples what the reference (SDPA's math kernel) samples.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    model = flex_tiny[3]
+    monkeypatch.setattr(M, "compiled_flex_attention", lambda: flex_attention)  # an uncompiled prefill: one compile
+    prompts = random_prompts([5, 9, 2, 13], seed=40)
+    kw = dict(temperature=0.7, top_k=20, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[1, 2, 3, 4])
+    monkeypatch.setattr(model, "attn_impl", "reference")
+    ref = generate_reference(model, prompts, 12, **kw)
+    monkeypatch.setattr(model, "attn_impl", "flex")
+    try:
+        with compiled_graphs() as graphs:  # compact=False: one decode size, one compile
+            comp = generate(model, prompts, 12, compile=True, compact=False, max_prompt_len=13, **kw)
+    finally:
+        model.clear_kv_cache()
+    assert_same_rollout(comp, ref)
+    nkv, hs = FLEX_HEADS[3][1], FLEX_HEAD_DIM
+    assert flex_calls(graphs) == [[(4, nkv, 3, hs), (4, nkv, 64, hs), (4, nkv, 64, hs)]] * 2  # 2 layers; 64 slots
+    assert not unfused_attention(graphs)
 
 
 @needs_cuda
