@@ -208,6 +208,11 @@ def _warm_compiled(model, prompts, new_tokens):
     the same cache width as new_tokens."""
     P = max(len(p) for p in prompts)
     S = math.ceil((P + new_tokens) / CACHE_MULTIPLE) * CACHE_MULTIPLE
+    # each case compiles afresh: dynamo's recompile limit (8 per function) counts every shape of the process, and
+    # a run of batch sizes and models would pass it (the decode step is compiled with fullgraph: an error)
+    torch._dynamo.reset()
+    rollout.compiled_decode_one.cache_clear()
+    model.clear_kv_cache()
     generate(model, prompts, min(new_tokens, max(3, S - CACHE_MULTIPLE + 1 - P)), temperature=0, compile=True)
 
 
@@ -461,8 +466,9 @@ def _attention(device, B, T, dtype, rounds):
           f"{device}; rows of {lengths.tolist()} real tokens; best of {rounds}")
     print(f"{'stage':<18} {'impl':<10} {'ms':>9} {'peak MiB':>9} {'speedup':>8} {'mask ms':>8}", flush=True)
     Tq = math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
+    # a decode step's flex mask has a row per query head of a key/value head (model.attend folds them into rows)
     stages = {"forward+backward": lambda impl: masks(impl, torch.arange(T, device=dev), Tq, Tq),
-              "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), 1, T)}
+              "decode (1 token)": lambda impl: masks(impl, torch.tensor([T - 1], device=dev), nh // nkv, T)}
     for stage, make_mask in stages.items():
         ms = {}
         for impl in (fused, "reference"):

@@ -35,7 +35,17 @@ output that nothing uses, not the NaN of an all-masked row). `Transformer.attn_i
                unfilled cache slots) are skipped. Lengths are rounded up to multiples of 128 (zero-
                padded, dropped after) so that few shapes compile; a decode step (T = 1) reads the
                whole cache, one shape per cache. Prefill, decode and training never run the math
-               kernel (a GPU test reads the profile).
+               kernel (a GPU test reads the profile and the compiled graphs).
+               A decode step folds the g = nh / nkv query heads that share a key/value head into g
+               query rows of that head, (B, nh, 1, hs) -> (B, nkv, g, hs), all with the step's one
+               mask row. Why: inductor's flex decoding kernel, which reads each key/value head's
+               cache once for all its query heads (split along the cache), takes GQA only at a
+               power-of-two g; SmolLM2 (9 / 3) and Qwen2.5-1.5B (12 / 2) would get the general
+               kernel instead, a 128-row tile per query head with one real row, reading the cache
+               g times. Folded, flex sees as many query heads as key/value heads, and the decoding
+               kernel runs at any g, still skipping unfilled cache tiles. (SDPA over the filled
+               prefix is no way out: the rows are left-padded and the compiled step reads the whole
+               cache, so it needs a mask, and on CUDA a mask with GQA means the math kernel.)
   "sdpa"       CPU default. SDPA with the boolean (B, 1, T, S) mask, which on a CPU dispatches to
                its fused flash-attention kernel, forward and backward, reading the key/value heads
                without repeating them (profiled: aten::_scaled_dot_product_flash_attention_for_cpu).
@@ -218,17 +228,24 @@ def attention_mask_4d(attention_mask, q_slots):
 def attention_block_mask(attention_mask, q_slots, Q, S):
     """The same rule as a flex attention BlockMask over Q >= T query rows and S key slots, S >= the mask's
     width (the extra rows and slots are padding: padding slots are no real keys, padding queries take
-    slot 0 and so see key 0 only). Tiles of FLEX_BLOCK x FLEX_BLOCK with no allowed pair are skipped."""
+    slot 0 and so see key 0 only). Tiles of FLEX_BLOCK x FLEX_BLOCK with no allowed pair are skipped.
+    A decode step (T = 1) has Q = nh / nkv rows, all of them its one query: attend folds the query heads
+    that share a key/value head into query rows."""
     B, T, W = attention_mask.size(0), q_slots.numel(), attention_mask.size(1)
     # padded only where needed: inductor's CPU flex kernel rejects mask tensors computed in the same graph
     # (the compiled decode step passes the whole cache's mask and one slot, so it needs no padding)
     keys = attention_mask if W == S else F.pad(attention_mask, (0, S - W))  # (B, S), 1 = real token
-    q_slots = q_slots if T == Q else F.pad(q_slots, (0, Q - T))  # (Q,)
+    q_slots = q_slots if T == Q or T == 1 else F.pad(q_slots, (0, Q - T))  # (Q,), or (1,) for a decode step
 
-    def mask_mod(b, h, q, kv):
+    def mask_mod(b, h, q, kv):  # query row q sits in cache slot q_slots[q]
         return may_attend(q_slots[q], kv, keys[b, kv] != 0)
 
-    return create_block_mask(mask_mod, B, None, Q, S, device=attention_mask.device, BLOCK_SIZE=FLEX_BLOCK)
+    def decode_mask_mod(b, h, q, kv):  # every row is the one query (attend folds query heads into rows)
+        return may_attend(q_slots[0], kv, keys[b, kv] != 0)
+
+    # two functions, not a test of T inside one: compiled flex attention guards on the values a mask_mod reads
+    return create_block_mask(decode_mask_mod if T == 1 else mask_mod, B, None, Q, S, device=attention_mask.device,
+                             BLOCK_SIZE=FLEX_BLOCK)
 
 
 def default_attn_impl(device, head_dim):
@@ -249,18 +266,25 @@ def attend(q, k, v, mask, impl):
     """softmax(q k^T / sqrt(hs), masked) v with grouped-query heads (head h reads key head h // (nh/nkv)).
     q (B, nh, T, hs), k, v (B, nkv, S, hs) -> (B, nh, T, hs).
     impl "flex": mask is attention_block_mask's, over lengths (Q, S') >= (T, S): q, k, v are zero-padded
-      to them (a copy, only when they differ) and the padded rows dropped from the output.
+      to them (a copy, only when they differ) and the padded rows dropped from the output. A decode step
+      (T = 1, Q = nh / nkv) folds the g = nh / nkv query heads of each key/value head into g query rows:
+      q (B, nh, 1, hs) -> (B, nkv, g, hs), a view. Every row then reads its own head's keys, with no GQA,
+      so inductor picks its flex decoding kernel for any ratio g (it takes GQA only for a power of two),
+      which reads each key/value head's cache once for all g rows, in tiles split along the cache.
     impl "sdpa" / "reference": mask is attention_mask_4d's (B, 1, T, S'), S' <= S: only the first S'
       slots are read; "reference" forces SDPA's math kernel (the slow twin)."""
     gqa = q.size(1) != k.size(1)
     if impl == "flex":
-        T, (Q, S) = q.size(2), mask.seq_lengths
-        if Q > T:
-            q = F.pad(q, (0, 0, 0, Q - T))
+        (B, nh, T, hs), nkv, (Q, S) = q.shape, k.size(1), mask.seq_lengths
         if S > k.size(2):
             k, v = F.pad(k, (0, 0, 0, S - k.size(2))), F.pad(v, (0, 0, 0, S - v.size(2)))
         # inside a compiled region (the compiled decode step) the plain function is traced and fused there
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        if T == 1:  # decode: query head h = kv * g + r becomes row r of key/value head kv
+            y = flex(q.view(B, nkv, nh // nkv, hs), k, v, block_mask=mask)  # (B, nkv, g, hs)
+            return y.reshape(B, nh, 1, hs)
+        if Q > T:
+            q = F.pad(q, (0, 0, 0, Q - T))
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :T]
     S = mask.size(-1)
     k, v = k[:, :, :S], v[:, :, :S]
@@ -439,8 +463,10 @@ class Transformer(nn.Module):
         # the mask is built once per forward and shared by every layer
         impl = self.attn_impl or default_attn_impl(idx.device, self.config.head_dim)
         if impl == "flex":  # lengths bucketed so that few shapes compile; decode (T = 1) reads the whole cache
-            Q = T if T == 1 else math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
-            S = Q if cache_pos is None else self.model.layers[0].self_attn.kv_cache.k.size(2)
+            L = T if T == 1 else math.ceil(T / FLEX_BLOCK) * FLEX_BLOCK
+            S = L if cache_pos is None else self.model.layers[0].self_attn.kv_cache.k.size(2)
+            # one token: a row for each query head of a key/value head (attend folds them)
+            Q = self.config.num_attention_heads // self.config.num_key_value_heads if T == 1 else L
             mask = attention_block_mask(attention_mask, q_slots, Q, S)
         else:
             mask = attention_mask_4d(attention_mask, q_slots)  # (B, 1, T, S')

@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import copy
 import decimal
 import glob
@@ -78,6 +79,18 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(rope_theta=1e6, head_dim=16)),
     "smollm2": (transformers.LlamaConfig, dict(rope_theta=100000.0, tie_word_embeddings=True)),
 }
+
+
+# query / key-value heads that take CUDA's fused path (flex attention: head_dim >= 16; hidden = heads x 16) at the
+# GQA ratios of SmolLM2-135M (9 / 3) and Qwen2.5-1.5B (12 / 2), which are no powers of two, and at ratio 1
+FLEX_HEADS = {3: (6, 2), 6: (12, 2), 1: (2, 2)}  # ratio -> (query heads, key/value heads)
+FLEX_HEAD_DIM = 16
+
+
+def flex_heads(ratio):
+    """Config fields of a tiny model with FLEX_HEADS[ratio] heads of FLEX_HEAD_DIM."""
+    nh, nkv = FLEX_HEADS[ratio]
+    return dict(num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=nh * FLEX_HEAD_DIM)
 
 
 def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
@@ -448,6 +461,8 @@ def max_diff(a, b):
     (9, 9, 128, 140, None),  # prefill into a cache of 140 slots
     (1, 11, 1, 140, [10]),  # eager decode: mask over the 11 filled slots, the whole cache read
     (1, 140, 1, 140, [10]),  # compiled decode: mask over the whole cache
+    (1, 11, 3, 140, [10]),  # decode, 3 query heads per key/value head folded into 3 rows (SmolLM2's 9 / 3)
+    (1, 140, 6, 140, [10]),  # compiled decode, 6 per key/value head (Qwen2.5-1.5B's 12 / 2)
     (200, 200, 256, 256, None),  # two tiles
 ])
 def test_block_mask_is_the_dense_rule(T, W, Q, S, slots):
@@ -458,9 +473,10 @@ def test_block_mask_is_the_dense_rule(T, W, Q, S, slots):
     bm = M.attention_block_mask(mask, q_slots, Q, S)
     assert bm.seq_lengths == (Q, S)
     full = create_mask(bm.mask_mod, len(lengths), 1, Q, S, device=mask.device)  # (B, 1, Q, S): what flex applies
-    assert torch.equal(full[:, :, :T, :W], dense)
-    assert not full[:, :, :T, W:].any()  # slots past the mask are never read by a real query
-    assert torch.equal(full[:, :, T:], torch.arange(S).eq(0).expand_as(full[:, :, T:]))  # padding query: key 0
+    rows = Q if T == 1 else T  # a decode step's rows are all its one query; past T otherwise: padding queries
+    assert torch.equal(full[:, :, :rows, :W], dense.expand(-1, -1, rows, -1))
+    assert not full[:, :, :rows, W:].any()  # slots past the mask are never read by a real query
+    assert torch.equal(full[:, :, rows:], torch.arange(S).eq(0).expand_as(full[:, :, rows:]))  # padding query: key 0
     # a tile is computed iff it holds an allowed pair: padding tiles are skipped
     bs = M.FLEX_BLOCK
     tiles = torch.nn.functional.pad(full, (0, -S % bs, 0, -Q % bs))
@@ -603,6 +619,86 @@ def op_names(fn):
     return {e.key for e in prof.key_averages()}
 
 
+@contextlib.contextmanager
+def compiled_graphs():
+    """Records every graph inductor compiles meanwhile, as it lowers it (after AOT autograd's decompositions):
+    per graph, for every call, (op name, shapes of its first three tensor arguments, a symbolic size as a string).
+    A compiled region runs no profiled aten op (under CUDA graphs, none at all), so this is where to look for what
+    it computes. A plain function as a graph pass turns inductor's graph cache off (it cannot hash one): every graph
+    is lowered again."""
+    import torch._inductor.config
+
+    graphs = []
+
+    def shape(x):
+        return tuple(d if isinstance(d, int) else str(d) for d in x.shape)
+
+    def record(graph):
+        graphs.append([(str(n.target), [shape(a.meta["val"]) for a in n.args[:3] if isinstance(a, torch.fx.Node)
+                                        and isinstance(a.meta.get("val"), torch.Tensor)])
+                       for n in graph.nodes if n.op == "call_function"])
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record):
+        yield graphs
+
+
+def unfused_attention(graphs):
+    """The ops of compiled graphs that compute attention outside a fused kernel: SDPA of any backend (its math
+    backend is decomposed into bmm, amax, exp and sum), softmax, batched matmuls (the projections are plain mm)."""
+    return {op for g in graphs for op, _ in g if any(w in op for w in ("scaled_dot_product", "softmax", "bmm"))}
+
+
+def flex_calls(graphs):
+    """(q, k, v) shapes of every flex attention call in compiled graphs."""
+    return [shapes for g in graphs for op, shapes in g if op == "flex_attention"]
+
+
+def decode_calls(graphs):
+    """(q, k) shapes of the compiled flex attention calls with fewer than FLEX_BLOCK query rows, known statically:
+    decode steps (training, scoring and prefill have a multiple of FLEX_BLOCK; a compile with dynamic shapes
+    may leave the rows symbolic)."""
+    return [(q, k) for q, k, v in flex_calls(graphs) if isinstance(q[2], int) and q[2] < M.FLEX_BLOCK]
+
+
+def compile_afresh(monkeypatch):
+    """No compiled code, as in a new process: the CUDA tests' compiles of the decode step then start from 0 rather
+    than from what earlier tests left, under dynamo's limit of 8 per function (past it, a fullgraph function raises
+    and any other silently runs eagerly); and that silent fallback becomes an error."""
+    torch.compiler.reset()
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+
+
+def spy_flex_decoding(monkeypatch):
+    """-> a list of (query rows per head, chosen) for every flex attention inductor lowers for a GPU: whether it chose
+    its decoding kernel (inductor's _use_flex_decoding: fewer than 128 query rows, static batch and heads, and a
+    power-of-two GQA ratio). Rows compiled with dynamic shapes read as a symbol (an eager decode whose batch
+    shrinks gets a dynamic batch, and the general kernel); the compiled decode step's are static."""
+    import importlib
+
+    lowering = importlib.import_module("torch._inductor.kernel.flex.flex_attention")  # calls _use_flex_decoding
+    chosen, use_decoding = [], lowering._use_flex_decoding
+
+    def spy(query, *args, **kw):
+        chosen.append((str(query.get_size()[-2]), use_decoding(query, *args, **kw)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(lowering, "_use_flex_decoding", spy)
+    return chosen
+
+
+def count_cuda_graph_replays(monkeypatch):
+    """-> a one-element list that counts the CUDA graph replays (inductor's CUDA graph trees replay every recorded
+    graph through torch.cuda.CUDAGraph.replay)."""
+    replays, replay = [0], torch.cuda.CUDAGraph.replay
+
+    def counted(graph):
+        replays[0] += 1
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    return replays
+
+
 def test_cpu_default_is_the_fused_flash_kernel(tmp_path):
     model = tiny(tmp_path, "llama2").train()  # GQA: 4 query heads, 2 key/value heads
     model.activation_checkpointing = True
@@ -654,14 +750,55 @@ def test_flex_matches_reference_on_cpu(tmp_path, monkeypatch):
     assert max_diff(out[real], ref[real]) < 1e-5
 
 
+@pytest.mark.parametrize("ratio,family", [(3, "smollm2"), (6, "qwen2"), (1, "llama2")])
+def test_flex_decode_reads_each_key_value_head_once(tmp_path, monkeypatch, ratio, family):
+    """A decode step folds the `ratio` query heads of each key/value head into `ratio` query rows of that head, so
+    flex attention sees as many query heads as key/value heads and no GQA (inductor's decoding kernel, one program
+    per key/value head and cache split, takes GQA only at a power-of-two ratio). Ragged left-padded rows, an
+    eager decode (mask over the filled slots) and the compiled step's whole-cache mask, against the reference;
+    flex uncompiled (torch's unfused version of it, the same BlockMask), so nothing compiles here."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    calls = []  # (q shape, k shape, enable_gqa) of every flex call
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), kw.get("enable_gqa", False)))
+        return flex_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(M, "compiled_flex_attention", lambda: spy)
+    make_checkpoint(tmp_path, family, num_hidden_layers=1, **flex_heads(ratio))
+    model = Transformer.from_pretrained(str(tmp_path)).eval()
+    (nh, nkv), hs = FLEX_HEADS[ratio], FLEX_HEAD_DIM
+    idx, mask, pos = decode_batch()  # 5 rows: a ragged prompt block of 7, then 6 decoded columns
+    real = mask.bool()
+    with torch.no_grad():
+        ref = run(model, "reference", idx, attention_mask=mask, position_ids=pos)
+        for whole_cache in (False, True):
+            calls.clear()
+            out = prefill_decode(model, "flex", idx, mask, pos, 7, 140, whole_cache)  # 2 tiles of keys, 1 partial
+            assert max_diff(out[real], ref[real]) < 1e-5 * ref.abs().max(), whole_cache  # float32 rounding
+            assert calls[0] == ((5, nh, M.FLEX_BLOCK, hs), (5, nkv, 140, hs), ratio > 1)  # the prefill, GQA
+            assert calls[1:] == [((5, nkv, ratio, hs), (5, nkv, 140, hs), False)] * 6  # 6 decode steps, folded
+        calls.clear()  # one token without a cache is folded too (row 3: padding)
+        i1, m1, p1 = idx[:, 6:7], mask[:, 6:7], pos[:, 6:7]
+        ref1 = run(model, "reference", i1, attention_mask=m1, position_ids=p1)
+        assert max_diff(run(model, "flex", i1, attention_mask=m1, position_ids=p1), ref1) < 1e-5 * ref1.abs().max()
+        assert calls == [((5, nkv, ratio, hs), (5, nkv, 1, hs), False)]
+
+
 # -- CUDA: the fused path never runs the math kernel -------------------------------------------------
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fused_path_never_runs_the_math_kernel():
+def test_cuda_fused_path_never_runs_the_math_kernel(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    compile_afresh(monkeypatch)  # every graph below is compiled, and recorded, in this test
+    chosen, replays = spy_flex_decoding(monkeypatch), count_cuda_graph_replays(monkeypatch)
     torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    # SmolLM2-135M's attention: 9 query heads and 3 key/value heads of 64, a GQA ratio of 3 (no power of two)
+    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=576, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                       rms_norm_eps=1e-5, rope_theta=1e4)
     model = Transformer(cfg).to("cuda", torch.bfloat16)
     model.activation_checkpointing = True
@@ -691,8 +828,14 @@ def test_cuda_fused_path_never_runs_the_math_kernel():
                   cache_pos=torch.tensor([P + 3], device="cuda"))
         model.clear_kv_cache()
 
+    def rollout():  # generate's default on CUDA: the decode step compiled whole, under CUDA graphs
+        prompts = [idx[b, T - n:P].tolist() for b, n in enumerate(lengths.tolist()) if n > T - P]
+        return generate(model, prompts, 24, temperature=0)
+
+    graphs = {}
     for fn in (train, score, prefill_and_decode):
-        fn()  # compile outside the profile
+        with compiled_graphs() as graphs[fn.__name__]:
+            fn()  # compile outside the profile
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
@@ -702,6 +845,20 @@ def test_cuda_fused_path_never_runs_the_math_kernel():
         unfused = {"aten::scaled_dot_product_attention", MATH, "aten::_softmax", "aten::bmm", "aten::logsumexp"}
         assert not unfused & names, (fn.__name__, unfused & names)
         assert any("triton" in n for n in names), fn.__name__  # the compiled flex kernels ran
+    # the compiled regions run no profiled aten op (CUDA graphs none at all): what inductor compiled is checked
+    skips = counters["inductor"]["cudagraph_skips"]
+    with compiled_graphs() as graphs["rollout"]:
+        rollout()
+    rollout()
+    model.clear_kv_cache()
+    assert counters["inductor"]["cudagraph_skips"] == skips and replays[0] >= 23, replays  # the 23 decode steps
+    for name, g in graphs.items():
+        assert not unfused_attention(g), (name, unfused_attention(g))
+    assert {"flex_attention", "flex_attention_backward"} <= {op for g in graphs["train"] for op, _ in g}
+    decode = decode_calls(graphs["rollout"])  # the compiled step: 3 query rows on each of 3 key/value heads
+    decode_eager = decode_calls(graphs["prefill_and_decode"])  # compiled flex alone, where its shapes are static
+    assert decode and all(q[1:] == (3, 3, 64) and k[1] == 3 for q, k in decode + decode_eager), decode + decode_eager
+    assert ("3", True) in chosen, chosen  # the compiled step's attention: inductor's flex decoding kernel
     # and the fused output is the reference's: close in bf16, to float32 rounding in float32
     real = mask.bool()
     for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
@@ -2037,6 +2194,21 @@ def rollout_tiny(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def flex_tiny(tmp_path_factory):
+    """GQA ratio -> a tiny random model that takes CUDA's fused path (flex attention), with FLEX_HEADS[ratio]:
+    3 (SmolLM2's 9 / 3, a Llama) and 6 (Qwen2.5-1.5B's 12 / 2, a Qwen2)."""
+    out = {}
+    for ratio, family in ((3, "llama"), (6, "qwen2")):
+        cfg_cls, extra = ROLLOUT_FAMILIES[family]
+        torch.manual_seed(ratio)
+        hf = AutoModelForCausalLM.from_config(cfg_cls(**{**ROLLOUT_TINY, **extra, **flex_heads(ratio)}))
+        folder = tmp_path_factory.mktemp(f"flex{ratio}")
+        hf.save_pretrained(folder)
+        out[ratio] = Transformer.from_pretrained(str(folder)).eval()
+    return out
+
+
 def random_prompts(lengths, seed=0, low=3, high=128):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
@@ -2256,27 +2428,70 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     model.clear_kv_cache()
 
 
+def test_compiled_flex_decode_folds_query_heads(flex_tiny, monkeypatch):
+    # the CUDA path on a CPU: flex attention inside the decode step, compiled with fixed shapes over the whole cache
+    # (inductor's C++ flex kernel), at SmolLM2's non-power-of-two ratio of 3 query heads per key/value head. Its
+    # graph runs flex attention over the 2 key/value heads with 3 query rows each (no GQA, so on CUDA inductor's
+    # decoding kernel) and no unfused attention, and it samples what the reference (SDPA's math kernel) samples.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    model = flex_tiny[3]
+    monkeypatch.setattr(M, "compiled_flex_attention", lambda: flex_attention)  # an uncompiled prefill: one compile
+    prompts = random_prompts([5, 9, 2, 13], seed=40)
+    kw = dict(temperature=0.7, top_k=20, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[1, 2, 3, 4])
+    monkeypatch.setattr(model, "attn_impl", "reference")
+    ref = generate_reference(model, prompts, 12, **kw)
+    monkeypatch.setattr(model, "attn_impl", "flex")
+    try:
+        with compiled_graphs() as graphs:  # compact=False: one decode size, one compile
+            comp = generate(model, prompts, 12, compile=True, compact=False, max_prompt_len=13, **kw)
+    finally:
+        model.clear_kv_cache()
+    assert_same_rollout(comp, ref)
+    nkv, hs = FLEX_HEADS[3][1], FLEX_HEAD_DIM
+    assert flex_calls(graphs) == [[(4, nkv, 3, hs), (4, nkv, 64, hs), (4, nkv, 64, hs)]] * 2  # 2 layers; 64 slots
+    assert not unfused_attention(graphs)
+
+
 @needs_cuda
-def test_cuda_graph_decode_matches_eager(rollout_tiny):
+@pytest.mark.parametrize("ratio", [3, 6])
+def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
     # on CUDA, compile=True (the default there) runs the decode step compiled with CUDA graphs over one
-    # fixed-shape cache: the same samples as the eager step, in micro-batches too, and the cache reused
+    # fixed-shape cache: the same samples as the eager step, in micro-batches too, and the cache reused. The
+    # model takes the fused path (flex attention) at SmolLM2's and Qwen2.5-1.5B's GQA ratios (3 and 6): its
+    # query heads are folded into rows, so inductor lowers every decode step's attention to its flex decoding
+    # kernel; no graph is skipped by CUDA graphs, and the recorded graphs are replayed.
     import copy
 
-    model = copy.deepcopy(rollout_tiny["llama"][0]).cuda()
+    from torch._dynamo.utils import counters
+
+    compile_afresh(monkeypatch)
+    chosen, replays = spy_flex_decoding(monkeypatch), count_cuda_graph_replays(monkeypatch)
+    model = copy.deepcopy(flex_tiny[ratio]).cuda()
+    assert M.default_attn_impl(torch.device("cuda"), model.config.head_dim) == "flex"
     prompts = random_prompts([5, 9, 2, 13, 7], seed=10)
     kw = dict(temperature=0.7, top_k=20, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[4, 1, 7, 3, 9])
-    eager = generate(model, prompts, 20, compile=False, **kw)
-    for micro in (None, 2):
-        comp = generate(model, prompts, 20, compile=True, micro_batch_size=micro, **kw)
-        assert comp.tokens.is_cuda
-        assert torch.equal(eager.tokens, comp.tokens) and torch.equal(eager.response_mask, comp.response_mask)
-        assert (eager.logprobs - comp.logprobs).abs().max() < 1e-5
-    cache = model.model.layers[0].self_attn.kv_cache.k
-    prompts2 = random_prompts([7, 1, 4, 12, 3], seed=12)
-    comp2 = generate(model, prompts2, 20, temperature=0, compile=True, micro_batch_size=2)
+    skips = counters["inductor"]["cudagraph_skips"]
+    with compiled_graphs() as graphs:
+        eager = generate(model, prompts, 20, compile=False, **kw)
+        for micro in (None, 2):
+            comp = generate(model, prompts, 20, compile=True, micro_batch_size=micro, **kw)
+            assert comp.tokens.is_cuda
+            assert torch.equal(eager.tokens, comp.tokens) and torch.equal(eager.response_mask, comp.response_mask)
+            assert (eager.logprobs - comp.logprobs).abs().max() < 1e-5
+        cache = model.model.layers[0].self_attn.kv_cache.k
+        prompts2 = random_prompts([7, 1, 4, 12, 3], seed=12)
+        comp2 = generate(model, prompts2, 20, temperature=0, compile=True, micro_batch_size=2)
     assert model.model.layers[0].self_attn.kv_cache.k is cache
     assert torch.equal(comp2.tokens, generate_reference(model, prompts2, 20, temperature=0).tokens)
     model.clear_kv_cache()
+    assert counters["inductor"]["cudagraph_skips"] == skips, "a compiled decode step ran without CUDA graphs"
+    assert replays[0] >= 19, replays  # comp2 alone decodes 3 micro-batches of 19 steps at fixed sizes
+    nkv = FLEX_HEADS[ratio][1]
+    decode = decode_calls(graphs)  # the compiled step, and the eager one where its compiled flex has static shapes
+    assert decode and all(q[1:3] == (nkv, ratio) and k[1] == nkv for q, k in decode), decode
+    assert not unfused_attention(graphs)
+    assert (str(ratio), True) in chosen, chosen  # the compiled step's attention: inductor's flex decoding kernel
 
 
 # -- rank-invariant sampling noise: a hash of (seed, step, token) -----------------------------
@@ -3209,13 +3424,14 @@ TINY_PROMPTS = ["write a short review of the cafe", "describe my day", "write a 
                 "review the meal", "describe the town", "write to my friend", "describe the sun and rain"]
 
 
-def make_policy(folder, seed=0, vocab_words=None):
-    """A tiny random Llama with the 64-word tokenizer in `folder` (a real HF checkpoint folder)."""
+def make_policy(folder, seed=0, vocab_words=None, **over):
+    """A tiny random Llama with the 64-word tokenizer in `folder` (a real HF checkpoint folder); `over`: config
+    fields to change (flex_heads(ratio): one that takes CUDA's fused attention)."""
     tok = make_tiny_tokenizer(folder)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                   bos_token_id=None, initializer_range=0.1, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(**{**dict(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None, initializer_range=0.1, tie_word_embeddings=False), **over})
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     return str(folder)
@@ -3257,8 +3473,14 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-def without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+# metrics that measure the machine, not the run, so two runs that must be equal may differ in them: wall-clock
+# times, and the CUDA allocator's peaks (an uninterrupted run still holds step 1's tensors in step 2, where a
+# resumed run records its CUDA graphs)
+MEASURED = ("time/", "mem/")
+
+
+def without_measured(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -3610,7 +3832,7 @@ def actor_weights(out_dir):
 
 
 def assert_same_run(a_dir, a_rows, b_dir, b_rows):
-    assert without_time(a_rows) == without_time(b_rows)
+    assert without_measured(a_rows) == without_measured(b_rows)
     wa, wb = actor_weights(a_dir), actor_weights(b_dir)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -3734,12 +3956,27 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
 
 
+def test_run_comparisons_skip_only_the_measured_metrics():
+    # equal runs may differ in times and memory peaks (MEASURED), in nothing else
+    row = {"step": 1, "objective/kl": 0.25, "time/step": 1.5, "mem/train_peak_gib": 0.75}
+    other = dict(row, **{"time/step": 2.5, "mem/train_peak_gib": 0.5})
+    assert without_measured([other]) == without_measured([row]) == [{"step": 1, "objective/kl": 0.25}]
+    assert_close_runs([row], [other])
+    with pytest.raises(AssertionError, match="objective/kl"):
+        assert_close_runs([row], [dict(other, **{"objective/kl": 0.5})])
+
+
 @needs_cuda
 def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
     # one GPU, bf16 (the default there): the first minibatch of an update that sees the weights that scored
-    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2
+    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2. The
+    # policy takes the fused path (flex attention: training, scoring, the CUDA-graph decode) at SmolLM2's GQA
+    # ratio of 3, and a graph that CUDA graphs would skip is an error (inductor's cudagraph_or_error)
+    policy = make_policy(tmp_path / "policy", **flex_heads(3))
     kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
-              save_every=1, env={"TRITON_INTERPRET": "0"})  # the compiled kernels, as a user runs them
+              save_every=1, model=policy,
+              env={"TRITON_INTERPRET": "0",  # the compiled kernels, as a user runs them
+                   "TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1"})
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
     assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
     m = full[0]
@@ -3755,7 +3992,7 @@ def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-
     """Two runs that differ only in float rounding (another number of ranks, other micro-batches):
     the same metrics, and with the output folders the same final actor weights, to float tolerance."""
     assert len(a_rows) == len(b_rows)
-    for a, b in zip(without_time(a_rows), without_time(b_rows)):
+    for a, b in zip(without_measured(a_rows), without_measured(b_rows)):
         assert a.keys() == b.keys()
         for k in (k for k in a if not k.startswith("perf/")):  # padding depends on how the rows are grouped
             assert b[k] == pytest.approx(a[k], rel=rel, abs=abs_), (a["step"], k, a[k], b[k])
