@@ -1885,6 +1885,47 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
 
 
 # -----------------------------------------------------------------------------
+# the CUDA casts on the CPU (kernels.utils.EMULATE_CUDA)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+def test_emulate_cuda_rounds_dz_to_nearest_bf16_before_the_gemms(monkeypatch, backend, op):
+    # the one thing the switch changes: the dz operand of the backward GEMMs is the same float32 dz, rounded to
+    # nearest even in bf16 (what the CUDA kernels' store does; the interpreter's own bf16 store truncates)
+    import kernels.kl
+    import kernels.logprob_entropy
+    import kernels.utils
+    N, H, V, T = 7, 16, 97, 0.9
+    hidden, weight, labels = make(N, H, V, scale=3.0, seed=31, dtype=torch.bfloat16)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=32)
+    g = per_token(N, 33)
+    module = kernels.logprob_entropy if op == "logprob_entropy" else kernels.kl
+    seen = []
+
+    def addmm_f32(out, a, b):  # the dh GEMM of both backends, and dW on the torch path
+        seen.append(a.clone())
+        kernels.utils.addmm_f32(out, a, b)
+
+    monkeypatch.setattr(module, "addmm_f32", addmm_f32)
+
+    def dz_operands(emulate):
+        monkeypatch.setattr(kernels.utils, "EMULATE_CUDA", emulate)
+        seen.clear()
+        if op == "logprob_entropy":
+            run_lpe(hidden, weight, labels, T, backend, TILES, g, g.flip(0))
+        else:
+            run_kl(hidden, weight, ref_hidden, ref_weight, T, backend, TILES, g)
+        return list(seen)
+
+    fp32, cuda = dz_operands(False), dz_operands(True)
+    assert len(fp32) == len(cuda) > 1 and all(a.dtype == torch.float32 for a in fp32 + cuda)
+    assert any((a.bfloat16().float() != a).any() for a in fp32)  # float32 dz off the switch, not bf16 values
+    for a, b in zip(fp32, cuda):
+        assert torch.equal(b, a.bfloat16().float())
+
+
+# -----------------------------------------------------------------------------
 # the Triton kernels compiled and run on a GPU, against float64 (CUDA only; the same checks run above
 # under the interpreter at small tiles)
 

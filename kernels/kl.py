@@ -56,6 +56,7 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
+    grad_operand,
     logits_tile,
     num_splits,
     pad_rows,
@@ -265,11 +266,11 @@ def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale,
             BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
             num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
         )
-        w_op = gemm_operand(weight[v0:v1])
+        w_op, g_op = gemm_operand(weight[v0:v1]), grad_operand(dz_pad, weight.dtype)
         if need_dh:
-            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
+            addmm_f32(dh, g_op, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
         if need_dw:
-            dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
@@ -342,7 +343,7 @@ def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, 
             e = torch.exp(zs, out=dz_pad[:n])
             d = zs.sub_(zr.sub_(mr[r0:r1, None]))
             dz = e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
-            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
             if need_dh:
                 addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
             if need_dw:

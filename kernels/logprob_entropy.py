@@ -72,6 +72,7 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
+    grad_operand,
     logits_tile,
     num_splits,
     pad_rows,
@@ -230,7 +231,8 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
     N, H = hidden.shape
     V = weight.shape[0]
     BN, BV = cfg.block_n, cfg.block_v
-    # dz in the weight dtype on CUDA (tensor-core GEMMs); float32 elsewhere (CPU half GEMMs are slow)
+    # dz in the weight dtype on CUDA (tensor-core GEMMs, rounded by the kernel's store); float32 elsewhere,
+    # rounded by grad_operand under EMULATE_CUDA (the interpreter's store to bf16 truncates)
     dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
     vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
     # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
@@ -254,11 +256,11 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
             UPCAST=upcast_dot(_logprob_entropy_fwd_kernel, hidden.dtype),
             num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, hidden.element_size()),
         )
-        w_op = gemm_operand(weight[v0:v1])
+        w_op, g_op = gemm_operand(weight[v0:v1]), grad_operand(dz_pad, weight.dtype)
         if need_dh:
-            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
+            addmm_f32(dh, g_op, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
         if need_dw:
-            dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
@@ -337,7 +339,7 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
             inside = (y >= v0) & (y < v1)
             cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
             dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
-            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
             if need_dh:
                 addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
             if need_dw:
