@@ -210,6 +210,22 @@ def grad_operand(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gemm_operand(dz)
 
 
+def shared_row(weight: torch.Tensor) -> torch.Tensor:
+    """c (H,), in weight's dtype: the part of W's V rows that they all share, where taking it away is exact.
+
+    Each row of dz sums to 0 (softmax is shift invariant: adding a_i to every logit of row i changes no
+    output), so dh = dz W = dz (W - 1 c^T) for any c, and the backwards multiply dz by W - 1 c^T. The
+    rounding of dz (to bf16 on CUDA) and the GEMM's float32 sums then meet only what differs between
+    W's rows: a column of W shared by all rows is a logit offset h c^T shared by the whole row, and with
+    W[:, 0] = 1e4 (every logit shifted by about 1e4) bf16 dz made dh[:, 0] 56-106 where its exact value is 0.
+    c_h is the column's mean where every entry lies within a factor of 2 of it, so that W_vh - c_h is
+    exact in any floating-point format (Sterbenz's lemma), and 0 elsewhere, leaving those columns as they are."""
+    c = weight.sum(0, dtype=accum_dtype(weight.dtype)).div_(weight.shape[0]).to(weight.dtype)
+    lo, hi = weight.aminmax(dim=0)
+    exact = torch.where(c > 0, (lo >= c / 2) & (hi <= 2 * c), (hi <= c / 2) & (lo >= 2 * c))
+    return torch.where(exact, c, 0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_has_out_dtype(device: torch.device) -> bool:
     a = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
