@@ -228,21 +228,22 @@ def decode_graph_bytes(c, rows, S, cb=2):
 def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
-    boolean-index positions. Forward: the vocab-split statistics (4 or, for KL, 5, splits, N) float32. Backward:
-    dz (N, vocab chunk) in the compute dtype, dh in float32 and cast back, one (chunk, H) product; dW (V, H) is
-    the LM head's gradient and counted as the root's. kl: linear_kl's as well (its dW is a second (V, H) that
-    autograd adds to the first)."""
+    boolean-index positions. Forward: the vocab-split statistics (4 or, for KL, 5, splits, N) float32. Backward,
+    at its largest moment (a chunk's dh GEMM): dz (N, vocab chunk) in the compute dtype, dh in float32 and the
+    GEMM's float32 (N, H) product, the chunk's (chunk, H) W - c (utils.shared_row; the dW product of the chunk,
+    as large, comes after it); dW (V, H) is the LM head's gradient and counted as the root's. kl: linear_kl's as
+    well (its dW is a second (V, H) that autograd adds to the first)."""
     if N == 0:
         return 0, 0, 0
     splits = min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
     saved, fwd = N * (cb * H + 36), 4 * splits * N * 4
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
-    bwd = N * vc * cb + N * H * (4 + cb) + vc * H * cb
+    bwd = N * vc * cb + N * H * 8 + vc * H * cb
     if kl:
         saved += N * (cb * H + 20)
         fwd += 5 * splits * N * 4
         vc = vocab_chunk(DEFAULT_KL_CONFIG, N, V, DEFAULT_KL_CONFIG.gpu_chunk_elems, DEFAULT_KL_CONFIG.block_v)
-        bwd += N * vc * cb + N * H * (4 + cb) + vc * H * cb + V * H * cb
+        bwd += N * vc * cb + N * H * 8 + vc * H * cb + V * H * cb
     return saved, fwd, bwd
 
 

@@ -1619,9 +1619,11 @@ def test_logprob_entropy_noncontiguous_inputs(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_logprob_entropy_bf16(backend):
+def test_logprob_entropy_bf16(monkeypatch, backend):
     # the reference sees the same bf16-rounded values, upcast exactly; the outputs are float32 (never a
-    # bf16 logprob) and the gradients come back in bf16: one rounding, so within 2^-8 relative of float64
+    # bf16 logprob) and the gradients come back in bf16: one rounding, so within 2^-8 relative of float64.
+    # That holds for the CPU's float32 dz; the CUDA casts: test_bf16_gradients_with_and_without_the_cuda_casts
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)
     N, H, V, T = 33, 40, 257, 0.7
     hidden, weight, labels = make(N, H, V, scale=4.0, seed=9, dtype=torch.bfloat16)
     g_lp, g_ent = per_token(N, 10), per_token(N, 11)
@@ -1717,7 +1719,8 @@ def test_kl_matches_float64(backend, N, H, V, T, scale, ref_H, cfg):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kl_extreme_noncontiguous_bf16(backend):
+def test_kl_extreme_noncontiguous_bf16(monkeypatch, backend):
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)  # one rounding in bf16, as in test_logprob_entropy_bf16
     N, H, V, T = 7, 16, 97, 0.7
     # both models' logits ~ -1e4 (actor) and +1e4 (reference): KL is shift invariant per model
     hidden, weight, _ = make(N, H, V, scale=3.0, seed=17, offset=-1e4)
@@ -2047,8 +2050,66 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
 
 
 # -----------------------------------------------------------------------------
+# the CUDA casts on the CPU (kernels.utils.EMULATE_CUDA)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+def test_emulate_cuda_rounds_dz_to_nearest_bf16_before_the_gemms(monkeypatch, backend, op):
+    # the one thing the switch changes: the dz operand of the backward GEMMs is the same float32 dz, rounded to
+    # nearest even in bf16 (what the CUDA kernels' store does; the interpreter's own bf16 store truncates)
+    import kernels.kl
+    import kernels.logprob_entropy
+    import kernels.utils
+    N, H, V, T = 7, 16, 97, 0.9
+    hidden, weight, labels = make(N, H, V, scale=3.0, seed=31, dtype=torch.bfloat16)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=32)
+    g = per_token(N, 33)
+    module = kernels.logprob_entropy if op == "logprob_entropy" else kernels.kl
+    seen = []
+
+    def addmm_f32(out, a, b):  # the dh GEMM of both backends, and dW on the torch path
+        seen.append(a.clone())
+        kernels.utils.addmm_f32(out, a, b)
+
+    monkeypatch.setattr(module, "addmm_f32", addmm_f32)
+
+    def dz_operands(emulate):
+        monkeypatch.setattr(kernels.utils, "EMULATE_CUDA", emulate)
+        seen.clear()
+        if op == "logprob_entropy":
+            run_lpe(hidden, weight, labels, T, backend, TILES, g, g.flip(0))
+        else:
+            run_kl(hidden, weight, ref_hidden, ref_weight, T, backend, TILES, g)
+        return list(seen)
+
+    fp32, cuda = dz_operands(False), dz_operands(True)
+    assert len(fp32) == len(cuda) > 1 and all(a.dtype == torch.float32 for a in fp32 + cuda)
+    assert any((a.bfloat16().float() != a).any() for a in fp32)  # float32 dz off the switch, not bf16 values
+    for a, b in zip(fp32, cuda):
+        assert torch.equal(b, a.bfloat16().float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_shared_row_takes_away_exactly_what_all_rows_share(dtype):
+    # the backwards multiply dz by W - 1 c^T (dz's rows sum to 0). Columns: a constant 1e4 (GPU_CASES' logit
+    # offset), 1e4 plus noise, -300 +- 100, mixed signs, and 1 to 1.5 with one entry at 5 (over twice the
+    # mean): the first three lose their mean, the others stay, and W - c is exact
+    from kernels.utils import shared_row
+    V = 203
+    u = torch.rand(V, generator=torch.Generator().manual_seed(34), dtype=torch.float64)
+    w = torch.stack([torch.full_like(u, 1e4), 1e4 + u, -300 + 200 * (u - 0.5), u - 0.5, 1 + u / 2], 1).to(dtype)
+    w[7, 4] = 5.0
+    c = shared_row(w)
+    assert c.shape == (5,) and c.dtype == dtype
+    assert c[0] == w[0, 0] and (c[1:3] != 0).all() and (c[3:] == 0).all()
+    assert torch.equal((w - c).double(), w.double() - c.double())  # no rounding
+    assert (w - c)[:, 0].abs().max() == 0 and (w - c)[:, 1].abs().max() <= 1.0
+
+
+# -----------------------------------------------------------------------------
 # the Triton kernels compiled and run on a GPU, against float64 (CUDA only; the same checks run above
-# under the interpreter at small tiles)
+# under the interpreter at small tiles, and below with the CUDA casts at small sizes)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (N, H, V, logit offset): N not a multiple of any block, V not a multiple of any vocab tile (nor of the
@@ -2056,9 +2117,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 GPU_CASES = [(1000, 512, 32000 + 77, 0.0), (333, 256, 5003, -1e4), (77, 256, 5003, 1e4)]
 
 
-def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0):
-    """Both ops' outputs and gradients on `device` (backend "triton") against float64 autograd through
-    the materialised references, on the same rounded inputs. hidden is a transposed view (strides (1, N)),
+def naive_grads(hidden, weight, labels, ref_hidden, ref_weight, T, g_lp, g_ent, g_kl):
+    """torch's own autograd through materialised logits, written the usual way (kernels/__main__.py's naive
+    path): the GEMM in the input dtype, log_softmax of its result upcast to float32. Returns the four
+    gradients of kernels_against_float64 (logprob+entropy d hidden, d weight; KL d hidden, d weight)."""
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    logp = torch.log_softmax((h @ w.T).float() / T, dim=-1)  # (N, V)
+    lp, ent = logp.gather(1, labels[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    grads = torch.autograd.grad((g_lp * lp + g_ent * ent).sum(), [h, w])
+    logp = torch.log_softmax((h @ w.T).float() / T, dim=-1)
+    logq = torch.log_softmax((ref_hidden @ ref_weight.T).float() / T, dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return grads + torch.autograd.grad((g_kl * kl).sum(), [h, w])
+
+
+def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend="triton"):
+    """Both ops' outputs and gradients on `device` against float64 autograd through the materialised
+    references, on the same rounded inputs: (output, float64 reference, name, naive) with naive the
+    gradient of naive_grads for half inputs (None otherwise). hidden is a transposed view (strides (1, N)),
     the actor's weight a stride-2 view; a third of the rows are masked (zero upstream gradient)."""
     hidden, weight, labels = make(N, H, V, scale=4.0, seed=seed, dtype=dtype, offset=offset)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=seed + 1)
@@ -2072,18 +2148,49 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0):
     w = w_big[:, ::2].requires_grad_()
     assert not (h.is_contiguous() or w.is_contiguous())
     dev = [t.to(device) for t in (labels, ref_hidden, ref_weight, g_lp, g_ent, g_kl)]
-    lp, ent = linear_logprob_entropy(h, w, dev[0], 0.8, backend="triton", config=cfg)
+    lp, ent = linear_logprob_entropy(h, w, dev[0], 0.8, backend=backend, config=cfg)
     dh, dw = torch.autograd.grad((dev[3].float() * lp + dev[4].float() * ent).sum(), [h, w])
     r_lp, r_ent, r_dh, r_dw = lpe_ref_grads(hidden, weight, labels, 0.8, g_lp, g_ent)
-    kl = linear_kl(h, w, dev[1], dev[2], 0.8, backend="triton", config=cfg)
+    kl = linear_kl(h, w, dev[1], dev[2], 0.8, backend=backend, config=cfg)
     kdh, kdw = torch.autograd.grad((dev[5].float() * kl).sum(), [h, w])
     r_kl, r_kdh, r_kdw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, 0.8, g_kl)
-    out = [(lp, r_lp, "logprob"), (ent, r_ent, "entropy"), (dh, r_dh, "d hidden"), (dw, r_dw, "d weight"),
-           (kl, r_kl, "kl"), (kdh, r_kdh, "kl d hidden"), (kdw, r_kdw, "kl d weight")]
-    for t, _, what in out:
+    naive = [None] * 4
+    if dtype != torch.float32:
+        naive = [t.cpu() for t in naive_grads(h, w, *dev[:3], 0.8, *(g.float() for g in dev[3:]))]
+    out = [(lp, r_lp, "logprob", None), (ent, r_ent, "entropy", None), (dh, r_dh, "d hidden", naive[0]),
+           (dw, r_dw, "d weight", naive[1]), (kl, r_kl, "kl", None), (kdh, r_kdh, "kl d hidden", naive[2]),
+           (kdw, r_kdw, "kl d weight", naive[3])]
+    for t, _, what, _ in out:
         assert torch.isfinite(t).all(), what
     assert lp.dtype == ent.dtype == kl.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
-    return [(t.detach().cpu(), r, what) for t, r, what in out]
+    return [(t.detach().cpu(), r, what, n) for t, r, what, n in out]
+
+
+def no_worse_than_naive(t, r, naive, what):
+    """A half-precision gradient t against the float64 one r: its largest and its root-sum-square error at
+    most 1.5 times the naive path's plus those of r itself rounded to t's dtype (what a perfect gradient of
+    that dtype carries)."""
+    def errors(x):
+        d = x.double() - r
+        return d.abs().max().item(), d.norm().item()
+
+    for name, e, e_naive, e_round in zip(("max", "rss"), errors(t), errors(naive), errors(r.to(t.dtype))):
+        assert e <= 1.5 * e_naive + e_round, f"{what}: {name} error {e:.3g}, naive {e_naive:.3g}, rounded {e_round:.3g}"
+
+
+def check_against_float64(out, dtype, offset):
+    """The tolerances of kernels_against_float64's results. Half gradients are compared with the naive
+    path's error on the same inputs: on CUDA dz is rounded to the input dtype before the two GEMMs (as
+    the naive path rounds it too), so they are not one rounding away from float64."""
+    for t, r, what, naive in out:
+        if offset:  # float32 logits near 1e4 carry absolute errors of ~1e-3; half gradients: + dz's, result's rounding
+            close(t, r, 0 if naive is None else 2**-8, 5e-3, what)
+        elif "d " not in what:
+            close(t, r, 1e-5, 2e-6, what)
+        elif naive is None:  # float32 gradients: float32 accumulation over V
+            close(t, r, 1e-4, 1e-5, what)
+        if naive is not None:
+            no_worse_than_naive(t, r, naive, what)
 
 
 @needs_cuda
@@ -2094,13 +2201,24 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0):
 @pytest.mark.parametrize("N,H,V,offset", GPU_CASES)
 def test_cuda_kernels_match_float64(dtype, tiles, N, H, V, offset):
     cfg = None if tiles == "default" else TILES  # the ops' defaults for the dtype, or the interpreter's tiles
-    for t, r, what in kernels_against_float64("cuda", dtype, cfg, N, H, V, offset):
-        if offset:  # float32 logits near 1e4 carry absolute errors of ~1e-3
-            close(t, r, 0, 5e-3, what)
-        elif what.startswith(("logprob", "entropy", "kl")) and "d " not in what:
-            close(t, r, 1e-5, 2e-6, what)
-        else:  # gradients: one rounding to bf16 (2^-8), or float32 accumulation over V
-            close(t, r, 2**-8 if dtype == torch.bfloat16 else 1e-4, 1e-5, what)
+    check_against_float64(kernels_against_float64("cuda", dtype, cfg, N, H, V, offset), dtype, offset)
+
+
+# GPU_CASES at interpreter sizes: N across row blocks and chunks, V across vocab tiles and chunks
+EMULATED_CASES = [(37, 64, 203, 0.0), (29, 64, 203, -1e4), (13, 64, 203, 1e4)]
+
+
+@pytest.mark.parametrize("backend,emulate", [("torch", False), ("torch", True), ("triton", True)],
+                         ids=["torch", "torch_cuda_casts", "triton_cuda_casts"])
+@pytest.mark.parametrize("N,H,V,offset", EMULATED_CASES)
+def test_bf16_gradients_with_and_without_the_cuda_casts(monkeypatch, backend, emulate, N, H, V, offset):
+    # test_cuda_kernels_match_float64's checks on the CPU, with the casts of the CUDA backward (EMULATE_CUDA)
+    # and without (the CPU default: the torch path, float32 dz; the interpreter without the casts is the
+    # torch path's twin in the tests above). At the offsets, dz rounded to bf16 and multiplied by the shared
+    # W[:, 0] = +-1e4 used to put 56-106 into d hidden's column 0 (exact value 0: GPU_CASES, interpreter)
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", emulate)
+    out = kernels_against_float64("cpu", torch.bfloat16, TILES, N, H, V, offset, backend=backend)
+    check_against_float64(out, torch.bfloat16, offset)
 
 
 def test_compile_report_counts_spills_inside_loops_only():
@@ -4251,6 +4369,9 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     cfg = json.loads(saved.read_text())
     del cfg["samples_per_prompt"], cfg["advantage_estimator"]
     saved.write_text(json.dumps(cfg))
+    manifest = json.loads((saved.parent / "manifest.json").read_text())  # the edited checkpoint, made whole again
+    os.remove(saved.parent / "manifest.json")
+    C.write_manifest(str(saved.parent), manifest["run_id"], manifest["step"])
     p, _ = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", samples_per_prompt=2,
                    check=False)
     assert p.returncode != 0 and "before --samples_per_prompt existed" in p.stderr
@@ -4680,9 +4801,9 @@ def test_head_scratch_follows_the_kernels_chunking():
     saved, _, bwd = plan.head_bytes(2048, H, V, cb=2)
     vc = 2**27 // 2048
     assert saved == 2048 * (2 * H + 36)
-    assert bwd == 2048 * vc * 2 + 2048 * H * 6 + vc * H * 2
+    assert bwd == 2048 * vc * 2 + 2048 * H * 8 + vc * H * 2  # dz, dh and a GEMM's float32 (N, H), W - c
     _, _, bwd_small = plan.head_bytes(8, H, V, cb=2)
-    assert bwd_small == 8 * math.ceil(V / 128) * 128 * 2 + 8 * H * 6 + math.ceil(V / 128) * 128 * H * 2
+    assert bwd_small == 8 * math.ceil(V / 128) * 128 * 2 + 8 * H * 8 + math.ceil(V / 128) * 128 * H * 2
 
 
 # -----------------------------------------------------------------------------

@@ -25,6 +25,8 @@ Backward, w.r.t. the actor's logits only (the reference is frozen), with per-tok
     d kl_i / dz_iv = p_iv ((log p_iv - log q_iv) - kl_i)
     dh = g dz W / T,   dW = (g dz)^T h / T
 
+(dz's rows sum to 0 here too: dh is formed with W - 1 c^T, see logprob_entropy.py and utils.shared_row)
+
 recomputing both models' logits tile by tile from the saved maxima, log sums and kl (log p is formed as
 (z - m) - log s, never z - lse: see logprob_entropy.py).
 
@@ -56,12 +58,14 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
+    grad_operand,
     logits_tile,
     num_splits,
     pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
+    shared_row,
     upcast_dot,
     vocab_chunk,
 )
@@ -253,6 +257,7 @@ def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale,
     dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
     h_op = gemm_operand(hidden)
+    w_shared = shared_row(weight) if need_dh else None  # (H,)
     for v0 in range(0, V, vc):
         v1 = min(v0 + vc, V)
         dz_pad = dz_buf[:, : v1 - v0]
@@ -265,11 +270,11 @@ def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale,
             BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
             num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
         )
-        w_op = gemm_operand(weight[v0:v1])
-        if need_dh:
-            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
+        g_op = grad_operand(dz_pad, weight.dtype)
+        if need_dh:  # dz (W - 1 c^T) = dz W, see utils.shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
+            addmm_f32(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
         if need_dw:
-            dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
@@ -324,6 +329,7 @@ def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, 
     c = log_s - log_sr + kl
     A = g * torch.exp(-log_s) * scale
     R, C = chunk_shape(cfg, N, V, n_models=2)  # the forward's chunks
+    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
     zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
@@ -342,9 +348,9 @@ def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, 
             e = torch.exp(zs, out=dz_pad[:n])
             d = zs.sub_(zr.sub_(mr[r0:r1, None]))
             dz = e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
-            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
             if need_dh:
-                addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
+                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
             if need_dw:
                 addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
         if need_dh and n != n_pad:

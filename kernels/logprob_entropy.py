@@ -25,6 +25,10 @@ Backward (per-token upstream gradients g_lp, g_ent; derived from p = softmax(z))
     dz = g_lp (onehot - p) - g_ent p (log p + entropy)
     dh = dz W / T,   dW = dz^T h / T
 
+Each row of dz sums to 0 (softmax is shift invariant), so dh = dz (W - 1 c^T) / T for any (H,) vector c. The
+backward takes c = utils.shared_row(W), what all rows of W share where taking it away is exact: the rounding
+of dz (to bf16 on CUDA) and the GEMM's float32 sums then never meet a logit offset the whole row shares.
+
 The backward recomputes z tile by tile from the saved m, log s and entropy (the flash-attention trade:
 one more h W^T instead of N * V stored floats). It forms log p = (z - m) - log s, not z - lse: with
 logits ~ 1e4, a float32 lse carries float32's 1e-3 spacing at 1e4, and sum p would drift from 1 by as much.
@@ -37,7 +41,9 @@ Triton design (CUDA):
     and a handful of W tiles: both stay in L2.
   backward: per vocab chunk of width Vc, a kernel recomputes the (N, Vc) logits with tl.dot and writes
     dz (already scaled by 1/T, rounded once to the GEMM dtype after the fp32 arithmetic); two cuBLAS GEMMs
-    then give dW[chunk] = dz^T h (complete, one rounding) and dh += dz W[chunk] (fp32 accumulator).
+    then give dW[chunk] = dz^T h (complete, one rounding) and dh += dz (W[chunk] - 1 c^T) (fp32 accumulator).
+    Rounding dz to bf16 keeps both GEMMs on the tensor cores; it adds to dh about one more bf16 rounding
+    (utils.EMULATE_CUDA runs these casts on a CPU).
     A fully fused backward would need either a (BLOCK_N, H) fp32 accumulator per program (does not fit in
     registers for H = 4096) or fp32 atomics on both dh and dW (N V H (1/BLOCK_N + 1/BLOCK_V) atomic adds);
     handing the two gradient products to cuBLAS keeps 4 of the 6 NHV backward FLOPs at GEMM speed with
@@ -72,12 +78,14 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
+    grad_operand,
     logits_tile,
     num_splits,
     pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
+    shared_row,
     upcast_dot,
     vocab_chunk,
 )
@@ -230,7 +238,8 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
     N, H = hidden.shape
     V = weight.shape[0]
     BN, BV = cfg.block_n, cfg.block_v
-    # dz in the weight dtype on CUDA (tensor-core GEMMs); float32 elsewhere (CPU half GEMMs are slow)
+    # dz in the weight dtype on CUDA (tensor-core GEMMs, rounded by the kernel's store); float32 elsewhere,
+    # rounded by grad_operand under EMULATE_CUDA (the interpreter's store to bf16 truncates)
     dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
     vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
     # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
@@ -241,6 +250,7 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
     dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
     h_op = gemm_operand(hidden)
+    w_shared = shared_row(weight) if need_dh else None  # (H,)
     for v0 in range(0, V, vc):
         v1 = min(v0 + vc, V)
         dz_pad = dz_buf[:, : v1 - v0]
@@ -254,11 +264,11 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
             UPCAST=upcast_dot(_logprob_entropy_fwd_kernel, hidden.dtype),
             num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, hidden.element_size()),
         )
-        w_op = gemm_operand(weight[v0:v1])
-        if need_dh:
-            addmm_f32(dh, dz_pad, w_op)  # (n_pad, Vc) @ (Vc, H): fp32 accumulation across chunks
+        g_op = grad_operand(dz_pad, weight.dtype)
+        if need_dh:  # dz (W - 1 c^T) = dz W, see utils.shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
+            addmm_f32(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
         if need_dw:
-            dw[v0:v1] = (dz.T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
 
 
@@ -316,6 +326,7 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
     A = -g_ent * inv_sT
     B = -(g_lp + g_ent * (entropy - log_sum)) * inv_sT
     R, C = chunk_shape(cfg, N, V, n_models=1)  # the forward's chunks
+    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
     zbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
@@ -337,9 +348,9 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
             inside = (y >= v0) & (y < v1)
             cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
             dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
-            g_op = dz_pad.to(w_op.dtype) if w_op.dtype != dz.dtype else dz_pad  # CUDA half GEMMs
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
             if need_dh:
-                addmm_f32(dh_c, g_op, w_op)  # (n_pad, C) @ (C, H)
+                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
             if need_dw:
                 addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
         if need_dh and n != n_pad:

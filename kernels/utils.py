@@ -17,6 +17,11 @@ import triton.language as tl
 BACKENDS = ("auto", "triton", "torch")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPES = (torch.float32,) + HALF_DTYPES
+# On CUDA both backwards round dz to the half input dtype before their two GEMMs (tensor-core operands);
+# on a CPU they keep it in float32 (CPU half GEMMs are slow). EMULATE_CUDA (KERNELS_EMULATE_CUDA=1 before the
+# import; tests set the attribute) makes CPU tensors take the CUDA casts too, so that a CPU run, the Triton
+# interpreter included, computes the gradients CUDA computes: see cuda_casts and grad_operand
+EMULATE_CUDA = os.environ.get("KERNELS_EMULATE_CUDA", "0") == "1"
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -188,6 +193,37 @@ def gemm_operand(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in HALF_DTYPES and t.device.type != "cuda":
         return t.float()
     return t
+
+
+def cuda_casts(device: torch.device) -> bool:
+    """Whether the backward on `device` rounds dz as the CUDA paths do: on CUDA, and anywhere under EMULATE_CUDA."""
+    return device.type == "cuda" or EMULATE_CUDA
+
+
+def grad_operand(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dz (rows, vocab chunk), float32 or already rounded, as the backward GEMMs of inputs of `dtype` take it.
+    With the CUDA casts a half dtype rounds it to that dtype, to nearest even as the CUDA kernels' store
+    does (the Triton interpreter's store to bf16 truncates instead: there the kernel stores float32 and
+    this rounds); on a CPU the rounded values come back upcast, exactly, for a float32 GEMM."""
+    if dtype in HALF_DTYPES and cuda_casts(dz.device):
+        dz = dz.to(dtype)
+    return gemm_operand(dz)
+
+
+def shared_row(weight: torch.Tensor) -> torch.Tensor:
+    """c (H,), in weight's dtype: the part of W's V rows that they all share, where taking it away is exact.
+
+    Each row of dz sums to 0 (softmax is shift invariant: adding a_i to every logit of row i changes no
+    output), so dh = dz W = dz (W - 1 c^T) for any c, and the backwards multiply dz by W - 1 c^T. The
+    rounding of dz (to bf16 on CUDA) and the GEMM's float32 sums then meet only what differs between
+    W's rows: a column of W shared by all rows is a logit offset h c^T shared by the whole row, and with
+    W[:, 0] = 1e4 (every logit shifted by about 1e4) bf16 dz made dh[:, 0] 56-106 where its exact value is 0.
+    c_h is the column's mean where every entry lies within a factor of 2 of it, so that W_vh - c_h is
+    exact in any floating-point format (Sterbenz's lemma), and 0 elsewhere, leaving those columns as they are."""
+    c = weight.sum(0, dtype=accum_dtype(weight.dtype)).div_(weight.shape[0]).to(weight.dtype)
+    lo, hi = weight.aminmax(dim=0)
+    exact = torch.where(c > 0, (lo >= c / 2) & (hi <= 2 * c), (hi <= c / 2) & (lo >= 2 * c))
+    return torch.where(exact, c, 0.0)
 
 
 @functools.lru_cache(maxsize=None)
