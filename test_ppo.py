@@ -244,6 +244,7 @@ def smollm2():
     return model, load_tokenizer("smollm2"), hf.eval()
 
 
+@slow
 def test_smollm2_gguf_matches_transformers(smollm2):
     # the reference here is transformers' own GGUF reader, not our weights copied into its model
     model = smollm2[0]
@@ -1119,6 +1120,7 @@ def two_rank_export(policy, out, max_shard_size):
     torch.distributed.destroy_process_group()
 
 
+@slow
 def test_two_rank_save_hf_equals_one_rank_export(tmp_path):
     # float32 tensors under a config that records bf16: the export casts (the float32 actor of a bf16
     # checkpoint after training); vocab 101 and 4 heads of 8 rows do not split evenly over the ranks
@@ -1206,6 +1208,7 @@ def test_meta_build_and_read_state_errors(tmp_path):
         Transformer.from_pretrained(str(tmp_path / "rm"), device="meta")
 
 
+@slow
 def test_meta_build_of_gguf(smollm2):
     # the config from the GGUF metadata alone is the config from_pretrained keeps, and it records no dtype:
     # the export falls back to float32
@@ -2015,6 +2018,7 @@ def test_triton_rows_independent_of_batch_interpreter(op, dtype, cfg):
 # the Triton kernels compiled for an H100 (sm_90a machine code, no GPU): what the interpreter cannot see
 
 
+@slow
 def test_kernels_compile_for_h100_at_the_default_tiles():
     # compiled (not interpreted) kernels need a process without TRITON_INTERPRET; Llama-3-8B's head sizes
     # at a row count not divisible by 16. The 128 x 256 tiles are the check's own negative case
@@ -2366,6 +2370,7 @@ def test_greedy_matches_transformers(rollout_tiny, family):
                        torch.cat([torch.tensor(p) for p in prompts]))
 
 
+@slow
 def test_greedy_matches_transformers_smollm2(smollm2):
     model, tok, hf = smollm2
     questions = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -3392,6 +3397,7 @@ def _whiten_worker(rank, world, init_file, x, mask, out_dir):
     os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
 
 
+@slow
 def test_whiten_two_processes_equals_one(tmp_path):
     g = torch.Generator().manual_seed(8)
     B, T = 8, 10
@@ -3601,6 +3607,7 @@ def without_measured(rows):
     return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
 
 
+@slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype):
     # one minibatch in one epoch: the update sees exactly the weights that scored the rollout,
@@ -3616,6 +3623,7 @@ def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype):
     assert m["objective/rlhf_reward"] == pytest.approx(m["objective/scores"], abs=1e-6)
 
 
+@slow
 def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     # the sentiment lexicon includes words of the tiny vocabulary ("good", "happy", "love", ...)
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=14, rollout_batch_size=16, mini_batch_size=8, micro_batch_size=8)
@@ -3628,6 +3636,7 @@ def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     assert back.config.vocab_size == 64
 
 
+@slow
 def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
     # a sequence-classification reward model with the policy's tokenizer; the critic starts from it
     rm_dir = tmp_path / "rm"
@@ -3807,6 +3816,7 @@ def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
         assert torch.equal(g1[k], g2[k]), k
 
 
+@slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
     import ppo
@@ -3955,6 +3965,7 @@ def assert_same_run(a_dir, a_rows, b_dir, b_rows):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_is_exact(tiny_run, tmp_path, nproc):
     kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100)  # adaptive KL: its state must survive
@@ -3980,6 +3991,7 @@ def dcp_keys(folder):
 CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_var", "val/grad_norm_critic", "critic_lr")
 
 
+@slow
 def test_critic_free_run_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path):
     # grpo over 2 samples per prompt: no critic is built, optimised, checkpointed or logged; 2 ranks repeat 1 rank
     # (a group lives on one rank), and a resumed run repeats the uninterrupted one bitwise
@@ -3998,6 +4010,7 @@ def test_critic_free_run_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_pat
     assert_close_runs(one[:2], two)
 
 
+@slow
 def test_samples_per_prompt_with_gae_differ_and_are_rank_invariant(tiny_run, tmp_path):
     # 4 prompts x 4 samples = 16 rows a step: a prompt's samples sit side by side and draw their own noise
     # (the reward function sees them in order), and 2 ranks train on what 1 rank does
@@ -4030,6 +4043,7 @@ print("SEEN", json.dumps(seen))
     assert_close_runs(one, two)
 
 
+@slow
 def test_a_new_advantage_estimator_is_one_function(tiny_run, tmp_path):
     # a fork registers an estimator (here: the sign of the group-centred score, no critic) and runs it by name
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "fork"),
@@ -4120,6 +4134,7 @@ def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-
             assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-4), (k, (wa[k] - wb[k]).abs().max())
 
 
+@slow
 def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
     # default micro-batch size (capped per rank, never written into the saved config) and a ptx batch
     # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run
@@ -4134,6 +4149,7 @@ def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
     assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
 
 
+@slow
 def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
     out = tmp_path / "run"
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out), "total_steps": 200}
@@ -4154,6 +4170,7 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, n + 2))
 
 
+@slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_run, tmp_path):
     out = tmp_path / "run"
     run_ppo(tiny_run, out, total_steps=2, save_every=1)
@@ -4190,6 +4207,7 @@ def popen_ppo(tiny_run, out_dir, **kw):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
+@slow
 def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
     out = tmp_path / "run"
     run_ppo(tiny_run, out, total_steps=2, save_every=1)
@@ -4208,6 +4226,7 @@ def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
     assert os.stat(out / "actor").st_mode & 0o777 == 0o777 & ~umask
 
 
+@slow
 def test_two_runs_in_one_out_dir_and_a_stale_lock(tiny_run, tmp_path):
     out = tmp_path / "run"
     a = popen_ppo(tiny_run, out, total_steps=500)
@@ -4253,6 +4272,7 @@ def test_kill_9_anywhere_and_resume_is_exact(tiny_run, tmp_path):
     assert left == [] and sorted(os.listdir(ckpts)) == ["step-000003", "step-000004"]
 
 
+@slow
 def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, capsys, group):
     # truncating or deleting any file of the newest checkpoint: resume takes the one before, naming the file
     import shutil
@@ -4293,6 +4313,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, c
     assert_same_run(tmp_path / "full", full, out, rows)
 
 
+@slow
 def test_a_full_disk_stops_before_writing_and_keeps_the_checkpoint(tiny_run, tmp_path):
     # the disk "fills" after the first checkpoint: the second is refused before a byte is written
     out = tmp_path / "run"
@@ -4319,6 +4340,7 @@ ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
     assert [r["step"] for r in rows] == [1, 2]
 
 
+@slow
 def test_a_second_signal_stops_a_hanging_step_at_once(tiny_run, tmp_path):
     # the reward function hangs in step 2; SIGTERM asks for a checkpoint after the step (which never ends),
     # a second SIGTERM stops the process: step 1's checkpoint is intact and resumes
@@ -4357,6 +4379,7 @@ ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=han
     assert [r["step"] for r in rows] == [1, 2]
 
 
+@slow
 def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     run_ppo(tiny_run, tmp_path, total_steps=1, lr_schedule="linear")
     p, _ = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", kl_coef=0.2, check=False)
@@ -4411,6 +4434,7 @@ def test_config_errors_name_the_problem():
     assert (run.local_rollout, run.local_mini, run.local_micro) == (8, 4, 4)  # micro capped per rank, cfg untouched
 
 
+@slow
 def test_bad_input_errors(tiny_run, tmp_path):
     def fails(match, **kw):
         p, _ = run_ppo(tiny_run, tmp_path / f"bad{len(os.listdir(tmp_path))}", check=False, **{"total_steps": 1, **kw})
@@ -4456,6 +4480,7 @@ def test_help_lists_every_option_with_default_and_comment():
         assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
 
 
+@slow
 def test_reward_fn_from_python_reads_the_prompt_record(tiny_run, tmp_path):
     # from Python, main(cfg, reward_fn=f) with f(record, response) sees every field of the prompt's JSONL
     # (and main leaves the signal handlers as it found them)
@@ -4514,6 +4539,7 @@ def read_wandb_records(path):
     return out
 
 
+@slow
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
                     reason="needs the optional package wandb (pip install wandb), which --wandb imports")
 def test_wandb_logs_offline(tiny_run, tmp_path):
@@ -4845,6 +4871,7 @@ def _shard_worker(rank, world, init_file, out_dir):
     os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
 
 
+@slow
 def test_param_bytes_per_rank_match_fsdp2_on_two_ranks(tmp_path):
     mp.spawn(_shard_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
