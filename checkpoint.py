@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import check_same_tokenizer
 from model import Transformer
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
@@ -107,28 +106,20 @@ def frozen_like(actor, mesh, run):
     return ref
 
 
-def build_models(cfg, run, tokenizer, mesh):
+def build_models(cfg, run, mesh):
     """The run's models: the actor, and the critic when the advantage estimator has one (run.critic), FSDP2 with
     fp32 master weights; the reference and the reward model (FSDP2, frozen, compute dtype); the generation copy
     (whole on every rank, compute dtype; refilled from the actor before each rollout). Built on the meta device and
     read once, by rank 0. The critic starts from the reward model (which may learn a bias), or from the policy's
-    backbone with a fresh head drawn on rank 0 from the seeded global RNG."""
+    backbone with a fresh head drawn on rank 0 from the seeded global RNG. The inputs were checked before
+    (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head)."""
     actor = load_sharded(cfg.model, mesh, run, head="lm")
-    ctx = actor.config.max_position_embeddings
-    if cfg.max_prompt_len + cfg.max_new_tokens > ctx:
-        raise ValueError(f"max_prompt_len {cfg.max_prompt_len} + max_new_tokens {cfg.max_new_tokens} "
-                         f"does not fit the context of {cfg.model} ({ctx} positions)")
     with torch.device("meta"):
         gen = Transformer(actor.config).to(run.dtype)
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
     m = dict(actor=actor, ref=frozen_like(actor, mesh, run), gen=gen, reward_model=None)
     if cfg.reward_model:
-        check_same_tokenizer(tokenizer, cfg.model, cfg.reward_model)
         m["reward_model"] = load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
-        V, V_rm = actor.config.vocab_size, m["reward_model"].config.vocab_size
-        if V_rm != V:
-            raise ValueError(f"policy {cfg.model} (vocab {V}) and reward model {cfg.reward_model} (vocab {V_rm}) "
-                             "use different vocabularies")
     if run.critic:
         m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True) if cfg.reward_model
                        else load_sharded(cfg.model, mesh, run, head="value"))
