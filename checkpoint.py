@@ -22,6 +22,7 @@ ppo.py draws all of its own randomness (sampling noise, minibatch order) from ke
 global row), never from a generator's running state, so a resumed run repeats the uninterrupted one on
 any number of ranks; the global RNGs are saved anyway, for forks that use them.
 """
+import hashlib
 import json
 import os
 import random
@@ -48,6 +49,9 @@ MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every"
                         "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
                         "offload_frozen", "dry_run", "gpu_memory_gb"}
+# Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
+# compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
+INPUT_FILES = ("prompts", "sft_data")
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 
@@ -161,7 +165,7 @@ def save(folder, modules, trainer, cfg):
     if rank == 0:
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(asdict(cfg), f, indent=1)
+            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg)), f, indent=1)
     dist.barrier()
     if rank == 0:
         if os.path.exists(folder):
@@ -206,9 +210,12 @@ def check_config(folder, cfg):
         saved = json.load(f)
     now = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
     default = json.loads(json.dumps({f.name: f.default for f in fields(cfg)}))
-    diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
+    diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME
+            and not same_setting(k, saved, now)}
     if diff:
-        raise ValueError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}")
+        changed = [k for k in diff if saved[k] == now[k]]  # the same path, other contents
+        raise ValueError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}"
+                         + (f"; the file of {changed} has changed since (sha256)" if changed else ""))
     newer = {k: (default[k], now[k]) for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
              and now[k] != default[k]}
     if newer:
@@ -219,6 +226,29 @@ def check_config(folder, cfg):
         raise ValueError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="
                          f"{cfg.total_steps} would move that horizon. Keep total_steps, or use lr_schedule=constant")
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def input_hashes(cfg):
+    """{field: sha256} of each data file the run reads (INPUT_FILES), written beside the config it saves."""
+    return {k: file_sha256(getattr(cfg, k)) for k in INPUT_FILES if getattr(cfg, k) and os.path.isfile(getattr(cfg, k))}
+
+
+def same_setting(k, saved, now):
+    """Whether field k of a checkpoint's config (saved) is the one of the run resuming it (now, both as JSON). A data
+    file is the same when its contents are, wherever it lies; a checkpoint written before input_sha256 existed
+    compares the paths, as the run that wrote it did (the config-evolution rule of check_config)."""
+    hashes = saved.get("input_sha256", {})
+    if k in INPUT_FILES and k in hashes:
+        return bool(now[k]) and os.path.isfile(now[k]) and file_sha256(now[k]) == hashes[k]
+    return saved[k] == now[k]
 
 
 def load(folder, modules, cfg):

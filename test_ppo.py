@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import copy
 import decimal
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -3938,8 +3939,13 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     p, _ = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", samples_per_prompt=2,
                    check=False)
     assert p.returncode != 0 and "before --samples_per_prompt existed" in p.stderr
-    # ... and resumed when it is at its default; the micro-batch size may change (it only regroups the loss)
-    p, rows = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", micro_batch_size=1)
+    # ... and resumed when it is at its default; the micro-batch size may change (it only regroups the loss), and the
+    # prompts may move (a moved checkout's default --prompts): the checkpoint compares their contents, not the path
+    moved = tmp_path / "moved" / "prompts.jsonl"
+    os.makedirs(moved.parent)
+    moved.write_bytes(open(tiny_run["prompts"], "rb").read())
+    p, rows = run_ppo(tiny_run, tmp_path, total_steps=1, resume="auto", lr_schedule="linear", micro_batch_size=1,
+                      prompts=str(moved))
     assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1]
 
 
@@ -4103,6 +4109,39 @@ def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
         monkeypatch.setenv(k, v)
         runtime.check_wandb()
         monkeypatch.delenv(k)
+
+
+def test_resume_compares_data_files_by_content(tmp_path):
+    # the default --prompts is an absolute path: a moved checkout could not resume. The checkpoint keeps each data
+    # file's sha256, and resume compares contents; a checkpoint from before the hashes compares paths, as it did
+    import dataclasses
+    import shutil
+
+    import ppo
+
+    a, b = tmp_path / "a" / "prompts.jsonl", tmp_path / "b" / "prompts.jsonl"
+    os.makedirs(a.parent), os.makedirs(b.parent)
+    write_jsonl(a, [{"prompt": p} for p in TINY_PROMPTS])
+    shutil.copy(a, b)
+    cfg = ppo.Config(prompts=str(a))
+    folder = tmp_path / "ckpt"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), input_sha256=C.input_hashes(cfg))))
+    assert C.input_hashes(cfg) == {"prompts": hashlib.sha256(a.read_bytes()).hexdigest()}
+    C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(b)))  # moved: the same contents
+    with open(b, "a") as f:
+        f.write(json.dumps({"prompt": "one more"}) + "\n")
+    for path in (a, b):  # edited in place, or moved and edited
+        if path == a:
+            shutil.copy(b, a)
+        with pytest.raises(ValueError, match="is from another config.*'prompts'") as e:
+            C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(path)))
+        assert ("has changed since" in str(e.value)) == (path == a)
+    old = dataclasses.asdict(cfg)  # written before input_sha256: the path decides
+    (folder / "config.json").write_text(json.dumps(old))
+    C.check_config(str(folder), cfg)
+    with pytest.raises(ValueError, match="is from another config"):
+        C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(b)))
 
 
 BAD_INPUT_DRIVER = """
