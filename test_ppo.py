@@ -4270,7 +4270,8 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
     print(f"import {head['import_seconds']:.1f} s; each case after it (s): {times}; driver total {total:.1f} s")
 
     # the process itself: status 2 and one line; PPO_DEBUG=1 shows the traceback
-    argv = [sys.executable, os.path.join(REPO, "ppo.py"), f"--prompts={f['bad_json']}", f"--out_dir={out}"]
+    argv = [sys.executable, os.path.join(REPO, "ppo.py"),
+            *[f"--{k}={v}" for k, v in {**default, "prompts": f["bad_json"], "out_dir": out}.items()]]
     t0 = time.time()
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     seconds = time.time() - t0
