@@ -8,6 +8,10 @@ Reading. read_checkpoint gives a transformers config and a state dict with the c
 llama.cpp's q/k permutation); read_config gives the config alone (config.json, or a GGUF file's metadata),
 which is all a model built on the meta device, and the --dry_run memory plan, need.
 
+Checking. check_model refuses a model that would fail to load, naming the file, in well under a second and before
+anything loads: config.json, each safetensors file's header against its size, a GGUF file's tensor table against
+its size (check_gguf, with struct), a Hub id against the cache or one short request to the Hub (check_hub_id).
+
 Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
 float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
 model-0000i-of-0000N.safetensors files with an index, and the tokenizer. A sharded model is gathered a parameter
