@@ -41,9 +41,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import check_same_tokenizer
 from model import Transformer
-from runtime import check_space, print0
+from runtime import UsageError, check_space, print0
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
 # logs and saves, how batches are cut into micro-batches (the loss is a token mean over the minibatch and
@@ -55,6 +54,9 @@ MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every"
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
                         "offload_frozen", "dry_run", "gpu_memory_gb"}
 MAY_CHANGE_ON_RESUME |= {"overwrite"}
+# Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
+# compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
+INPUT_FILES = ("prompts", "sft_data")
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint
@@ -116,28 +118,20 @@ def frozen_like(actor, mesh, run):
     return ref
 
 
-def build_models(cfg, run, tokenizer, mesh):
+def build_models(cfg, run, mesh):
     """The run's models: the actor, and the critic when the advantage estimator has one (run.critic), FSDP2 with
     fp32 master weights; the reference and the reward model (FSDP2, frozen, compute dtype); the generation copy
     (whole on every rank, compute dtype; refilled from the actor before each rollout). Built on the meta device and
     read once, by rank 0. The critic starts from the reward model (which may learn a bias), or from the policy's
-    backbone with a fresh head drawn on rank 0 from the seeded global RNG."""
+    backbone with a fresh head drawn on rank 0 from the seeded global RNG. The inputs were checked before
+    (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head)."""
     actor = load_sharded(cfg.model, mesh, run, head="lm")
-    ctx = actor.config.max_position_embeddings
-    if cfg.max_prompt_len + cfg.max_new_tokens > ctx:
-        raise ValueError(f"max_prompt_len {cfg.max_prompt_len} + max_new_tokens {cfg.max_new_tokens} "
-                         f"does not fit the context of {cfg.model} ({ctx} positions)")
     with torch.device("meta"):
         gen = Transformer(actor.config).to(run.dtype)
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
     m = dict(actor=actor, ref=frozen_like(actor, mesh, run), gen=gen, reward_model=None)
     if cfg.reward_model:
-        check_same_tokenizer(tokenizer, cfg.model, cfg.reward_model)
         m["reward_model"] = load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
-        V, V_rm = actor.config.vocab_size, m["reward_model"].config.vocab_size
-        if V_rm != V:
-            raise ValueError(f"policy {cfg.model} (vocab {V}) and reward model {cfg.reward_model} (vocab {V_rm}) "
-                             "use different vocabularies")
     if run.critic:
         m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True) if cfg.reward_model
                        else load_sharded(cfg.model, mesh, run, head="value"))
@@ -150,7 +144,7 @@ def build_models(cfg, run, tokenizer, mesh):
 # the output folder: one run owns it
 
 
-class FolderInUse(Exception):
+class FolderInUse(UsageError):
     """out_dir belongs to another run, or holds one that a new run would overwrite: a usage error."""
 
 
@@ -285,7 +279,7 @@ def save(folder, modules, trainer, cfg):
     if rank == 0:
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(asdict(cfg), f, indent=1)
+            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg)), f, indent=1)
     dist.barrier()
     if rank == 0:
         write_manifest(tmp, trainer["run_id"], trainer["step"])
@@ -314,7 +308,7 @@ def _local_bytes(state):
 # manifests: a checkpoint proves itself
 
 
-def _sha256(path):
+def file_sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -331,7 +325,7 @@ def write_manifest(folder, run_id, step):
     files = {}
     for name in _files(folder):
         size = os.path.getsize(os.path.join(folder, name))
-        files[name] = {"size": size, **({"sha256": _sha256(os.path.join(folder, name))} if size < HASH_BELOW else {})}
+        files[name] = {"size": size, **({"sha256": file_sha256(os.path.join(folder, name))} if size < HASH_BELOW else {})}
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(dict(run_id=run_id, step=step, files=files), f, indent=1)
@@ -362,7 +356,7 @@ def verify(folder, legacy_ok=False):
             return f"{name} is missing"
         if os.path.getsize(p) != want["size"]:
             return f"{name} has {os.path.getsize(p)} bytes, its manifest says {want['size']}"
-        if "sha256" in want and _sha256(p) != want["sha256"]:
+        if "sha256" in want and file_sha256(p) != want["sha256"]:
             return f"{name} does not match its checksum"
     return None
 
@@ -385,10 +379,10 @@ def find(cfg):
         return None
     if resume != "auto":
         if not os.path.isdir(resume):
-            raise FileNotFoundError(f"cannot resume from {resume}: no such folder")
+            raise UsageError(f"cannot resume from {resume}: no such folder")
         problem = verify(resume, legacy_ok=True)
         if problem:
-            raise FileNotFoundError(f"cannot resume from {resume}: {problem}")
+            raise UsageError(f"cannot resume from {resume}: {problem}")
         check_config(resume, cfg)
         return resume
     root = os.path.join(cfg.out_dir, "checkpoints")
@@ -399,7 +393,7 @@ def find(cfg):
             check_config(os.path.join(root, n), cfg)
             return os.path.join(root, n)
         print0(f"resume: skipping {os.path.join(root, n)}: {problem}")
-    print0(f"resume=auto: no checkpoint in {root} to resume from; starting fresh")
+    print0(f"--resume=auto: no checkpoint in {root}: starting fresh")
     return None
 
 
@@ -411,19 +405,37 @@ def check_config(folder, cfg):
         saved = json.load(f)
     now = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
     default = json.loads(json.dumps({f.name: f.default for f in fields(cfg)}))
-    diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME and saved[k] != now[k]}
+    diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME
+            and not same_setting(k, saved, now)}
     if diff:
-        raise ValueError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}")
+        changed = [k for k in diff if saved[k] == now[k]]  # the same path, other contents
+        raise UsageError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}"
+                         + (f"; the file of {changed} has changed since (sha256)" if changed else ""))
     newer = {k: (default[k], now[k]) for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
              and now[k] != default[k]}
     if newer:
-        raise ValueError(f"checkpoint {folder} was written before " + ", ".join(f"--{k}" for k in newer) + " existed, "
+        raise UsageError(f"checkpoint {folder} was written before " + ", ".join(f"--{k}" for k in newer) + " existed, "
                          "so its run used the default; resuming with another value would change the run. "
                          f"(default, now): {newer}")
     if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps:
-        raise ValueError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
+        raise UsageError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="
                          f"{cfg.total_steps} would move that horizon. Keep total_steps, or use lr_schedule=constant")
+
+
+def input_hashes(cfg):
+    """{field: sha256} of each data file the run reads (INPUT_FILES), written beside the config it saves."""
+    return {k: file_sha256(getattr(cfg, k)) for k in INPUT_FILES if getattr(cfg, k) and os.path.isfile(getattr(cfg, k))}
+
+
+def same_setting(k, saved, now):
+    """Whether field k of a checkpoint's config (saved) is the one of the run resuming it (now, both as JSON). A data
+    file is the same when its contents are, wherever it lies; a checkpoint written before input_sha256 existed
+    compares the paths, as the run that wrote it did (the config-evolution rule of check_config)."""
+    hashes = saved.get("input_sha256", {})
+    if k in INPUT_FILES and k in hashes:
+        return bool(now[k]) and os.path.isfile(now[k]) and file_sha256(now[k]) == hashes[k]
+    return saved[k] == now[k]
 
 
 def load(folder, modules, cfg):

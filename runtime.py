@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from dataclasses import asdict, fields
 
@@ -79,15 +80,49 @@ def phase_end(device, peaks, phase):
 # the command line: fire parses it into ppo.Config
 
 
+class UsageError(ValueError):
+    """A mistake in a flag or an input file, not in the code: ppo.py prints its message as one line
+    ("error: ...", naming the flag or the file and what is expected) and exits with 2, as fire does for an
+    unknown flag. PPO_DEBUG=1 shows the traceback instead."""
+
+
+def need(ok, message):
+    """A check of what the user gave: a UsageError (one line, exit 2 from the command line) unless ok."""
+    if not ok:
+        raise UsageError(message)
+
+
+
 def doc_from_comments(cls):
     """The fields' comments become the docstring's Args section: `python ppo.py --help` shows them."""
     comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
-    cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
+    cls.__doc__ = ("PPO for RLHF (see README.md). A bad flag or input file is named in one line, exit status 2 "
+                   "(PPO_DEBUG=1: with its traceback).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments))
     return cls
 
 
+def run_command(config_cls, main, argv=None, name=None):
+    """fire parses argv (else sys.argv[1:]) into config_cls, then main(config) runs; returns main's result, or 2
+    after printing a UsageError as one line ("error: ...") without a traceback: the user's mistake, not the
+    code's, and a traceback would only hide the line. PPO_DEBUG=1 raises it instead. fire's own usage errors
+    exit with 2 too."""
+    import fire
+
+    def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
+        return config_cls(*args, **kwargs)
+
+    cli.__signature__, cli.__doc__ = inspect.signature(config_cls), config_cls.__doc__
+    try:
+        return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
+    except UsageError as e:
+        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
+            raise
+        print("error: " + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        return 2
+
+
 def hold_to_types(cfg):
-    """Each field of the dataclass cfg converted to its annotated type, or a ValueError naming the flag: fire reads
+    """Each field of the dataclass cfg converted to its annotated type, or a UsageError naming the flag: fire reads
     "--lr=1" as an int and "--model=7" as one."""
     for f in fields(cfg):
         v, want = getattr(cfg, f.name), float if f.type == float | None else f.type
@@ -102,8 +137,32 @@ def hold_to_types(cfg):
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
         if not ok:
-            raise ValueError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
+            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
         setattr(cfg, f.name, v)
+
+
+def check_wandb():
+    """--wandb: the package and credentials are there, checked before any model loads (wandb.init would stop the
+    run after minutes of loading, or wait for a key at a prompt). Credentials: WANDB_API_KEY (or an identity token
+    file), a netrc entry for the server (what `wandb login` writes), or WANDB_MODE=offline / disabled."""
+    import importlib.util
+    import netrc
+    from urllib.parse import urlparse
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UsageError("--wandb needs the wandb package: pip install wandb")
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
+            os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.path.expanduser(os.environ.get("NETRC", "~/.netrc"))
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass  # no netrc file, or one wandb could not read either
+    raise UsageError(f"--wandb: no credentials for {host}: run `wandb login` (it writes {path}), set WANDB_API_KEY, "
+                     "or set WANDB_MODE=offline to log locally (wandb sync uploads it later)")
 
 
 # -----------------------------------------------------------------------------
