@@ -68,7 +68,7 @@ from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, Fixe
                  kl_estimate, masked_sum, masked_var, shape_rewards)
 from hf import load_tokenizer, save_hf, stop_token_ids
 from model import cpu_has_bf16, reward_at_last_token
-from reward import REWARD_FNS
+from reward import REWARD_FNS, RewardCaller
 from rollout import generate, row_seeds
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, phase_end, print0,
                      setup_distributed)
@@ -105,6 +105,9 @@ class Config:
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
+    reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
+    reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
+    reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
     advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
@@ -464,6 +467,7 @@ def main(cfg: Config, reward_fn=None):
     stop_ids = stop_token_ids(cfg.model, tokenizer, extra=cfg.stop_token_ids)
     m = add_optimizers(checkpoint.build_models(cfg, run, tokenizer, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
+    reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
@@ -506,8 +510,9 @@ def main(cfg: Config, reward_fn=None):
 
             # ---- 2. score (no grad), through the training forward's code path
             sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run)
-            if reward_fn is not None:
-                sc["score"] = torch.tensor([float(reward_fn(prompts.records[i], t)) for i, t in zip(rows, texts)], device=device)
+            if reward is not None:  # in series or in threads, failed calls scored reward_on_error (reward.py)
+                scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
+                sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
                 raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
 
@@ -546,6 +551,7 @@ def main(cfg: Config, reward_fn=None):
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
                                    run.rows, run.trained)
             kl_ctl.update(metrics["objective/kl"], run.rows)
+            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             t4 = time.time()

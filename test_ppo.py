@@ -3198,6 +3198,59 @@ def test_fixed_kl_controller():
 
 
 # ==================================================================================================
+# reward.py
+# ==================================================================================================
+
+
+def test_reward_caller_threads_timeouts_and_errors():
+    from reward import RewardCaller
+
+    def scrambled(record, response):  # sleeps so that the calls end in another order than they started
+        time.sleep(0.002 * ((len(response) * 7) % 5))
+        return record["w"] * len(response) + 0.5
+
+    records = [{"w": i % 3 - 1} for i in range(23)]
+    responses = ["x" * (i * 5 % 11) for i in range(23)]
+    one = RewardCaller(scrambled)(records, responses)
+    assert one == ([r["w"] * len(t) + 0.5 for r, t in zip(records, responses)], 0)
+    assert RewardCaller(scrambled, workers=4)(records, responses) == one  # the same scores, in order
+    assert RewardCaller(scrambled, workers=4, timeout=30)(records, responses) == one
+
+    def flaky(record, response):
+        if response == "slow":
+            time.sleep(20)  # far past the timeout: given up, its thread left to finish alone
+        if response == "bad":
+            raise ConnectionError("judge unreachable")
+        return 1.0
+
+    texts = ["ok", "slow", "ok", "bad", "slow", "ok"]
+    for workers in (1, 2):  # a timeout needs threads even with one worker
+        t0 = time.time()
+        assert RewardCaller(flaky, workers, timeout=0.3, on_error=-2.0)([{}] * 6, texts) == (
+            [1.0, -2.0, 1.0, -2.0, -2.0, 1.0], 3)
+        assert time.time() - t0 < 10, "waited for a call it had given up"
+    assert RewardCaller(flaky, on_error=-2)([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
+                                           r"ConnectionError\('judge unreachable'\); --reward_on_error"):
+        RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
+    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\): TimeoutError\('no result after 0.2 s'\)"):
+        RewardCaller(flaky, 2, timeout=0.2)([{}], ["slow"])
+    # what is not a number is the function's bug: raised, whatever on_error says
+    import numpy as np
+
+    assert RewardCaller(lambda r, t: {"a": np.float32(0.25), "b": torch.tensor(2.0), "c": True}[t])(
+        [{}] * 3, ["a", "b", "c"]) == ([0.25, 2.0, 1.0], 0)
+    for bad, shown in [(None, "None (NoneType)"), ("0.5", "'0.5' (str)"), ([1.0], "[1.0] (list)")]:
+        with pytest.raises(TypeError, match=r"reward function .*<lambda> returned " + re.escape(shown) +
+                                            r" for response 0 \('x'\); it must return a float"):
+            RewardCaller(lambda r, t: bad, 2, on_error=0.0)([{}], ["x"])
+    with pytest.raises(ValueError, match="reward_workers must be an int >= 1, not 0"):
+        RewardCaller(flaky, workers=0)
+    with pytest.raises(ValueError, match="reward_timeout must be >= 0"):
+        RewardCaller(flaky, timeout=-1)
+
+
+# ==================================================================================================
 # ppo.py
 # ==================================================================================================
 
