@@ -48,11 +48,9 @@ resumed run, on any number of ranks, repeats the uninterrupted one (checkpoint.p
 From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float.
 """
 import functools
-import inspect
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -70,8 +68,8 @@ from hf import load_tokenizer, save_hf, stop_token_ids
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller
 from rollout import generate, row_seeds
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, phase_end, print0,
-                     setup_distributed)
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, exit_now, hold_to_types, parse_command_line,
+                     phase_end, print0, progress, setup_distributed)
 
 
 @doc_from_comments
@@ -259,13 +257,14 @@ def value_forward(critic, mb):
 
 
 @torch.no_grad()
-def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
+def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None):
     """Step 2, in micro-batches through the training forward's code path (so the first ratio is 1):
     old_logp, entropy, ref_logp, kl_exact, values (B, R) if there is a critic, and the reward model's score (B,) if any;
-    "slots" and "pad", the token slots computed and how many were padding."""
+    "slots" and "pad", the token slots computed and how many were padding. progress: wraps the micro-batch loop."""
     B, R = batch["response_mask"].shape
     out = dict(slots=0, pad=0)
-    for rows, mb in micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro):
+    mbs = micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro)
+    for rows, mb in progress(mbs, -(-B // run.infer_micro)) if progress else mbs:
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
         part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"])
         if critic is not None:
@@ -500,7 +499,8 @@ def main(cfg: Config, reward_fn=None):
             m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
             ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
                           eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
-                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
+                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
+                          progress=progress(f"step {step} rollout"))
             mask = ro.response_mask  # (B, R) bool
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
@@ -509,7 +509,8 @@ def main(cfg: Config, reward_fn=None):
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
-            sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run)
+            sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run,
+                             progress(f"step {step} score"))
             if reward is not None:  # in series or in threads, failed calls scored reward_on_error (reward.py)
                 scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
                 sc["score"] = torch.tensor(scores, device=device)
@@ -535,7 +536,7 @@ def main(cfg: Config, reward_fn=None):
                 mbs = minibatch_rows(run.rows, cfg.mini_batch_size, rank, world, cfg.seed, step,
                                      epoch).to(device)  # (K, local_mini)
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
-                for mb_rows, n in zip(mbs, n_tokens):
+                for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
                     ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
                     updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
                     bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
@@ -551,12 +552,13 @@ def main(cfg: Config, reward_fn=None):
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
                                    run.rows, run.trained)
             kl_ctl.update(metrics["objective/kl"], run.rows)
+            counters = dict(episode=step * cfg.rollout_batch_size, epoch=sampler.passes)  # prompts, passes over them
             metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             t4 = time.time()
             metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
-                                             for name in run.trained},
+                                             for name in run.trained}, **counters,
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
@@ -579,15 +581,5 @@ def main(cfg: Config, reward_fn=None):
 
 
 if __name__ == "__main__":
-    import fire
-
-    def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
-        return Config(*args, **kwargs)
-
-    cli.__signature__, cli.__doc__ = inspect.signature(Config), Config.__doc__
-    result = main(fire.Fire(cli, name="ppo.py", serialize=lambda cfg: None))
-    # Everything is written and the process group is destroyed: skip the interpreter's teardown, where
-    # torch's gloo backend can still abort under load ("terminate called without an active exception":
-    # a thread destroyed while joinable, after destroy_process_group), failing a run that has finished.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(1 if result and result.get("fits") is False else 0)  # a dry run that does not fit exits with 1
+    result = main(parse_command_line(Config, "ppo.py"))
+    exit_now(1 if result and result.get("fits") is False else 0)  # a dry run that does not fit exits with 1

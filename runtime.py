@@ -1,18 +1,20 @@
 """
 The process a run lives in: the command line, the process group (one code path for 1 process and for N under
-torchrun), printing on rank 0, sums over ranks, the phase timer, the metrics log and stopping on a signal. Plumbing that ppo.py
-calls so that its main loop reads as the algorithm; nothing here knows about models.
+torchrun), printing on rank 0, sums over ranks, the phase timer, progress bars, the metrics log and stopping on a
+signal. Plumbing that ppo.py calls so that its main loop reads as the algorithm; nothing here knows about models.
 """
 import inspect
 import json
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def setup_distributed():
@@ -61,6 +63,14 @@ def phase_end(device, peaks, phase):
     return time.time()
 
 
+def progress(desc):
+    """A function that wraps an iterable (with its length as total, for a generator) in a tqdm bar labelled desc,
+    cleared when done: the work inside a step. Only on rank 0 and when stdout is a terminal; elsewhere (a log file,
+    a pipe) it hands the iterable back untouched, so the logs hold the step lines alone."""
+    on = sys.stdout.isatty() and (not dist.is_initialized() or dist.get_rank() == 0)
+    return lambda it, total=None: tqdm(it, desc=desc, total=total, leave=False, file=sys.stdout, dynamic_ncols=True) if on else it
+
+
 # -----------------------------------------------------------------------------
 # the command line: fire parses it into ppo.Config
 
@@ -70,6 +80,25 @@ def doc_from_comments(cls):
     comments = re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(cls), re.M)
     cls.__doc__ = "PPO for RLHF (see README.md).\n\nArgs:\n" + "".join(f"    {k}: {c}\n" for k, c in comments)
     return cls
+
+
+def parse_command_line(cls, name):
+    """The command line parsed by fire into the dataclass cls (python ppo.py --help lists its fields)."""
+    import fire
+
+    def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
+        return cls(*args, **kwargs)
+
+    cli.__signature__, cli.__doc__ = inspect.signature(cls), cls.__doc__
+    return fire.Fire(cli, name=name, serialize=lambda cfg: None)
+
+
+def exit_now(code):
+    """Ends the process once everything is written and the process group is destroyed, skipping the interpreter's
+    teardown, where torch's gloo backend can still abort under load ("terminate called without an active exception":
+    a thread destroyed while joinable, after destroy_process_group), failing a run that has finished."""
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def hold_to_types(cfg):
