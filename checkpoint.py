@@ -49,6 +49,9 @@ MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every"
                         "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
                         "offload_frozen", "dry_run", "gpu_memory_gb"}
+# Nor does what only watches the run (held-out evaluation reads the weights and moves no state) or spreads the reward
+# calls over threads (the scores come back in order).
+MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "reward_workers"}
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 

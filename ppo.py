@@ -26,6 +26,7 @@ Each step:
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
+    7. evaluate  every eval_every steps (and before the first, after the last): held-out prompts (evaluate.py)
 
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and
 divided by their number across ALL ranks (a token mean over the minibatch), so the loss and its
@@ -62,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
+from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
                  kl_estimate, masked_sum, masked_var, shape_rewards)
 from hf import load_tokenizer, save_hf, stop_token_ids
@@ -109,6 +111,10 @@ class Config:
     advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
+    # held-out evaluation (evaluate.py)
+    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl when training on the shipped prompts.jsonl; "": none
+    eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
+    eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     # PPO
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
@@ -196,6 +202,7 @@ def derive(cfg, rank, W, device):
         "target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0"
     assert cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1 (the newest checkpoint to resume from), not {cfg.keep_checkpoints}"
     assert cfg.activation_checkpointing in ("auto", "on", "off"), "activation_checkpointing must be on, off or auto"
+    assert cfg.eval_every >= 0 and cfg.eval_temperature >= 0, "eval_every and eval_temperature must be >= 0"
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
     local_rollout = cfg.rollout_batch_size // W
@@ -470,6 +477,7 @@ def main(cfg: Config, reward_fn=None):
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); stop ids {stop_ids}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
+    evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None
     sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
@@ -488,8 +496,12 @@ def main(cfg: Config, reward_fn=None):
         history, first_step = tr["metrics"], tr["step"] + 1
         print0(f"resumed from {ckpt} at step {tr['step']}")
     log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
+    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
+                                    run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id)
 
     try:
+        if evalset and first_step == 1:  # the initial weights
+            log.log_eval(*evaluate_at(0, dict(episode=0, epoch=0.0)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -562,6 +574,8 @@ def main(cfg: Config, reward_fn=None):
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
+            if evalset and due(step, cfg):
+                log.log_eval(*evaluate_at(step, counters))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}

@@ -173,6 +173,12 @@ def row_seeds(seed, step, rows):
     return torch.tensor([((seed * 1_000_003 + step) * 1_000_033 + g) % 2**62 for g in rows], dtype=torch.long)
 
 
+def eval_seeds(seed, rows):
+    """(B,) int64 sampling seeds of held-out evaluation rows `rows` (evaluate.py): in [2^62, 2^63), where no
+    row_seeds falls, so evaluation never draws a training row's noise; the same at every evaluation of a run."""
+    return row_seeds(seed, 0, rows) + 2**62
+
+
 def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, generator):
     """Validates the sampling arguments; returns (eos ids as a list, pad id, device)."""
     if getattr(model, "head", "lm") != "lm":
