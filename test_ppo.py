@@ -3851,17 +3851,21 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
 @needs_cuda
 def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
     # one GPU, bf16 (the default there): the first minibatch of an update that sees the weights that scored
-    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2
+    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2; and the
+    # held-out evaluation (greedy, 5 prompts through the CUDA-graph decode of 8 rows) runs and repeats
     kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
-              save_every=1, env={"TRITON_INTERPRET": "0"})  # the compiled kernels, as a user runs them
+              save_every=1, eval_prompts=tiny_run["eval_prompts"], eval_every=1,
+              env={"TRITON_INTERPRET": "0"})  # the compiled kernels, as a user runs them
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
     assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
-    m = full[0]
+    m = full[1]
     assert m["val/ratio"] == 1.0 and m["policy/clipfrac_avg"] == 0.0 and m["objective/kl"] == 0.0
     assert all(0 < m[f"mem/{phase}_peak_gib"] < 80 for phase in ("rollout", "score", "train"))  # CUDA only
+    assert full[0]["step"] == 0 and full[0]["eval/kl"] == 0.0 and len(samples_of(tmp_path / "full", 2)) == 5
     run_ppo(tiny_run, tmp_path / "part", total_steps=1, **kw)
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=2, resume="auto", **kw)
-    assert [r["step"] for r in resumed] == [1, 2]
+    assert [(r["step"], "eval/score" in r) for r in resumed] == [(0, True), (1, False), (1, True), (2, False),
+                                                                  (2, True)]
     assert_close_runs(full, resumed, tmp_path / "full", tmp_path / "part")
 
 
