@@ -57,6 +57,9 @@ MAY_CHANGE_ON_RESUME |= {"overwrite"}
 # Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
 # compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
 INPUT_FILES = ("prompts", "sft_data")
+# Nor does what only watches the run (held-out evaluation reads the weights and moves no state) or spreads the reward
+# calls over threads (the scores come back in order).
+MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "reward_workers"}
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint

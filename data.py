@@ -275,6 +275,12 @@ class PromptSampler:
         per_rank = self.batch_size // self.world_size
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
+    @property
+    def passes(self):
+        """Passes over the prompts so far: the epochs begun before this one plus the fraction of it read (a pass
+        ends short of n by the tail it drops)."""
+        return self.epoch + self.position / self.n
+
     def state_dict(self):
         return dict(seed=self.seed, epoch=self.epoch, position=self.position, n=self.n, batch_size=self.batch_size)
 

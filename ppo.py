@@ -26,6 +26,7 @@ Each step:
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
+    7. evaluate  every eval_every steps (and before the first, after the last): held-out prompts (evaluate.py)
 
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and
 divided by their number across ALL ranks (a token mean over the minibatch), so the loss and its
@@ -65,13 +66,14 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from data import PromptSampler, check_reward_head, left_pad, load_inputs, micro_batches, minibatch_rows
+from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
                  kl_estimate, masked_sum, masked_var, shape_rewards)
 from hf import save_hf
 from model import cpu_has_bf16, reward_at_last_token
-from reward import REWARD_FNS, call_reward
+from reward import REWARD_FNS, RewardCaller
 from rollout import generate, row_seeds
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, need, phase_end, print0,
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, need, phase_end, print0, progress,
                      run_command, setup_distributed)
 
 
@@ -108,9 +110,16 @@ class Config:
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
+    reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
+    reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
+    reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
     advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
+    # held-out evaluation (evaluate.py)
+    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl when training on the shipped prompts.jsonl; "": none
+    eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
+    eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     # PPO
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
@@ -175,9 +184,10 @@ LIMITS = {
     ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
-             "keep_checkpoints"),
+             "keep_checkpoints", "reward_workers"),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
-             "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run"),
+             "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
+             "eval_temperature"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb"),
     "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
@@ -193,7 +203,7 @@ def derive(cfg, rank, W, device):
         for k in names:
             v = getattr(cfg, k)
             need(IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
-    for k in ("entropy_coef", "dual_clip", "non_stop_penalty"):
+    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
         need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
                            lr_schedule=["constant", "linear"], dtype=["auto", "bf16", "fp32"],
@@ -282,13 +292,14 @@ def value_forward(critic, mb):
 
 
 @torch.no_grad()
-def score_batch(actor, ref, critic, reward_model, batch, cfg, run):
+def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None):
     """Step 2, in micro-batches through the training forward's code path (so the first ratio is 1):
     old_logp, entropy, ref_logp, kl_exact, values (B, R) if there is a critic, and the reward model's score (B,) if any;
-    "slots" and "pad", the token slots computed and how many were padding."""
+    "slots" and "pad", the token slots computed and how many were padding. progress: wraps the micro-batch loop."""
     B, R = batch["response_mask"].shape
     out = dict(slots=0, pad=0)
-    for rows, mb in micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro):
+    mbs = micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro)
+    for rows, mb in progress(mbs, -(-B // run.infer_micro)) if progress else mbs:
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
         part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"])
         if critic is not None:
@@ -481,6 +492,7 @@ def main(cfg: Config, reward_fn=None):
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
     tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
+    evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None
     ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -492,6 +504,7 @@ def main(cfg: Config, reward_fn=None):
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
     m = add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
+    reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "
            f"stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
@@ -512,8 +525,12 @@ def main(cfg: Config, reward_fn=None):
         history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr.get("run_id", run_id)
         print0(f"resumed from {ckpt} at step {tr['step']}")
     log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
+    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
+                                    run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id)
 
     try:
+        if evalset and first_step == 1:  # the initial weights
+            log.log_eval(*evaluate_at(0, dict(episode=0, epoch=0.0)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -523,7 +540,8 @@ def main(cfg: Config, reward_fn=None):
             m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
             ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
                           eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
-                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
+                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
+                          progress=progress(f"step {step} rollout"))
             mask = ro.response_mask  # (B, R) bool
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
@@ -532,10 +550,11 @@ def main(cfg: Config, reward_fn=None):
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
-            sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run)
-            if reward_fn is not None:
-                sc["score"] = torch.tensor([call_reward(reward_fn, prompts.records[i], t) for i, t in zip(rows, texts)],
-                                           device=device)
+            sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run,
+                             progress(f"step {step} score"))
+            if reward is not None:  # in series or in threads, failed calls scored reward_on_error (reward.py)
+                scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
+                sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
                 raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
 
@@ -558,7 +577,7 @@ def main(cfg: Config, reward_fn=None):
                 mbs = minibatch_rows(run.rows, cfg.mini_batch_size, rank, world, cfg.seed, step,
                                      epoch).to(device)  # (K, local_mini)
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
-                for mb_rows, n in zip(mbs, n_tokens):
+                for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
                     ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
                     updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
                     bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
@@ -574,14 +593,18 @@ def main(cfg: Config, reward_fn=None):
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
                                    run.rows, run.trained)
             kl_ctl.update(metrics["objective/kl"], run.rows)
+            counters = dict(episode=step * cfg.rollout_batch_size, epoch=sampler.passes)  # prompts, passes over them
+            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             t4 = time.time()
             metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
-                                             for name in run.trained},
+                                             for name in run.trained}, **counters,
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
+            if evalset and due(step, cfg):
+                log.log_eval(*evaluate_at(step, counters))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}

@@ -6,12 +6,18 @@ record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REW
 Python: main(cfg, reward_fn=f). A reward model, when given (--reward_model), replaces the function. ppo.py calls
 each through call_reward, which refuses anything but one number, naming the function and what it returned.
 
+RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
+verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised or timed out is
+scored with a fixed value and counted (ppo.py: --reward_workers, --reward_timeout, --reward_on_error,
+val/reward_errors).
+
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
 import numbers
 import re
+import threading
+import time
 
-from runtime import UsageError
 
 POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
 joyful love loved loving enjoy enjoyed enjoyable pleasant perfect best brilliant awesome nice fun kind warm
@@ -39,19 +45,102 @@ def sentiment_reward(record, response):
 REWARD_FNS = {"sentiment": sentiment_reward}
 
 
-def call_reward(fn, record, response):
-    """fn(record, response) as a float. One number is expected (a Python or NumPy number, a bool, a 0-dim tensor or
-    array): anything else, e.g. None, a string or one score per token, is a UsageError naming fn and what it
-    returned, instead of a TypeError from float() that names neither."""
-    out = fn(record, response)
-    x = out.item() if getattr(out, "ndim", None) == 0 and hasattr(out, "item") else out  # numpy / torch 0-dim
-    if isinstance(x, numbers.Real):
-        return float(x)
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', None) or repr(fn)}"
-    shape = (f", shape {tuple(out.shape)}" if hasattr(out, "shape") else
-             f" of {len(out)}" if isinstance(out, (list, tuple)) else "")
-    raise UsageError(f"reward function {name} returned {out!r:.80} ({type(out).__name__}{shape}) for the response "
-                     f"{response!r:.40}: expected one number per (record, response)")
+# -----------------------------------------------------------------------------
+# calling a reward function on a batch: in series or in threads, a timeout per call, failed calls scored
+
+
+class RewardCaller:
+    """Scores a batch of responses with fn(record, response) -> float: (scores, one float per response in the
+    order given, errors: how many calls were scored on_error).
+
+    workers == 1 and no timeout: the calls run one after the other in the calling thread. Otherwise `workers`
+    threads take the calls in turn; a call still running `timeout` seconds (> 0) after it started is given up.
+    Python cannot stop a thread, so a given-up call runs on in its (daemon) thread, its result dropped, and a fresh
+    thread takes its place in the pool. The scores come back in the order of the responses whatever order the calls
+    end in: for a function of its arguments alone, the workers change the time and nothing else.
+    A call that raised or timed out is scored on_error and counted; with on_error None it stops the run, naming
+    the function, the response and the error. A call that returns something other than a real number is a
+    TypeError whatever on_error says: that is a bug of the function, not a flaky verifier."""
+
+    def __init__(self, fn, workers=1, timeout=0.0, on_error=None):
+        if not callable(fn):
+            raise TypeError(f"the reward function must be callable as fn(record, response), got {fn!r:.80}")
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"reward_workers must be an int >= 1, not {workers!r}")
+        if not timeout >= 0:
+            raise ValueError(f"reward_timeout must be >= 0 seconds (0: none), not {timeout!r}")
+        self.fn, self.workers, self.timeout, self.on_error = fn, workers, float(timeout), on_error
+        self.name = getattr(fn, "__qualname__", None) or repr(fn)
+
+    def __call__(self, records, responses):
+        calls = list(zip(records, responses))
+        if len(calls) != len(responses):
+            raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
+        results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
+        scores, errors = [], 0
+        for i, (ok, value) in enumerate(results):
+            if not ok and self.on_error is None:
+                raise RuntimeError(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): "
+                                   f"{value!r}; --reward_on_error=X scores such responses X instead") from value
+            if not ok:
+                scores.append(float(self.on_error))
+                errors += 1
+            elif isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:  # float, int, numpy scalars,
+                scores.append(float(value))  # a 0-dim array or tensor
+            else:
+                raise TypeError(f"reward function {self.name} returned {value!r:.80} ({type(value).__name__}) for "
+                                f"response {i} ({responses[i]!r:.80}); it must return a float")
+        return scores, errors
+
+    def _call(self, record, response):
+        """(True, what fn returned) or (False, the exception it raised)."""
+        try:
+            return True, self.fn(record, response)
+        except Exception as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised
+            return False, e
+
+    def _threads(self, calls):
+        """The calls' results in the pool of threads, each (True, value) or (False, exception)."""
+        n = len(calls)
+        results, started, given_up = [None] * n, [None] * n, set()
+        todo = iter(range(n))
+        cond = threading.Condition()  # guards all of the above; notified when a call starts or ends
+
+        def worker():
+            while True:
+                with cond:
+                    i = next(todo, None)
+                    if i is None:
+                        return
+                    started[i] = time.monotonic()
+                    cond.notify()  # the waiting loop learns of the new deadline
+                result = self._call(*calls[i])
+                with cond:
+                    if i in given_up:  # replaced by another thread while it ran: leave
+                        return
+                    results[i] = result
+                    cond.notify()
+
+        def start():
+            threading.Thread(target=worker, name=f"reward-{self.name}", daemon=True).start()
+
+        with cond:
+            for _ in range(min(self.workers, n)):
+                start()
+            while any(r is None for r in results):
+                wait, now = None, time.monotonic()
+                for i in range(n):
+                    if self.timeout and results[i] is None and started[i] is not None:
+                        left = started[i] + self.timeout - now
+                        if left <= 0:
+                            results[i] = (False, TimeoutError(f"no result after {self.timeout:g} s"))
+                            given_up.add(i)
+                            start()
+                        else:
+                            wait = left if wait is None else min(wait, left)
+                if any(r is None for r in results):
+                    cond.wait(wait)
+        return results
 
 
 if __name__ == "__main__":

@@ -173,6 +173,12 @@ def row_seeds(seed, step, rows):
     return torch.tensor([((seed * 1_000_003 + step) * 1_000_033 + g) % 2**62 for g in rows], dtype=torch.long)
 
 
+def eval_seeds(seed, rows):
+    """(B,) int64 sampling seeds of held-out evaluation rows `rows` (evaluate.py): in [2^62, 2^63), where no
+    row_seeds falls, so evaluation never draws a training row's noise; the same at every evaluation of a run."""
+    return row_seeds(seed, 0, rows) + 2**62
+
+
 def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, generator):
     """Validates the sampling arguments; returns (eos ids as a list, pad id, device)."""
     if getattr(model, "head", "lm") != "lm":
@@ -501,7 +507,7 @@ def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampl
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
              pad_token_id=None, generator=None, compile=None, seeds=None, micro_batch_size=None, max_prompt_len=None,
-             compact=True):
+             compact=True, progress=None):
     """Samples up to max_new_tokens tokens after each prompt (a list of token id lists).
     temperature 0 = greedy; top_k 0 and top_p 1 = off. eos_token_id: None (never stop early), an int or
     a list of ints. pad_token_id: defaults to the first EOS id, else 0. seeds: one non-negative int per
@@ -514,6 +520,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     to CACHE_MULTIPLE) whatever this call's prompts, so that calls share the cache and the compiled step; a
     longer prompt is a ValueError. None: the widest prompt of this call. compact: drop finished rows from
     the decode batch (module docstring); the results are the same either way, up to float rounding.
+    progress: wraps the loop over micro-batches (runtime.progress: a progress bar); None: the plain loop.
     Runs under no_grad, not inference_mode, so the returned tensors can be used in training."""
     eos, pad, device = _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
                                    generator)
@@ -539,7 +546,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
            torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device))  # logprobs
     alive = torch.zeros(B, dtype=torch.bool, device=device)  # (B,): never sampled an EOS
     try:
-        for lo in range(0, B, m):
+        for lo in (progress or iter)(range(0, B, m)):
             hi = min(lo + m, B)
             Pm = max(lengths[lo:hi])  # this micro-batch's prompt width: its prefill skips the others' padding
             alive[lo:hi] = _sample_micro_batch(

@@ -1,8 +1,8 @@
 """
 The process a run lives in: the command line, the process group (one code path for 1 process and for N under
-torchrun), printing on rank 0, sums over ranks, the free disk, the phase timer, the metrics log and stopping on a
-signal. Plumbing that ppo.py
-calls so that its main loop reads as the algorithm; nothing here knows about models.
+torchrun), printing on rank 0, sums over ranks, the free disk, the phase timer, progress bars, the metrics and samples
+log and stopping on a signal. Plumbing that ppo.py calls so that its main loop reads as the algorithm; nothing here
+knows about models.
 """
 import inspect
 import json
@@ -16,6 +16,7 @@ from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def setup_distributed():
@@ -74,6 +75,14 @@ def phase_end(device, peaks, phase):
             peaks[f"mem/{phase}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     return time.time()
+
+
+def progress(desc):
+    """A function that wraps an iterable (with its length as total, for a generator) in a tqdm bar labelled desc,
+    cleared when done: the work inside a step. Only on rank 0 and when stdout is a terminal; elsewhere (a log file,
+    a pipe) it hands the iterable back untouched, so the logs hold the step lines alone."""
+    on = sys.stdout.isatty() and (not dist.is_initialized() or dist.get_rank() == 0)
+    return lambda it, total=None: tqdm(it, desc=desc, total=total, leave=False, file=sys.stdout, dynamic_ncols=True) if on else it
 
 
 # -----------------------------------------------------------------------------
@@ -170,7 +179,9 @@ def check_wandb():
 
 
 class Logger:
-    """metrics.jsonl (rewritten to the steps the models have seen on resume), stdout, wandb if asked."""
+    """metrics.jsonl (rewritten to the steps the models have seen on resume), stdout, wandb if asked; samples in
+    out_dir/samples: train.jsonl (the sample printed every sample_every steps) and step-N.jsonl (an evaluation's
+    rows), cut back to the resumed step as the metrics are."""
 
     def __init__(self, cfg, history, master):
         self.cfg, self.history, self.master = cfg, history, master
@@ -186,6 +197,19 @@ class Logger:
                 except ImportError as e:
                     raise ImportError("--wandb needs the wandb package: pip install wandb") from e
                 self.wandb = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir)
+            self.samples = os.path.join(cfg.out_dir, "samples")
+            last = max((m["step"] for m in history), default=-1)  # what a resumed run has already logged
+            for name in os.listdir(self.samples) if os.path.isdir(self.samples) else []:
+                n = re.fullmatch(r"step-(\d+)\.jsonl", name)
+                if n and int(n[1]) > last:
+                    os.remove(os.path.join(self.samples, name))
+            train = os.path.join(self.samples, "train.jsonl")
+            if os.path.exists(train):
+                with open(train) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= last]
+                with open(train + ".tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(train + ".tmp", train)
 
     def log(self, m, sample=None):
         self.history.append(m)
@@ -203,6 +227,32 @@ class Logger:
                   f"| stop {m['val/stop_rate']:.2f} | {m['time/step']:.1f}s", flush=True)
         if sample and self.cfg.sample_every and m["step"] % self.cfg.sample_every == 0:
             print(f"--- sample (score {sample[0]:+.3f})\n{sample[1]}{sample[2]}\n---", flush=True)
+            os.makedirs(self.samples, exist_ok=True)
+            with open(os.path.join(self.samples, "train.jsonl"), "a") as f:
+                f.write(json.dumps(dict(step=m["step"], prompt=sample[1], response=sample[2], score=sample[0])) + "\n")
+
+    def log_eval(self, m, rows):
+        """An evaluation: its metrics m, a line of their own in metrics.jsonl (at the step whose weights it
+        evaluated), and its rows (one dict per prompt) in samples/step-N.jsonl and, with wandb, a wandb.Table."""
+        self.history.append(m)
+        if not self.master:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        os.makedirs(self.samples, exist_ok=True)
+        path = os.path.join(self.samples, f"step-{m['step']:06d}.jsonl")
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(path + ".tmp", path)
+        if self.wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            self.wandb.log({**m, "eval/samples": table}, step=m["step"])
+        se = m["eval/score_std"] / len(rows) ** 0.5
+        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se:.3f} | kl {m['eval/kl']:+.3f} "
+              f"| len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} | {len(rows)} prompts "
+              f"| {m['time/eval']:.1f}s", flush=True)
 
     def close(self):
         if self.wandb is not None:

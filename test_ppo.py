@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import contextlib
 import copy
 import decimal
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -1715,6 +1716,29 @@ def test_shipped_prompts_fit_smollm2():
           f"(tokenizer load + encode {time.time() - t0:.1f}s)")
     assert ps.n_dropped == 0 and len(ps) == n_lines >= 160 and max(lens) <= 64
     assert ps.texts[0].endswith("<|im_start|>assistant\n") and ps.ids[0].count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+    held_out = load_prompts(os.path.join(REPO, "eval_prompts.jsonl"), tok, max_prompt_len=64)
+    assert held_out.n_dropped == 0 and len(held_out) >= 24
+
+
+def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
+    # the default run evaluates eval_prompts.jsonl, none of whose prompts it trains on; a run on other prompts
+    # evaluates nothing unless told what to evaluate
+    from evaluate import load_eval_prompts
+
+    def prompts(path):
+        with open(path, encoding="utf-8") as f:
+            return [" ".join(re.findall(r"[a-z']+", json.loads(line)["prompt"].lower())) for line in f if line.strip()]
+
+    train, held_out = prompts(os.path.join(REPO, "prompts.jsonl")), prompts(os.path.join(REPO, "eval_prompts.jsonl"))
+    assert len(set(held_out)) == len(held_out) >= 24 and not set(held_out) & set(train)
+    cfg = lambda **kw: types.SimpleNamespace(**{**dict(prompts=os.path.join(REPO, "prompts.jsonl"),  # noqa: E731
+                                                   eval_prompts="auto", max_prompt_len=64, prompt_key="prompt",
+                                                   messages_key="messages"), **kw})
+    assert load_eval_prompts(cfg(), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
+    assert load_eval_prompts(cfg(prompts="mine.jsonl"), tok) is None
+    assert load_eval_prompts(cfg(eval_prompts=""), tok) is None
+    mine = load_eval_prompts(cfg(prompts="mine.jsonl", eval_prompts=os.path.join(REPO, "eval_prompts.jsonl")), tok)
+    assert len(mine) == len(held_out)
 
 
 # ==================================================================================================
@@ -3761,6 +3785,59 @@ def test_fixed_kl_controller():
 
 
 # ==================================================================================================
+# reward.py
+# ==================================================================================================
+
+
+def test_reward_caller_threads_timeouts_and_errors():
+    from reward import RewardCaller
+
+    def scrambled(record, response):  # sleeps so that the calls end in another order than they started
+        time.sleep(0.002 * ((len(response) * 7) % 5))
+        return record["w"] * len(response) + 0.5
+
+    records = [{"w": i % 3 - 1} for i in range(23)]
+    responses = ["x" * (i * 5 % 11) for i in range(23)]
+    one = RewardCaller(scrambled)(records, responses)
+    assert one == ([r["w"] * len(t) + 0.5 for r, t in zip(records, responses)], 0)
+    assert RewardCaller(scrambled, workers=4)(records, responses) == one  # the same scores, in order
+    assert RewardCaller(scrambled, workers=4, timeout=30)(records, responses) == one
+
+    def flaky(record, response):
+        if response == "slow":
+            time.sleep(20)  # far past the timeout: given up, its thread left to finish alone
+        if response == "bad":
+            raise ConnectionError("judge unreachable")
+        return 1.0
+
+    texts = ["ok", "slow", "ok", "bad", "slow", "ok"]
+    for workers in (1, 2):  # a timeout needs threads even with one worker
+        t0 = time.time()
+        assert RewardCaller(flaky, workers, timeout=0.3, on_error=-2.0)([{}] * 6, texts) == (
+            [1.0, -2.0, 1.0, -2.0, -2.0, 1.0], 3)
+        assert time.time() - t0 < 10, "waited for a call it had given up"
+    assert RewardCaller(flaky, on_error=-2)([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
+                                           r"ConnectionError\('judge unreachable'\); --reward_on_error"):
+        RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
+    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\): TimeoutError\('no result after 0.2 s'\)"):
+        RewardCaller(flaky, 2, timeout=0.2)([{}], ["slow"])
+    # what is not a number is the function's bug: raised, whatever on_error says
+    import numpy as np
+
+    assert RewardCaller(lambda r, t: {"a": np.float32(0.25), "b": torch.tensor(2.0), "c": True}[t])(
+        [{}] * 3, ["a", "b", "c"]) == ([0.25, 2.0, 1.0], 0)
+    for bad, shown in [(None, "None (NoneType)"), ("0.5", "'0.5' (str)"), ([1.0], "[1.0] (list)")]:
+        with pytest.raises(TypeError, match=r"reward function .*<lambda> returned " + re.escape(shown) +
+                                            r" for response 0 \('x'\); it must return a float"):
+            RewardCaller(lambda r, t: bad, 2, on_error=0.0)([{}], ["x"])
+    with pytest.raises(ValueError, match="reward_workers must be an int >= 1, not 0"):
+        RewardCaller(flaky, workers=0)
+    with pytest.raises(ValueError, match="reward_timeout must be >= 0"):
+        RewardCaller(flaky, timeout=-1)
+
+
+# ==================================================================================================
 # ppo.py
 # ==================================================================================================
 
@@ -3768,6 +3845,7 @@ def test_fixed_kl_controller():
 TINY_PROMPTS = ["write a short review of the cafe", "describe my day", "write a letter to a friend",
                 "describe the park", "a story of a dog", "hello", "write a short story", "describe the food",
                 "review the meal", "describe the town", "write to my friend", "describe the sun and rain"]
+TINY_EVAL_PROMPTS = ["describe the cafe", "a story of the sun", "write to a dog", "hello friend", "describe my food"]
 
 
 def make_policy(folder, seed=0, vocab_words=None, **over):
@@ -3788,27 +3866,61 @@ def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     policy = make_policy(root / "policy")
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in TINY_PROMPTS * 2])
-    return dict(policy=policy, prompts=prompts, root=root)
+    eval_prompts = write_jsonl(root / "eval.jsonl", [{"prompt": p} for p in TINY_EVAL_PROMPTS])
+    return dict(policy=policy, prompts=prompts, eval_prompts=eval_prompts, root=root)
 
 
 TINY_ARGS = dict(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, max_new_tokens=6, ppo_epochs=2,
                  dtype="fp32", lr=3e-3, critic_lr=3e-3, sample_every=0, seed=3)
 
 
-def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, **kw):
-    """Runs `python ppo.py` (or torchrun) on the tiny checkpoint; returns (process, metrics rows)."""
+def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, terminal=False, **kw):
+    """Runs `python ppo.py` (or torchrun) on the tiny checkpoint; returns (process, metrics rows). terminal: with
+    stdout and stderr on a pseudo-terminal (p.stdout holds both)."""
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
     cli = [f"--{k}={v}" for k, v in args.items()]
     if nproc == 1:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("RANK", None)
-        p = subprocess.run([sys.executable, os.path.join(REPO, "ppo.py"), *cli], capture_output=True, text=True,
-                           timeout=timeout, env=env, cwd=REPO)
+        cmd = [sys.executable, os.path.join(REPO, "ppo.py"), *cli]
+        run = run_in_terminal if terminal else functools.partial(subprocess.run, capture_output=True, text=True)
+        p = run(cmd, timeout=timeout, env=env, cwd=REPO)
     else:
         p = run_torchrun([os.path.join(REPO, "ppo.py"), *cli], nproc=nproc, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"ppo.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p, read_metrics(out_dir)
+
+
+def run_in_terminal(cmd, timeout, **kw):
+    """subprocess.run with stdout and stderr on a pseudo-terminal: what a user at a terminal sees, in .stdout."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a new pty is 0 columns wide
+    p = subprocess.Popen(cmd, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, **kw)
+    os.close(slave)
+    out, deadline = b"", time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child has closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            p.kill()
+            raise subprocess.TimeoutExpired(cmd, timeout, out)
+    finally:
+        os.close(master)
+    return subprocess.CompletedProcess(cmd, p.wait(), out.decode(errors="replace"), "")
 
 
 def read_metrics(out_dir):
@@ -4189,17 +4301,38 @@ def assert_same_run(a_dir, a_rows, b_dir, b_rows):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def samples_of(out_dir, step):
+    """The rows of the evaluation after `step` steps, from out_dir/samples/step-N.jsonl."""
+    with open(os.path.join(out_dir, "samples", f"step-{step:06d}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 @slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_is_exact(tiny_run, tmp_path, nproc):
-    kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100)  # adaptive KL: its state must survive
+    # adaptive KL: its state must survive; the evaluations (every 2 steps, sampled; 5 prompts: on 2 ranks the
+    # second's share is padded) and the counters episode and epoch come back as the uninterrupted run logs them
+    kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100, eval_prompts=tiny_run["eval_prompts"],
+              eval_every=2, eval_temperature=1.0, sample_every=1)
     _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, keep_checkpoints=1, **kw)
     assert os.listdir(tmp_path / "full" / "checkpoints") == ["step-000004"]  # only the newest is kept
     run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
     assert os.path.isdir(tmp_path / "part" / "checkpoints" / "step-000002")
+    samples = tmp_path / "part" / "samples"  # what a run killed after step 3 leaves beyond the checkpoint: cut back
+    (samples / "step-000003.jsonl").write_text('{"prompt": "stale"}\n')
+    with open(samples / "train.jsonl", "a") as f:
+        f.write('{"step": 3, "prompt": "stale"}\n')
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [(r["step"], "eval/score" in r) for r in resumed] == [(0, True), (1, False), (2, False), (2, True),
+                                                                  (3, False), (4, False), (4, True)]
     assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
+    assert sorted(os.listdir(samples)) == sorted(os.listdir(tmp_path / "full" / "samples")) == [
+        "step-000000.jsonl", "step-000002.jsonl", "step-000004.jsonl", "train.jsonl"]
+    for name in os.listdir(samples):
+        assert (samples / name).read_text() == (tmp_path / "full" / "samples" / name).read_text(), name
+    # 24 prompts, 8 a step: prompts consumed over all ranks, and passes over the file
+    assert [(r["episode"], r["epoch"]) for r in resumed] == [(0, 0.0), (8, 8 / 24), (16, 16 / 24), (16, 16 / 24),
+                                                             (24, 24 / 24), (32, 1 + 8 / 24), (32, 1 + 8 / 24)]
 
 
 # -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
@@ -4325,22 +4458,25 @@ def test_run_comparisons_skip_only_the_measured_metrics():
 @needs_cuda
 def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
     # one GPU, bf16 (the default there): the first minibatch of an update that sees the weights that scored
-    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2. The
-    # policy takes the fused path (flex attention: training, scoring, the CUDA-graph decode) at SmolLM2's GQA
-    # ratio of 3, and a graph that CUDA graphs would skip is an error (inductor's cudagraph_or_error)
+    # the rollout has ratio 1 and clipfrac 0; a run stopped after step 1 resumes into the same step 2; the held-out
+    # evaluation (greedy, 5 prompts through the CUDA-graph decode of 8 rows) runs and repeats. The policy takes the
+    # fused path (flex attention: training, scoring, the CUDA-graph decode) at SmolLM2's GQA ratio of 3, and a
+    # graph that CUDA graphs would skip is an error (inductor's cudagraph_or_error)
     policy = make_policy(tmp_path / "policy", **flex_heads(3))
     kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
-              save_every=1, model=policy,
+              save_every=1, model=policy, eval_prompts=tiny_run["eval_prompts"], eval_every=1,
               env={"TRITON_INTERPRET": "0",  # the compiled kernels, as a user runs them
                    "TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1"})
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
     assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
-    m = full[0]
+    m = full[1]
     assert m["val/ratio"] == 1.0 and m["policy/clipfrac_avg"] == 0.0 and m["objective/kl"] == 0.0
     assert all(0 < m[f"mem/{phase}_peak_gib"] < 80 for phase in ("rollout", "score", "train"))  # CUDA only
+    assert full[0]["step"] == 0 and full[0]["eval/kl"] == 0.0 and len(samples_of(tmp_path / "full", 2)) == 5
     run_ppo(tiny_run, tmp_path / "part", total_steps=1, **kw)
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=2, resume="auto", **kw)
-    assert [r["step"] for r in resumed] == [1, 2]
+    assert [(r["step"], "eval/score" in r) for r in resumed] == [(0, True), (1, False), (1, True), (2, False),
+                                                                  (2, True)]
     assert_close_runs(full, resumed, tmp_path / "full", tmp_path / "part")
 
 
@@ -4361,15 +4497,23 @@ def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-
 @slow
 def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
     # default micro-batch size (capped per rank, never written into the saved config) and a ptx batch
-    # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run
     sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
+    # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run; and so do the
+    # evaluations (5 prompts, sampled: rows [0, 3) on rank 0, [3, 5) and a padding row on rank 1)
     kw = dict(save_every=2, micro_batch_size=8, sft_data=sft, ptx_coef=0.5, ptx_batch_size=4, target_kl=1.0,
-              kl_horizon=100)
+              kl_horizon=100, eval_prompts=tiny_run["eval_prompts"], eval_every=2, eval_temperature=1.0)
     _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
     _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
-    assert_close_runs(one[:2], two)  # same samples, minibatches and losses
+    assert [r["step"] for r in two] == [0, 1, 2, 2]  # an evaluation before the first step and after the last
+    assert_close_runs(one[:4], two)  # same samples, minibatches and losses; the same evaluations
+    for step in (0, 2):
+        a, b = samples_of(tmp_path / "one", step), samples_of(tmp_path / "two", step)
+        assert [(r["prompt"], r["response"], r["length"], r["stopped"]) for r in a] == \
+               [(r["prompt"], r["response"], r["length"], r["stopped"]) for r in b]
+        assert [r["score"] for r in b] == pytest.approx([r["score"] for r in a], rel=1e-5, abs=1e-6)
+        assert [r["kl"] for r in b] == pytest.approx([r["kl"] for r in a], rel=1e-4, abs=1e-5)
     p, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)
-    assert "resumed from" in p.stdout and cont[:2] == two  # the history comes back as it was written
+    assert "resumed from" in p.stdout and cont[:4] == two  # the history comes back as it was written
     assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
 
 
@@ -4650,6 +4794,8 @@ def test_config_errors_name_the_problem():
                              ("8 rows must be a multiple of mini_batch_size 3",
                               dict(rollout_batch_size=4, samples_per_prompt=2, mini_batch_size=3), 1),
                              ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
+                             ("--eval_every must be >= 0, not -1", dict(eval_every=-1), 1),
+                             ("--eval_temperature must be >= 0, not -0.5", dict(eval_temperature=-0.5), 1),
                              ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2)]:
         with pytest.raises(UsageError, match=re.escape(match)):
             ppo.derive(ppo.Config(**kw), 0, world, cpu)
@@ -4697,7 +4843,7 @@ def test_every_number_is_checked_against_its_range():
     cpu = torch.device("cpu")
     numbers = {f.name for f in dataclasses.fields(ppo.Config) if f.type in (int, float, float | None)}
     ranged = {k for names in ppo.LIMITS.values() for k in names}
-    assert numbers - ranged == {"entropy_coef", "dual_clip", "non_stop_penalty"}  # finite (dual_clip: 0 or > 1)
+    assert numbers - ranged == {"entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"}  # finite
     outside = {">= 1": [0, -1], ">= 0": [-1], "> 0": [0, -1], "in [0, 1]": [-0.5, 1.5], "in [0, 2**32)": [-1, 2**32]}
     for rule, names in ppo.LIMITS.items():
         for k in names:
@@ -4706,7 +4852,7 @@ def test_every_number_is_checked_against_its_range():
                 cfg = ppo.Config(**{k: v})
                 with pytest.raises(UsageError, match=re.escape(f"--{k} must be {rule}, not {getattr(cfg, k)!r}")):
                     ppo.derive(cfg, 0, 1, cpu)
-    for k in ("entropy_coef", "dual_clip", "non_stop_penalty"):
+    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
         with pytest.raises(UsageError, match=re.escape(f"--{k} must be finite")):
             ppo.derive(ppo.Config(**{k: float("inf")}), 0, 1, cpu)
     for match, kw in [("--prompt_key must not be empty", dict(prompt_key="")),
@@ -4748,30 +4894,6 @@ def test_reward_model_without_a_score_head_is_refused(tiny_run, group, tmp_path)
     got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in m["reward_model"].state_dict().items()}
     assert m["reward_model"].head == "value" and all(torch.equal(got[k], rm.state_dict()[k]) for k in got)
     assert not os.path.exists(tmp_path / "out")
-
-
-def test_reward_function_output_is_checked():
-    # a reward function's result, converted by float() in the loop, raised a TypeError naming neither the function
-    # nor the value; call_reward names both, and takes any one number
-    import numpy as np
-
-    from reward import call_reward, sentiment_reward
-
-    assert call_reward(sentiment_reward, {}, "a good day") == sentiment_reward({}, "a good day")
-    for ok, want in ((np.float32(0.5), 0.5), (torch.tensor(2.0), 2.0), (np.array(3), 3.0), (True, 1.0), (7, 7.0)):
-        assert call_reward(lambda record, response: ok, {}, "x") == want
-
-    def verifier(record, response):
-        return verifier.out
-
-    for bad, shown in ((None, "None (NoneType)"), ("good", "'good' (str)"), ([1.0, 2.0], "[1.0, 2.0] (list of 2)"),
-                       (torch.ones(3), "(Tensor, shape (3,))"), (1j, "1j (complex)")):
-        verifier.out = bad
-        with pytest.raises(UsageError) as e:
-            call_reward(verifier, {"prompt": "p"}, "the response")
-        msg = str(e.value)
-        assert "test_reward_function_output_is_checked.<locals>.verifier returned" in msg and shown in msg, msg
-        assert "'the response'" in msg and "expected one number" in msg
 
 
 def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
@@ -5021,14 +5143,14 @@ print("SCORES", json.dumps(scores))
 try:  # one score per response, a number: anything else is named with its function
     ppo.main(ppo.Config(**dict(json.loads({json.dumps(json.dumps(args))}), out_dir=sys.argv[1])),
              reward_fn=lambda record, response: [0.0, 1.0])
-except ppo.UsageError as e:
+except TypeError as e:
     print("REFUSED", e)
 """
     p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bad")], capture_output=True, text=True,
                        timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "HANDLERS True" in p.stdout
-    assert "REFUSED reward function __main__.<lambda> returned [0.0, 1.0] (list of 2)" in p.stdout
+    assert "REFUSED reward function <lambda> returned [0.0, 1.0] (list)" in p.stdout
     scores = json.loads(p.stdout.split("SCORES ")[1].splitlines()[0])
     m = read_metrics(tmp_path / "py")[0]
     assert len(scores) == 8 and m["objective/scores"] == pytest.approx(sum(scores) / 8)
@@ -5064,20 +5186,148 @@ def read_wandb_records(path):
                     reason="needs the optional package wandb (pip install wandb), which --wandb imports")
 def test_wandb_logs_offline(tiny_run, tmp_path):
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=2, wandb=True, wandb_project="ppo-test", kl_estimator="exact",
+                      eval_prompts=tiny_run["eval_prompts"], eval_every=1, eval_temperature=1.0,
                       env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    assert rows[-1]["objective/kl"] == rows[-1]["objective/kl_exact"] > 0  # the exact KL went into the reward
+    train = [r for r in rows if "objective/kl" in r]
+    assert train[-1]["objective/kl"] == train[-1]["objective/kl_exact"] > 0  # the exact KL went into the reward
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, os.listdir(tmp_path)
     records = read_wandb_records(runs[0])
     logged = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
               for r in records if r.WhichOneof("record_type") == "history"]
-    assert [h["_step"] for h in logged] == [1, 2]
-    for h, m in zip(logged, rows):
-        for k, v in m.items():  # every metric of metrics.jsonl, the same number
+    by_step = {}  # a step's training line and its evaluation's line go to one wandb step
+    for m in rows:
+        by_step.setdefault(m["step"], {}).update(m)
+    assert [h["_step"] for h in logged] == sorted(by_step) == [0, 1, 2]
+    for h in logged:
+        for k, v in by_step[h["_step"]].items():  # every metric of metrics.jsonl, the same number
             assert h[k] == pytest.approx(v, rel=1e-12), k
+        table = h["eval/samples/path"]  # each evaluation's rows as a wandb.Table, the rows of its samples file
+        assert h["eval/samples/_type"] == "table-file" and h["eval/samples/nrows"] == len(TINY_EVAL_PROMPTS)
+        with open(os.path.join(os.path.dirname(runs[0]), "files", table)) as f:
+            data = json.load(f)
+        rows_n = samples_of(tmp_path, h["_step"])
+        assert data["columns"] == list(rows_n[0]) and data["data"] == [list(r.values()) for r in rows_n]
     config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "run"
               for i in r.run.config.update}
     assert config["rollout_batch_size"] == TINY_ARGS["rollout_batch_size"] and config["wandb_project"] == "ppo-test"
+
+
+# -- held-out evaluation, samples, counters, progress bars, slow rewards -----------------------------------
+
+
+def rng_states_equal(a, b):
+    """Two checkpoints' rng-rank{r}.pt contents (python, numpy, torch, cuda) are the same."""
+    import numpy as np
+
+    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"]) and a["cuda"] == b["cuda"]
+            and all(np.array_equal(x, y) for x, y in zip(a["numpy"], b["numpy"])))
+
+
+def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
+    import statistics
+
+    from reward import sentiment_reward
+
+    # a run that evaluates (sampled, every step; the reward in 4 threads; a sample each step; on a terminal) trains
+    # bitwise as one that does not: the same metrics, weights, KL controller, samplers and global RNGs
+    kw = dict(total_steps=2, target_kl=1.0, kl_horizon=100)
+    p0, plain = run_ppo(tiny_run, tmp_path / "plain", **kw)
+    p, rows = run_ppo(tiny_run, tmp_path / "eval", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
+                      eval_temperature=1.0, reward_workers=4, sample_every=1, terminal=True, **kw)
+    train, evals = [r for r in rows if "objective/scores" in r], [r for r in rows if "eval/score" in r]
+    assert len(train) + len(evals) == len(rows) and without_measured(train) == without_measured(plain)
+    wa, wb = actor_weights(tmp_path / "plain"), actor_weights(tmp_path / "eval")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ckpt = lambda run, name: torch.load(tmp_path / run / "checkpoints" / "step-000002" / name, weights_only=False)  # noqa: E731
+    ta, tb = ckpt("plain", "trainer.pt"), ckpt("eval", "trainer.pt")
+    assert {k: v for k, v in ta.items() if k not in ("metrics", "run_id")} == \
+        {k: v for k, v in tb.items() if k not in ("metrics", "run_id")}  # run_id: each run its own
+    assert rng_states_equal(ckpt("plain", "rng-rank0.pt"), ckpt("eval", "rng-rank0.pt"))
+    assert [(r["episode"], r["epoch"]) for r in train] == [(8, 8 / 24), (16, 16 / 24)]
+
+    # an evaluation before the first step and after each; its line holds what its samples file holds
+    assert [(e["step"], e["episode"]) for e in evals] == [(0, 0), (1, 8), (2, 16)]
+    for e in evals:
+        s = samples_of(tmp_path / "eval", e["step"])
+        assert [r["prompt"] for r in s] == [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                                            for q in TINY_EVAL_PROMPTS]
+        assert [r["score"] for r in s] == [sentiment_reward({}, r["response"]) for r in s]
+        assert all(1 <= r["length"] <= TINY_ARGS["max_new_tokens"] and isinstance(r["stopped"], bool) for r in s)
+        assert e["eval/score"] == statistics.fmean(r["score"] for r in s) and e["eval/reward_errors"] == 0
+        assert e["eval/score_std"] == statistics.stdev(r["score"] for r in s)
+        for key in ("kl", "length", "stopped"):
+            metric = {"kl": "eval/kl", "length": "eval/response_length", "stopped": "eval/stop_rate"}[key]
+            assert e[metric] == statistics.fmean(float(r[key]) for r in s), key
+    assert all(r["kl"] == 0 for r in samples_of(tmp_path / "eval", 0))  # the actor is the reference
+    assert evals[2]["eval/kl"] != 0 and samples_of(tmp_path / "eval", 2) != samples_of(tmp_path / "eval", 0)
+
+    # the samples printed each step are in samples/train.jsonl; progress bars on a terminal, none in a log
+    out = p.stdout.replace("\r\n", "\n")
+    with open(tmp_path / "eval" / "samples" / "train.jsonl") as f:
+        printed = [json.loads(line) for line in f]
+    assert [s["step"] for s in printed] == [1, 2]
+    assert all(f"--- sample (score {s['score']:+.3f})\n{s['prompt']}{s['response']}\n---" in out for s in printed)
+    for bar in ("eval 0 rollout", "eval 0 score", "step 1 rollout", "step 1 score", "step 1 minibatches",
+                "eval 2 score"):
+        assert bar in out, (bar, out[-3000:])
+    assert "step    2 | score" in out and "eval    2 | score" in out
+    assert "\r" not in p0.stdout and "step 1 rollout" not in p0.stdout + p0.stderr
+
+    # the same weights give the same evaluation, whatever ran before it: with lr 0 the actor never moves, and
+    # every evaluation repeats the first, which is also the first of the run above (another training run)
+    _, still = run_ppo(tiny_run, tmp_path / "still", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
+                       eval_temperature=1.0, lr=0.0, **kw)
+    keys = ("eval/score", "eval/score_std", "eval/kl", "eval/response_length", "eval/stop_rate")
+    same = [{k: e[k] for k in keys} for e in still if "eval/score" in e] + [{k: evals[0][k] for k in keys}]
+    assert len(same) == 4 and all(s == same[0] for s in same)
+    assert all(samples_of(tmp_path / "still", step) == samples_of(tmp_path / "eval", 0) for step in (0, 1, 2))
+
+
+def test_slow_or_failing_reward_is_scored_on_error_and_counted(tiny_run, tmp_path):
+    # a verifier that hangs past --reward_timeout or raises: the response is scored --reward_on_error, counted in
+    # val/reward_errors (eval/reward_errors in an evaluation) and the step completes without waiting for it
+    modes = ["ok", "slow", "bad"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "mode": modes[i % 3]} for i, p in enumerate(TINY_PROMPTS * 2)])
+    heldout = write_jsonl(tmp_path / "e.jsonl", [{"prompt": p, "mode": m} for p, m in zip(TINY_EVAL_PROMPTS, modes)])
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": prompts, "out_dir": str(tmp_path / "run"),
+            "total_steps": 2, "eval_prompts": heldout, "eval_every": 0, "reward_workers": 2, "reward_timeout": 0.5,
+            "reward_on_error": -2.0}
+    script = f"""
+import json, sys, time
+sys.path.insert(0, {REPO!r})
+import ppo
+seen = []
+def verifier(record, response):
+    seen.append(record["mode"])
+    if record["mode"] == "slow":
+        time.sleep(60)
+    if record["mode"] == "bad":
+        raise RuntimeError("cannot parse the answer")
+    return 1.0
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=verifier)
+print("SEEN", json.dumps(seen))
+"""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert time.time() - t0 < 60  # no call was waited for to its end
+    seen = json.loads(p.stdout.split("SEEN ")[1])
+    rows = read_metrics(tmp_path / "run")
+    assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True)]
+    n = len(TINY_EVAL_PROMPTS[:3])
+    calls = [seen[:n], seen[n : n + 8], seen[n + 8 : n + 16], seen[n + 16 :]]  # eval 0, step 1, step 2, eval 2
+    assert [len(c) for c in calls] == [3, 8, 8, 3]
+    for r, c in zip(rows, calls):
+        errors = sum(mode != "ok" for mode in c)
+        score = sum(1.0 if mode == "ok" else -2.0 for mode in c) / len(c)
+        if "eval/score" in r:
+            assert (r["eval/reward_errors"], r["eval/score"]) == (errors, pytest.approx(score)) == (2, -1.0)
+        else:
+            assert errors > 0 and (r["val/reward_errors"], r["objective/scores"]) == (errors, pytest.approx(score))
+            assert r["time/score"] < 30
+    assert [s["score"] for s in samples_of(tmp_path / "run", 2)] == [1.0, -2.0, -2.0]
 
 
 # -- padding-free micro-batches, models built on the meta device -----------------------------------

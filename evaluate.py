@@ -1,0 +1,106 @@
+"""
+Held-out evaluation: the actor's responses to a fixed prompt set (--eval_prompts), scored through the code path that
+scores the training rollouts. ppo.py runs it before the first step, every --eval_every steps and after the last
+one, and logs a line of its own in metrics.jsonl at the step whose weights it evaluated:
+
+    eval/score             mean score (reward model or function), before clipping, as objective/scores is
+    eval/score_std         standard deviation of the scores over the prompts: eval/score's standard error is
+                           eval/score_std / sqrt(prompts)
+    eval/kl                mean over responses of the summed per-token KL estimate that the reward uses
+                           (--kl_estimator, |.| with --use_absolute_kl), actor against reference logprobs at the
+                           training temperature, as objective/kl is. On greedy responses (--eval_temperature=0, the
+                           default) it is the KL penalty those responses would pay, not an unbiased estimate of
+                           KL(pi || pi_ref): they are not samples of pi (kl_estimator=exact sums the exact KL along them)
+    eval/response_length   mean response length in tokens (EOS included)
+    eval/stop_rate         fraction of responses that ended with EOS
+    eval/reward_errors     reward calls that failed or timed out, scored --reward_on_error (reward functions only)
+    time/eval              seconds
+and its rows (prompt, response, score, kl, length, stopped) in out_dir/samples/step-N.jsonl (runtime.Logger).
+
+Keyed, so it repeats and leaves training alone: the sampling noise of eval row g comes from rollout.eval_seeds
+(seed, g), a key space training never draws from, the same at every evaluation (two evaluations differ by their
+weights alone). Nothing here draws from a global generator, moves a sampler or the KL controller, or changes a
+trained model: a run trains the same with or without evaluation, bitwise (tested).
+
+On W ranks each rank takes ceil(E / W) consecutive prompts of the E, the last share padded with copies of the last
+prompt (every rank must run the same FSDP forwards); the padding is generated and scored, then dropped. The rows are
+gathered on every rank in the file's order and the metrics computed from them in that order, so W changes them by
+the float rounding of the forwards only.
+
+    python ppo.py --eval_prompts=heldout.jsonl --eval_every=50 --eval_temperature=0
+"""
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from data import load_prompts
+from gae import kl_estimate, masked_sum
+from rollout import eval_seeds, generate
+from runtime import all_sum, print0, progress
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
+
+
+def load_eval_prompts(cfg, tokenizer):
+    """The held-out data.PromptSet of --eval_prompts, or None. "auto": the set shipped beside the shipped training
+    prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
+    path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
+    if not path:
+        return None
+    prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
+    print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
+    return prompts
+
+
+def due(step, cfg):
+    """Whether ppo.py evaluates after `step` (0: before the first step, on a run that starts there)."""
+    return step == 0 or (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.total_steps
+
+
+@torch.no_grad()
+def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id):
+    """The actor m["actor"] after `step` steps on every prompt of `prompts` (a data.PromptSet) -> (metrics, rows):
+    the eval/* numbers with step and `counters` (episode, epoch), and one dict per prompt in the file's order.
+    reward: a reward.RewardCaller, or None with a reward model. score_batch: ppo.score_batch, the training loop's
+    scoring forward (passed in: this file sits below ppo.py), run here without the critic."""
+    t0 = time.time()
+    E, W = len(prompts), run.world
+    k = math.ceil(E / W)
+    mine = range(run.rank * k, (run.rank + 1) * k)  # global eval rows; those >= E pad the last rank's share
+    idx, n_real = [min(g, E - 1) for g in mine], max(0, min(k, E - run.rank * k))
+    m["gen"].copy_weights_from(m["actor"])  # the weights after this step's update
+    ro = generate(m["gen"], [prompts.ids[i] for i in idx], cfg.max_new_tokens, temperature=cfg.eval_temperature,
+                  eos_token_id=stop_ids, pad_token_id=pad_id, seeds=eval_seeds(cfg.seed, mine).to(run.device),
+                  micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
+                  progress=progress(f"eval {step} rollout"))
+    mask = ro.response_mask  # (k, R)
+    texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
+             for b in range(n_real)]
+    batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids, response_mask=mask,
+                 P=ro.prompt_len)
+    sc = score_batch(m["actor"], m["ref"], None, m["reward_model"], batch, cfg, run, progress(f"eval {step} score"))
+    errors = 0
+    if reward is not None:
+        scores, errors = reward([prompts.records[i] for i in idx[:n_real]], texts)
+    else:
+        scores = sc["score"][:n_real].tolist()
+    kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
+    kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
+    mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=n, stopped=e)
+                 for i, t, s, x, n, e in zip(idx, texts, scores, kl, mask.sum(1).tolist(), ro.ended.tolist())]
+    rows = [None] * W
+    dist.all_gather_object(rows, mine_rows)
+    rows = [r for part in rows for r in part]  # (E,) in the file's order: rank r holds rows [r k, (r + 1) k)
+    col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
+    metrics = {"step": step, **counters, "eval/score": statistics.fmean(col("score")),
+               "eval/score_std": statistics.stdev(col("score")) if E > 1 else 0.0,
+               "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
+               "eval/stop_rate": statistics.fmean(col("stopped"))}
+    if reward is not None:
+        metrics["eval/reward_errors"] = all_sum(float(errors)).item()
+    return dict(metrics, **{"time/eval": time.time() - t0}), rows
