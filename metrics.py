@@ -1,0 +1,57 @@
+"""
+The step's metrics from its tensors: the names of README's metrics table (objective/*, policy/*, loss/*, val/*,
+perf/*), each a sum over this rank's rows, summed over ranks in one all_sum, so 1 and N ranks log the same numbers.
+Per-minibatch statistics (the losses, clip fractions, ratios) are token means over each minibatch, then averaged
+over every minibatch of the step, not the last one's (CleanRL logs the last minibatch's and calls it the mean).
+"""
+import functools
+
+import torch
+
+from gae import KL_ESTIMATORS, kl_estimate, masked_sum, masked_var
+from runtime import all_sum
+
+
+def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained):
+    """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
+    (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
+    (ret None) no value metric is logged."""
+    tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
+
+    seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
+           **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))
+              for k in KL_ESTIMATORS},
+           "objective/rlhf_reward": tok(rewards), "objective/score_used": score.sum(), "val/stop_rate": ended.sum()}
+    per_tok = {"objective/entropy": tok(sc["entropy"]),
+               "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()), "n": mask.sum()}
+    keys = list(updates[0]["sums"])
+    tot_seq = all_sum(torch.stack([v.double() for v in seq.values()]))  # (n_seq,)
+    tot_tok = all_sum(torch.stack([v.double() for v in per_tok.values()]))  # (n_tok,)
+    tot_mb = all_sum(torch.stack([torch.stack([u["sums"][k] for k in keys]) for u in updates]))  # (n_mb, n_keys)
+    n_resp = tot_tok[-1].item()
+    n_mb = torch.tensor([u["n_tokens"] for u in updates], dtype=torch.float64)[:, None]
+    avg = dict(zip(keys, (tot_mb / n_mb).mean(0).tolist()))
+    norms = torch.stack([u["norms"] for u in updates]).mean(0).tolist()
+    slots, pad = all_sum([sc["slots"] + sum(u["slots"][0] for u in updates),
+                          sc["pad"] + sum(u["slots"][1] for u in updates)]).tolist()  # scoring and training forwards
+    out = {k: v / B_all for k, v in zip(seq, tot_seq.tolist())}
+    out.update({k: v / n_resp for k, v in zip(list(per_tok)[:-1], tot_tok.tolist())})
+    out.update({
+        "objective/kl_coef": beta,
+        "objective/non_score_reward": -beta * out["objective/kl"],
+        "policy/approxkl_avg": avg["approxkl"], "policy/clipfrac_avg": avg["clipfrac"],
+        "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"],
+        "val/ratio": avg["ratio"], "val/ratio_var": avg["ratio_sq"] - avg["ratio"] ** 2,
+        "val/response_length": n_resp / B_all,
+        **{f"val/grad_norm_{name}": norm for name, norm in zip(trained, norms)},
+        "val/skipped_updates": sum(u["skipped"] for u in updates),
+        "perf/padding_frac": pad / slots,
+    })
+    if ret is not None:
+        out.update({"loss/value_avg": avg["value_loss"], "val/clipfrac_avg": avg["vf_clipfrac"],
+                    "val/explained_var": 1.0 - float(masked_var(ret - sc["values"], mask))
+                    / max(float(masked_var(ret, mask)), 1e-12)})
+    named = {"policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac"}
+    out.update({f"loss/{k}_avg": v for k, v in avg.items() if k not in named})  # ptx, and a fork's own terms
+    return out
+
