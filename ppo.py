@@ -24,7 +24,7 @@ Each step:
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
-                   actor loss = pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
+                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
 
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and
@@ -64,8 +64,8 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
-from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
-                 kl_estimate, masked_sum, masked_var, shape_rewards)
+from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
+                 final_score, is_weights, kl_estimate, masked_sum, masked_var, shape_rewards)
 from hf import load_tokenizer, save_hf, stop_token_ids
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS
@@ -119,6 +119,10 @@ class Config:
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
+    is_correction: str = "tis"  # weight on each token's policy gradient for sampler != trainer, a key of gae.IS_CORRECTIONS: tis | icepop | seq_mask | none
+    is_cap: float = 2.0  # tis, seq_mask: w = min(r, is_cap), r = exp(old_logp - sampler_logp)
+    is_band: tuple[float, float] = (0.5, 5.0)  # icepop: w = r inside [lo, hi], else 0
+    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: a response whose geometric-mean r leaves [lo, hi] gets w = 0
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
@@ -186,6 +190,9 @@ def derive(cfg, rank, W, device):
         f"reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}"
     assert cfg.temperature > 0, "temperature must be > 0: PPO needs the logprobs of a sampling distribution"
     assert cfg.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {list(KL_ESTIMATORS)}, not {cfg.kl_estimator!r}"
+    assert cfg.is_correction in IS_CORRECTIONS, f"is_correction must be one of {list(IS_CORRECTIONS)}, not {cfg.is_correction!r}"
+    assert cfg.is_cap > 0 and 0 <= cfg.is_band[0] <= cfg.is_band[1] and 0 <= cfg.is_seq_band[0] <= cfg.is_seq_band[1], \
+        f"need is_cap > 0 and 0 <= lo <= hi: is_cap={cfg.is_cap}, is_band={cfg.is_band}, is_seq_band={cfg.is_seq_band}"
     assert cfg.lr_schedule in ("constant", "linear"), f"lr_schedule must be constant or linear, not {cfg.lr_schedule!r}"
     assert cfg.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, not {cfg.dtype!r}"
     assert not (cfg.ptx_coef > 0 and not cfg.sft_data), "ptx_coef > 0 needs --sft_data"
@@ -293,7 +300,8 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     the minibatch's response-token count over all ranks, then multiplied by the world size
     because FSDP averages gradients over ranks: summed over micro-batches and ranks this is the
     token mean over the minibatch. Rollout tensors are cleaned outside the mask first, so a NaN
-    in a padded slot reaches neither the loss nor the gradient."""
+    in a padded slot reaches neither the loss nor the gradient. Each token's policy term carries its importance
+    weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still counts in n_tokens."""
     mask = mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
@@ -306,6 +314,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     pg = torch.max(pg_losses, pg_losses2)
     if cfg.dual_clip > 0:
         pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
+    pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)[0]
     actor_tok = pg - cfg.entropy_coef * pol["entropy"]
     if cfg.kl_loss_coef > 0:
         actor_tok = actor_tok + cfg.kl_loss_coef * pol["kl"]
@@ -392,18 +401,22 @@ def add_optimizers(m, cfg, run):
     return m
 
 
-def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained):
+def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained, cfg):
     """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
     (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
-    (ret None) no value metric is logged."""
+    (ret None) no value metric is logged; with --is_correction=none no importance-weight metric."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
+    w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)
 
     seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
            **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))
               for k in KL_ESTIMATORS},
            "objective/rlhf_reward": tok(rewards), "objective/score_used": score.sum(), "val/stop_rate": ended.sum()}
     per_tok = {"objective/entropy": tok(sc["entropy"]),
-               "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()), "n": mask.sum()}
+               "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()),
+               "val/mismatch_k3": tok(kl_estimate(sampler_logp, sc["old_logp"], "k3")),  # r - 1 - log r (gae.py)
+               **({"val/is_weight_mean": tok(w), "val/is_clipfrac": tok(cut.float())}
+                  if cfg.is_correction != "none" else {}), "n": mask.sum()}
     keys = list(updates[0]["sums"])
     tot_seq = all_sum(torch.stack([v.double() for v in seq.values()]))  # (n_seq,)
     tot_tok = all_sum(torch.stack([v.double() for v in per_tok.values()]))  # (n_tok,)
@@ -501,7 +514,7 @@ def main(cfg: Config, reward_fn=None):
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
-                         response_mask=mask, P=ro.prompt_len)
+                         response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs)
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
@@ -544,7 +557,7 @@ def main(cfg: Config, reward_fn=None):
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             beta = kl_ctl.value
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                                   run.rows, run.trained)
+                                   run.rows, run.trained, cfg)
             kl_ctl.update(metrics["objective/kl"], run.rows)
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop

@@ -82,13 +82,18 @@ def hold_to_types(cfg):
         if want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
             ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        elif want == tuple[float, float]:  # a band lo,hi: two numbers
+            v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+            ok = len(v) == 2 and all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in v)
+            v = tuple(float(i) for i in v) if ok else v
         elif want is str:
             v, ok = str(v), True
         else:  # bool, int, float: a bool is not a number here, an int is a float
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
         if not ok:
-            raise ValueError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
+            raise ValueError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else
+                                                                        " of two numbers" if want == tuple[float, float] else ""))
         setattr(cfg, f.name, v)
 
 

@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import checkpoint as C
+import gae
 import hf as H
 import runtime
 import model as M
@@ -2897,6 +2898,48 @@ def test_kl_estimators_against_float64():
         kl_estimate(logp, ref_logp, "k4")
 
 
+# ---- importance weights for the sampler-trainer mismatch ---------------------------------------
+
+
+def test_is_weights_hand_computed():
+    # r = exp(old_logp - sampler_logp) set per token; masked slots hold NaN and inf, which must reach nothing.
+    #   row 0: r = 2.5, 0.4, 1.0     geometric mean 1.0: seq_mask keeps it
+    #   row 1: r = 1.1, 1.0          geometric mean sqrt(1.1) = 1.049 > 1.01: seq_mask drops the response
+    #   row 2: r = 0.3, 6.0, 1, 1    geometric mean 1.8^(1/4) = 1.158: dropped
+    nan, inf = float("nan"), float("inf")
+    r = torch.tensor([[2.5, 0.4, 1.0, nan], [1.1, 1.0, nan, nan], [0.3, 6.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    sampler_logp = -torch.rand(3, 4, generator=torch.Generator().manual_seed(0)) * 3
+    old_logp = torch.where(mask, r.log() + sampler_logp, nan)
+    sampler_logp = torch.where(mask, sampler_logp, torch.tensor([[inf], [-inf], [nan]]))
+    want = {  # (weights, truncated or zeroed), 0 / False off the mask
+        "tis": ([[2.0, 0.4, 1.0, 0], [1.1, 1.0, 0, 0], [0.3, 2.0, 1.0, 1.0]],
+                [[1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]]),
+        "icepop": ([[2.5, 0.0, 1.0, 0], [1.1, 1.0, 0, 0], [0.0, 0.0, 1.0, 1.0]],
+                   [[0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]),
+        "seq_mask": ([[2.0, 0.4, 1.0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+                     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]),
+        "none": ([[1.0, 1.0, 1.0, 0], [1.0, 1.0, 0, 0], [1.0, 1.0, 1.0, 1.0]], [[0] * 4] * 3),
+    }
+    assert set(want) == set(gae.IS_CORRECTIONS)
+    for mode, (w_want, cut_want) in want.items():
+        w, cut = gae.is_weights(old_logp, sampler_logp, mask, mode, cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01))
+        torch.testing.assert_close(w, torch.tensor(w_want), rtol=1e-6, atol=0, msg=mode)
+        assert cut.dtype == torch.bool and cut.tolist() == torch.tensor(cut_want, dtype=torch.bool).tolist(), mode
+    # a band's edges are inside it (r = 1 exactly where old_logp == sampler_logp); a wider sequence band keeps
+    # row 1; no gradient flows into the weights
+    w, cut = gae.is_weights(old_logp, sampler_logp, mask, "icepop", band=(1.0, 1.0))
+    assert w.tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1]] and cut.sum() == 5
+    w, _ = gae.is_weights(old_logp, sampler_logp, mask, "seq_mask", seq_band=(0.9, 1.05))
+    assert w[1, :2].tolist() == pytest.approx([1.1, 1.0], rel=1e-6) and (w[2] == 0).all()
+    logp = old_logp.clone().requires_grad_()
+    assert not gae.is_weights(logp, sampler_logp, mask)[0].requires_grad
+    with pytest.raises(ValueError, match="unknown importance-weight mode 'is'"):
+        gae.is_weights(old_logp, sampler_logp, mask, "is")
+    with pytest.raises(ValueError, match=r"sampler_logp \(3, 3\) differ in shape"):
+        gae.is_weights(old_logp, sampler_logp[:, :3], mask)
+
+
 # ---- shaped rewards ---------------------------------------------------------
 
 
@@ -3322,7 +3365,8 @@ def fake_batch(V, B=6, P=5, R=7, seed=0):
     return dict(tokens=tokens, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0), P=P,
                 response_mask=resp, old_logp=-torch.rand(B, R, generator=g) * 4,
                 old_values=torch.randn(B, R, generator=g), adv=torch.randn(B, R, generator=g),
-                ret=torch.randn(B, R, generator=g))
+                ret=torch.randn(B, R, generator=g),
+                sampler_logp=-torch.rand(B, R, generator=g) * 4)  # importance weights all over (0, 2]: some capped
 
 
 def loss_and_grads(actor, critic, batch, cfg, micro, n_tokens=None, world=1, ref=None, ptx=None):
@@ -3457,7 +3501,7 @@ def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
     poisoned = dict(batch)
     off = ~batch["response_mask"]
     assert off.any()
-    for k in ("old_logp", "old_values", "adv", "ret"):
+    for k in ("old_logp", "old_values", "adv", "ret", "sampler_logp"):
         poisoned[k] = torch.where(off, float("nan"), batch[k])
     l2, g2 = loss_and_grads(actor, critic, poisoned, cfg, micro=3, ref=ref)
     assert l2 == l1
@@ -3536,6 +3580,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     mb = dict(response_mask=torch.tensor([[True] * 5 + [False]]), old_logp=torch.tensor([[0.0] * 5 + [nan]]),
               adv=torch.tensor([[2.0, -1.0, 1.0, -1.0, -1.0, nan]]), old_values=torch.tensor([[0.0, 0, 0, 1.5, 0, nan]]),
               ret=torch.tensor([[1.0] * 5 + [nan]]))
+    mb["sampler_logp"] = mb["old_logp"]  # the sampler is pi_old: every importance weight is 1
     cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1)
     critic = torch.nn.Identity()  # a stand-in: value_forward is replaced (None would mean "no critic")
     actor_loss, critic_loss, st = ppo.ppo_losses(None, critic, mb, cfg, n_tokens=10, world=2)
@@ -3574,11 +3619,101 @@ def test_ppo_losses_hand_computed(monkeypatch):
     use(logp1, torch.zeros(1, 1), torch.zeros(1, 1))
     one = dict(response_mask=torch.tensor([[True]]), old_logp=torch.zeros(1, 1), adv=torch.tensor([[-1.0]]),
                old_values=torch.zeros(1, 1), ret=torch.zeros(1, 1))
+    one["sampler_logp"] = one["old_logp"]
     a, _, _ = ppo.ppo_losses(None, critic, one, cfg, n_tokens=1, world=1)
     a.backward()
     assert a.item() == pytest.approx(3.0) and logp1.grad.item() == 0.0
     a, _, _ = ppo.ppo_losses(None, critic, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
     assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
+
+
+# -- the importance weights in the loss --------------------------------------------------------------
+
+
+def sampled_batch(actor, prompts, temperature, seed=0):
+    """A rollout of `actor` itself (float32, keyed seeds) with old_logp from the training forward, the sampler's
+    logprobs, and random advantages, values and returns."""
+    import ppo
+
+    ro = generate(actor, prompts, 6, temperature=temperature, eos_token_id=3, seeds=list(range(len(prompts))))
+    batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
+                 response_mask=ro.response_mask, P=ro.prompt_len, sampler_logp=ro.logprobs)
+    with torch.no_grad():
+        batch["old_logp"] = ppo.policy_forward(actor, batch, temperature)["logp"]
+    g = torch.Generator().manual_seed(seed)
+    B, R = ro.response_mask.shape
+    return dict(batch, adv=torch.randn(B, R, generator=g), old_values=torch.randn(B, R, generator=g),
+                ret=torch.randn(B, R, generator=g))
+
+
+def test_tis_equals_none_when_the_sampler_is_the_trainer(tiny_run):
+    # float32: the cached decode's logprobs are the training forward's to rounding, so every weight is 1 to 1e-5 and
+    # the truncated-IS loss and gradients are the uncorrected ones to 1e-6
+    import ppo
+
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    prompts = [ids_of(p) for p in TINY_PROMPTS[:7]]
+    batch = sampled_batch(actor, prompts, LOSS_CFG["temperature"])
+    mask = batch["response_mask"]
+    assert mask.sum() > 20 and ((batch["old_logp"] - batch["sampler_logp"])[mask].exp() - 1).abs().max() < 1e-5
+
+    def run(batch, mode):
+        return loss_and_grads(actor, critic, batch, ppo.Config(**{**LOSS_CFG, "is_correction": mode}), micro=3, ref=ref)
+
+    l0, g0 = run(batch, "none")
+    l1, g1 = run(batch, "tis")
+    assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
+    for k in g0:  # each entry to 1e-6 of its tensor's largest
+        assert (g1[k] - g0[k]).abs().max() <= 1e-6 * g0[k].abs().max(), k
+    # with the sampler's logprobs set to the trainer's, every mode is the uncorrected loss bit for bit
+    same = dict(batch, sampler_logp=batch["old_logp"])
+    for mode in gae.IS_CORRECTIONS:
+        l, g = run(same, mode)
+        assert l == l0 and all(torch.equal(g[k], g0[k]) for k in g0), mode
+    # and the comparison can fail: a sampler 0.5 nats off on every other token changes the tis gradient
+    off = dict(batch, sampler_logp=batch["sampler_logp"] - 0.5 * (torch.arange(mask.size(1)) % 2))
+    l2, g2 = run(off, "tis")
+    assert l2 != pytest.approx(l0, rel=1e-3)
+    assert any(not torch.allclose(g2[k], g0[k], rtol=1e-3, atol=1e-6) for k in g0 if k.startswith("actor."))
+
+
+def test_tis_gradient_is_unbiased_on_a_toy_categorical(monkeypatch):
+    # one-token responses from a categorical policy pi = softmax(theta) over K tokens, drawn by a different sampler
+    # q; the loss is ppo_losses' (policy_forward replaced by the toy's logprobs). At ratio 1 its gradient is
+    # -mean_i w_i A(x_i) grad log pi(x_i), whose expectation under q with w = pi / q is the on-policy gradient
+    # -sum_x pi(x) A(x) grad log pi(x). Over M minibatches of N draws, the mean gradient with truncated IS (a cap no
+    # weight reaches) lies within 3 standard errors of it in every coordinate; uncorrected, it does not.
+    import ppo
+
+    K, N, M = 6, 64, 300
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(K, generator=g, dtype=torch.float64)
+    q = torch.softmax(theta + 0.8 * torch.randn(K, generator=g, dtype=torch.float64), 0)
+    A = torch.randn(K, generator=g, dtype=torch.float64)
+    pi = torch.softmax(theta, 0)
+    on_policy = -(pi * A) @ (torch.eye(K, dtype=torch.float64) - pi)  # -sum_x pi_x A_x (e_x - pi)
+    assert (pi / q).max() < 100.0  # the cap below is never reached: truncated IS is plain IS here
+
+    def mean_and_se(mode):
+        grads = []
+        for _ in range(M):
+            x = torch.multinomial(q, N, replacement=True, generator=g)  # (N,) drawn by the sampler
+            th = theta.clone().requires_grad_()
+            logp = torch.log_softmax(th, 0)[x][:, None]  # (N, 1)
+            monkeypatch.setattr(ppo, "policy_forward",
+                                lambda actor, mb, temperature, ref=None: dict(logp=logp, entropy=torch.zeros_like(logp)))
+            mb = dict(response_mask=torch.ones(N, 1, dtype=torch.bool), old_logp=logp.detach(),
+                      sampler_logp=q.log()[x][:, None], adv=A[x][:, None])
+            loss, _, _ = ppo.ppo_losses(None, None, mb, ppo.Config(is_correction=mode, is_cap=100.0), n_tokens=N, world=1)
+            loss.backward()
+            grads.append(th.grad)
+        G = torch.stack(grads)  # (M, K)
+        return G.mean(0), G.std(0) / M**0.5
+
+    mean, se = mean_and_se("tis")
+    assert ((mean - on_policy).abs() < 3 * se).all(), ((mean - on_policy) / se).tolist()
+    mean, se = mean_and_se("none")
+    assert ((mean - on_policy).abs() > 3 * se).any(), ((mean - on_policy) / se).tolist()
 
 
 # -- resume, preemption, bad input ---------------------------------------------------------------
