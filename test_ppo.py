@@ -3957,6 +3957,21 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
 
 
 
+def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
+    # a run written before --is_correction existed put no weight on the policy gradient: it resumes with
+    # --is_correction=none, and the default (tis) is refused by name
+    import dataclasses
+
+    import ppo
+
+    saved = json.loads(json.dumps(dataclasses.asdict(ppo.Config())))
+    del saved["is_correction"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
+        C.check_config(str(tmp_path), ppo.Config())
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+
+
 def test_config_errors_name_the_problem():
     # checked right after parsing, before any model is read (ppo.py runs the same two steps)
     import ppo
