@@ -13,7 +13,7 @@ the memory they need per GPU is printed before launch by --dry_run (plan.py).
 
 Each step:
     1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
-                 actor's full weights, in micro-batches
+                 actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
     2. score     no grad: old_logp and entropy (actor), ref_logp (reference), values (critic),
                  the sequence score (reward model / function)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
@@ -63,13 +63,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import checkpoint
+from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_prompts, load_sft, micro_batches, minibatch_rows
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, kl_estimate, masked_sum, masked_var, shape_rewards)
 from hf import load_tokenizer, save_hf, stop_token_ids
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS
-from rollout import generate, row_seeds
+from rollout import generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, phase_end, print0,
                      setup_distributed)
 
@@ -114,6 +115,7 @@ class Config:
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
     rollout_micro_batch_size: int = 32  # prompts generated at once on one rank (capped at its share): sizes the KV cache
+    async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
@@ -483,8 +485,9 @@ def main(cfg: Config, reward_fn=None):
     sft = load_sft(cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens) if cfg.ptx_coef > 0 else None
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
+    rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
-                    sft_sampler=sft_sampler)
+                    sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
     estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
@@ -503,13 +506,8 @@ def main(cfg: Config, reward_fn=None):
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
-            # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
-            rows = [i for i in sampler.next_batch() for _ in range(cfg.samples_per_prompt)]  # a prompt's samples
-            seeds = row_seeds(cfg.seed, step, range(rank * run.local_rows, (rank + 1) * run.local_rows))  # side by side
-            m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
-            ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
-                          eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
-                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len)
+            # ---- 1. rollout: sample from the actor's weights with a KV cache; noise keyed by (seed, step, row)
+            rows, ro = rollouts.take(step)  # --async_rollout: drawn during the previous step, from its weights
             mask = ro.response_mask  # (B, R) bool
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
@@ -565,7 +563,7 @@ def main(cfg: Config, reward_fn=None):
             metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
                                              for name in run.trained},
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
+                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
@@ -578,6 +576,7 @@ def main(cfg: Config, reward_fn=None):
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
     finally:
+        rollouts.close()
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
     log.close()
     dist.barrier()  # no rank leaves while another still talks to it

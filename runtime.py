@@ -53,8 +53,8 @@ def phase_end(device, peaks, phase):
     (they run asynchronously: a host clock alone would charge a phase's work to the next one), records
     the caching allocator's peak over the phase as peaks["mem/<phase>_peak_gib"] (what --dry_run's phase
     peaks predict; plan.py) and starts counting the next phase's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # this thread's stream: a rollout on its own stream (--async_rollout) goes on
+        torch.cuda.current_stream(device).synchronize()
         if phase is not None:
             peaks[f"mem/{phase}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)

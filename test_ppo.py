@@ -3743,6 +3743,125 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
 
 
+# -- one-step asynchronous rollouts ------------------------------------------------------------------------------
+
+
+def same_rollout(a, b):
+    return (a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens)
+            and torch.equal(a.response_mask, b.response_mask) and torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6))
+
+
+def test_async_rollout_draws_step_k_from_the_weights_before_step_k_minus_1s_update(tiny_run, tmp_path):
+    # the batch scored at step k is what a synchronous generation from theta_{k-1} (the actor when step k-1's training
+    # began; theta_1 for step 1) draws with step k's keys; the first step is the synchronous run's, metric for metric
+    policy, out = tiny_run["policy"], tmp_path / "record.pt"
+    args = {**TINY_ARGS, "model": policy, "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "async"),
+            "total_steps": 3, "async_rollout": True}
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+import torch
+from torch.distributed.tensor import DTensor
+import ppo
+record, score_batch = [], ppo.score_batch
+
+def recorded(actor, ref, critic, reward_model, batch, cfg, run):  # step k: theta_k, and the batch it scores
+    theta = {{k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in actor.state_dict().items()}}
+    record.append((theta, {{k: batch[k].clone() for k in ("tokens", "response_mask", "sampler_logp")}}))
+    return score_batch(actor, ref, critic, reward_model, batch, cfg, run)
+
+ppo.score_batch = recorded
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
+torch.save(record, {str(out)!r})
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    record, rows = torch.load(out), read_metrics(tmp_path / "async")
+    assert [r["val/policy_lag"] for r in rows] == [0, 1, 1] and all(r["time/rollout_overlap"] >= 0 for r in rows)
+    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1)
+    assert without_time(sync)[0] == {k: v for k, v in without_time(rows)[0].items() if k != "val/policy_lag"}
+
+    tok = H.load_tokenizer(policy)
+    prompts = load_prompts(tiny_run["prompts"], tok, 64, "prompt", "messages")
+    sampler = PromptSampler(len(prompts), 8, 0, 1, seed=3)
+    model = Transformer.from_pretrained(policy)
+
+    def draw(theta, ids, k):  # a synchronous generation from theta with step k's keys, as ppo.py calls it
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(theta[name])
+        return generate(model, ids, 6, temperature=0.7, eos_token_id=stop_token_ids(policy, tok),
+                        pad_token_id=tok.pad_token_id, seeds=R.row_seeds(3, k, range(8)), micro_batch_size=8,
+                        max_prompt_len=64)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the run's thread count: the same float rounding
+    try:
+        for k in (1, 2, 3):
+            ids = [prompts.ids[i] for i in sampler.next_batch()]
+            theta = {j + 1: record[j][0] for j in range(3)}  # theta[k]: the actor when step k's training began
+            scored = types.SimpleNamespace(tokens=record[k - 1][1]["tokens"], logprobs=record[k - 1][1]["sampler_logp"],
+                                           response_mask=record[k - 1][1]["response_mask"])
+            assert same_rollout(draw(theta[max(k - 1, 1)], ids, k), scored), k
+            if k > 1:  # and not what the synchronous schedule draws (from theta_k)
+                assert not same_rollout(draw(theta[k], ids, k), scored), k
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_async_rollout_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path):
+    # 2 ranks train on what 1 rank does; a run stopped after step 2 resumes bitwise into the uninterrupted one (its
+    # checkpoint holds the batch drawn for step 3), and on another number of ranks to float rounding
+    kw = dict(async_rollout=True, save_every=2)
+    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+    assert [r["val/policy_lag"] for r in one] == [0, 1, 1, 1]
+    pending = torch.load(tmp_path / "one" / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)["rollouts"]
+    assert len(pending["rows"]) == 8 and pending["lag"] == 1  # the last step drew one too
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
+    assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
+    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
+    assert_close_runs(one[:2], two)
+    _, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)  # 2 ranks' pending rows on 1
+    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
+
+
+def test_pending_batch_round_trips_through_plain_rows(tiny_run):
+    # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
+    # ended at different steps and one that never ended
+    from async_rollout import rollout_from_rows, rollout_rows
+
+    model = Transformer.from_pretrained(tiny_run["policy"])
+    prompts = [ids_of(p) for p in TINY_PROMPTS[:5]]
+    free = generate(model, prompts, 8, temperature=1.0, seeds=list(range(5)))
+    eos = eos_set_ending_rows_at(free.responses, [1, 4, None, None, 6])
+    ro = generate(model, prompts, 8, temperature=1.0, eos_token_id=eos, pad_token_id=0, seeds=list(range(5)))
+    assert len(set(ro.response_lengths.tolist())) >= 3 and ro.ended.any() and not ro.ended.all()
+    assert len({len(p) for p in prompts}) > 1
+    rows, back = rollout_from_rows(rollout_rows(ro, [7, 3, 3, 9, 0]), 0, "cpu")
+    assert rows == [7, 3, 3, 9, 0] and back.prompt_len == ro.prompt_len
+    for f in ("tokens", "prompt_mask", "response_mask", "logprobs", "ended", "seeds"):
+        a, b = getattr(ro, f), getattr(back, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
+@needs_cuda
+def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
+    # one GPU, bf16, compiled decode (CUDA graphs) on the worker's own stream: the first step is the synchronous
+    # run's, later ones train one update behind, and a run stopped after step 2 resumes into the same steps 3 and 4
+    kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
+              save_every=2, env={"TRITON_INTERPRET": "0"})
+    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1, **kw)
+    p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, async_rollout=True, **kw)
+    assert "device cuda" in p.stdout, p.stdout[-2000:]
+    assert [r["val/policy_lag"] for r in full] == [0, 1, 1, 1] and all(r["time/rollout_overlap"] > 0 for r in full[1:])
+    assert_close_runs(sync, [{k: v for k, v in full[0].items() if k != "val/policy_lag"}])
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, async_rollout=True, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", async_rollout=True, **kw)
+    assert_close_runs(full, resumed, tmp_path / "full", tmp_path / "part")
+
+
 # -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
 
 
@@ -4569,6 +4688,19 @@ def test_offload_frozen_and_kv_cache_lines(tmp_path):
     (p2, _), _ = plan_for(8, model=policy, reward_model=rm, max_new_tokens=1000)
     assert [b for label, b in p2.persistent if label.startswith("KV cache")] == \
         [plan.kv_cache_bytes(f["actor"].c, 32, 2048, cb=2)]
+
+
+def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path):
+    # --async_rollout: the rollout's larger working set (prefill or sampling) is live through scoring and training,
+    # so both phases' peaks rise by exactly it; the rollout phase and the persistent state do not change
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
+    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True)
+    rollout = dict(term for _, terms in p.phases[0][2] for term in terms)
+    gen = max(b for label, b in rollout.items() if label.startswith(("prefill", "sampling")))
+    assert p.persistent == q.persistent and p.peak(p.phases[0]) == q.peak(q.phases[0])
+    assert [q.peak(b) - p.peak(a) for a, b in zip(p.phases[1:], q.phases[1:])] == [gen, gen]
+    assert text.count("--async_rollout, the next batch beside it") == 2
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export"):
