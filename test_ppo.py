@@ -3856,10 +3856,14 @@ def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, async_rollout=True, **kw)
     assert "device cuda" in p.stdout, p.stdout[-2000:]
     assert [r["val/policy_lag"] for r in full] == [0, 1, 1, 1] and all(r["time/rollout_overlap"] > 0 for r in full[1:])
-    assert_close_runs(sync, [{k: v for k, v in full[0].items() if k != "val/policy_lag"}])
+
+    def no_mem(rows, drop=()):  # the peaks depend on what the rollout beside a phase allocated by then
+        return [{k: v for k, v in r.items() if not k.startswith("mem/") and k not in drop} for r in rows]
+
+    assert_close_runs(no_mem(sync), no_mem(full[:1], drop=("val/policy_lag",)))
     run_ppo(tiny_run, tmp_path / "part", total_steps=2, async_rollout=True, **kw)
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", async_rollout=True, **kw)
-    assert_close_runs(full, resumed, tmp_path / "full", tmp_path / "part")
+    assert_close_runs(no_mem(full), no_mem(resumed), tmp_path / "full", tmp_path / "part")
 
 
 # -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
@@ -4089,6 +4093,21 @@ def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
     with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
         C.check_config(str(tmp_path), ppo.Config())
     C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+
+
+def test_importance_weight_flags_are_checked():
+    import ppo
+
+    cpu = torch.device("cpu")
+    for match, kw in [("is_correction must be one of ['tis', 'icepop', 'seq_mask', 'none'], not 'is'", dict(is_correction="is")),
+                      ("need is_cap > 0 and 0 <= lo <= hi: is_cap=0.0", dict(is_cap=0)),
+                      ("is_band=(5.0, 0.5)", dict(is_band=(5, 0.5))),
+                      ("is_seq_band=(1.01, 0.99)", dict(is_seq_band=(1.01, 0.99)))]:
+        with pytest.raises(AssertionError, match=re.escape(match)):
+            ppo.derive(ppo.Config(**kw), 0, 1, cpu)
+    assert ppo.Config(is_band=[1, 2]).is_band == (1.0, 2.0)  # what fire hands over for --is_band=[1,2]
+    with pytest.raises(ValueError, match=re.escape("--is_seq_band=(0.9,): expected tuple of two numbers")):
+        ppo.Config(is_seq_band=0.9)
 
 
 def test_config_errors_name_the_problem():
