@@ -60,6 +60,9 @@ INPUT_FILES = ("prompts", "sft_data")
 # Nor does what only watches the run (held-out evaluation reads the weights and moves no state) or spreads the reward
 # calls over threads (the scores come back in order).
 MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "reward_workers"}
+# How a run behaved before a Config field existed, where that is not the field's default: a checkpoint without the
+# field resumes at this value (and is refused, naming it, at another). Before --is_correction, no weight: "none".
+BEFORE_FIELD = {"is_correction": "none"}
 CHECKPOINT_FILES = (".metadata", "trainer.pt", "config.json")  # present in every complete checkpoint
 STEP_DIR = re.compile(r"step-\d+")
 MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint
@@ -402,12 +405,12 @@ def find(cfg):
 
 def check_config(folder, cfg):
     """Refuses a checkpoint written under settings that would change the run (MAY_CHANGE_ON_RESUME aside). A field
-    the checkpoint's config lacks (added to Config since) must be at its default: the run that wrote it behaved as
-    the default does. A field only the checkpoint has (removed since) is ignored."""
+    the checkpoint's config lacks (added to Config since) must be at its default, the behaviour of the run that wrote
+    it (or at the value BEFORE_FIELD gives). A field only the checkpoint has (removed since) is ignored."""
     with open(os.path.join(folder, "config.json")) as f:
         saved = json.load(f)
     now = json.loads(json.dumps(asdict(cfg)))  # as saved: tuples become lists
-    default = json.loads(json.dumps({f.name: f.default for f in fields(cfg)}))
+    default = json.loads(json.dumps({f.name: BEFORE_FIELD.get(f.name, f.default) for f in fields(cfg)}))
     diff = {k: (saved[k], now[k]) for k in now if k in saved and k not in MAY_CHANGE_ON_RESUME
             and not same_setting(k, saved, now)}
     if diff:
@@ -418,8 +421,8 @@ def check_config(folder, cfg):
              and now[k] != default[k]}
     if newer:
         raise UsageError(f"checkpoint {folder} was written before " + ", ".join(f"--{k}" for k in newer) + " existed, "
-                         "so its run used the default; resuming with another value would change the run. "
-                         f"(default, now): {newer}")
+                         "so its run used the default (or checkpoint.BEFORE_FIELD's value); resuming with another "
+                         f"value would change the run. (default, now): {newer}")
     if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps:
         raise UsageError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="

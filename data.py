@@ -275,11 +275,13 @@ class PromptSampler:
         per_rank = self.batch_size // self.world_size
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
-    @property
-    def passes(self):
+    def passes(self, back=0):
         """Passes over the prompts so far: the epochs begun before this one plus the fraction of it read (a pass
-        ends short of n by the tail it drops)."""
-        return self.epoch + self.position / self.n
+        ends short of n by the tail it drops); back=k: as they were k batches ago (an async rollout draws one
+        batch ahead of the step it trains)."""
+        per_epoch = self.n // self.batch_size  # batches in one pass
+        done = self.epoch * per_epoch + self.position // self.batch_size - back  # batches read
+        return done // per_epoch + (done % per_epoch) * self.batch_size / self.n
 
     def state_dict(self):
         return dict(seed=self.seed, epoch=self.epoch, position=self.position, n=self.n, batch_size=self.batch_size)

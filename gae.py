@@ -36,6 +36,19 @@ for the sum of squared deviations about the global mean (two-pass, float64
 accumulators), so 1 process and N processes holding the same rows agree.
 The variance is the unbiased one (divides by n - 1), as in TRL's masked_whiten.
 
+Importance weights for the sampler-trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"). The tokens come from the sampler (the cached decode, maybe one update stale
+with --async_rollout), PPO credits them to pi_old (the training forward: old_logp). Per response token
+    r_t = exp(old_logp_t - sampler_logp_t)
+and a detached weight w_t multiplies the token's policy-gradient term, one function per mode in IS_CORRECTIONS:
+    tis       w = min(r, C)                                       truncated IS, C = 2 (verl, slime, SkyRL)
+    icepop    w = r if lo <= r <= hi else 0                       Ring-1T's IcePop, [0.5, 5]
+    seq_mask  w = min(r, C), and 0 on the whole response when the geometric mean of its r,
+              exp(mean_t log r_t), leaves [lo, hi] (default [0.99, 1.01], SkyRL's geometric band)
+    none      w = 1
+Where w is 0 the token still counts in the loss's denominator (ppo.py: a token mean over all of the
+minibatch's response tokens): see is_weights.
+
 Adaptive KL (Ziegler et al. 2019, section 2.2):
     beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)
 
@@ -197,6 +210,61 @@ def score_on_last_token(score, mask):
     lengths = _response_lengths(mask)  # (B,)
     is_last = torch.arange(mask.size(1), device=mask.device) == (lengths - 1)[:, None]  # (B, T)
     return torch.where(is_last, score[:, None], 0.0)
+
+
+# -----------------------------------------------------------------------------
+# importance weights for the sampler-trainer mismatch: one function per mode, chosen by --is_correction
+# Each takes log_r (B, T) = old_logp - sampler_logp (0 off the mask), the mask, and the parameters, and returns
+# (w, cut): the weights and the tokens it truncated or zeroed, (B, T) each; is_weights cleans them off the mask.
+
+
+def _tis(log_r, mask, cap, band, seq_band):
+    r = log_r.exp()
+    return r.clamp(max=cap), r > cap
+
+
+def _icepop(log_r, mask, cap, band, seq_band):
+    r = log_r.exp()
+    keep = (r >= band[0]) & (r <= band[1])
+    return torch.where(keep, r, 0.0), ~keep
+
+
+def _seq_mask(log_r, mask, cap, band, seq_band):
+    w, cut = _tis(log_r, mask, cap, band, seq_band)
+    geo = (log_r.sum(-1) / mask.sum(-1).clamp(min=1)).exp()  # (B,) geometric mean of r over each response
+    keep = ((geo >= seq_band[0]) & (geo <= seq_band[1]))[:, None]  # (B, 1)
+    return torch.where(keep, w, 0.0), cut | ~keep
+
+
+IS_CORRECTIONS = {
+    "tis": _tis,
+    "icepop": _icepop,
+    "seq_mask": _seq_mask,
+    "none": lambda log_r, mask, cap, band, seq_band: (torch.ones_like(log_r), torch.zeros_like(mask)),
+}
+
+
+def is_weights(old_logp, sampler_logp, mask, mode="tis", cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01)):
+    """-> (w, cut), (B, T) each: the detached weight on each response token's policy-gradient term
+    (IS_CORRECTIONS[mode] of r = exp(old_logp - sampler_logp)), and the tokens whose weight was truncated or
+    zeroed (val/is_clipfrac); w is 0 and cut False off the mask, whatever the inputs hold there (NaN included).
+
+    A zeroed token (icepop outside its band, seq_mask's dropped responses) stays in the loss's denominator:
+    the loss is sum_t w_t pg_t / (response tokens of the minibatch), the importance-sampling estimate of the
+    per-token mean under pi_old from tokens drawn by the sampler, where rejecting a token means counting it
+    with weight 0. Dividing by the surviving tokens instead (self-normalising) would scale the rest up by the
+    fraction rejected: a minibatch with most of its tokens out of band, the one least like pi_old, would
+    take a full-sized step on its few survivors. It also keeps the denominator what it is without the
+    correction: known from the mask before any forward, and the same on any number of ranks or micro-batches."""
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"unknown importance-weight mode {mode!r}, expected one of {list(IS_CORRECTIONS)}")
+    if old_logp.shape != sampler_logp.shape:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)} and sampler_logp {tuple(sampler_logp.shape)} differ in shape")
+    mask = _check_mask(mask, old_logp.shape)
+    dtype = _float_dtype(old_logp, sampler_logp)
+    log_r = torch.where(mask, old_logp.detach().to(dtype) - sampler_logp.detach().to(dtype), 0.0)  # (B, T)
+    w, cut = IS_CORRECTIONS[mode](log_r, mask, cap, band, seq_band)
+    return torch.where(mask, w, 0.0), cut & mask
 
 
 # -----------------------------------------------------------------------------

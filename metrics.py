@@ -8,22 +8,26 @@ import functools
 
 import torch
 
-from gae import KL_ESTIMATORS, kl_estimate, masked_sum, masked_var
+from gae import KL_ESTIMATORS, is_weights, kl_estimate, masked_sum, masked_var
 from runtime import all_sum
 
 
-def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained):
+def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained, cfg):
     """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
     (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
-    (ret None) no value metric is logged."""
+    (ret None) no value metric is logged; with --is_correction=none no importance-weight metric."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
+    w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)
 
     seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
            **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))
               for k in KL_ESTIMATORS},
            "objective/rlhf_reward": tok(rewards), "objective/score_used": score.sum(), "val/stop_rate": ended.sum()}
     per_tok = {"objective/entropy": tok(sc["entropy"]),
-               "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()), "n": mask.sum()}
+               "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()),
+               "val/mismatch_k3": tok(kl_estimate(sampler_logp, sc["old_logp"], "k3")),  # r - 1 - log r (gae.py)
+               **({"val/is_weight_mean": tok(w), "val/is_clipfrac": tok(cut.float())}
+                  if cfg.is_correction != "none" else {}), "n": mask.sum()}
     keys = list(updates[0]["sums"])
     tot_seq = all_sum(torch.stack([v.double() for v in seq.values()]))  # (n_seq,)
     tot_tok = all_sum(torch.stack([v.double() for v in per_tok.values()]))  # (n_tok,)
@@ -54,4 +58,3 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     named = {"policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac"}
     out.update({f"loss/{k}_avg": v for k, v in avg.items() if k not in named})  # ptx, and a fork's own terms
     return out
-

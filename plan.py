@@ -26,6 +26,9 @@ A phase's peak is that persistent state plus what is live at the phase's worst m
                backward, the critic's first), a block recomputed with its gradients, the fused head's
                backward, FSDP's gathered units; at the end of the backward the roots' gradients and their
                reduce-scatter
+    --async_rollout: the next batch generates on its own stream during scoring and training, so the larger of
+               its prefill and its sampling tensors is live beside both phases (the weight sync stays in the
+               rollout phase, where nothing generates)
 Every prompt counts max_prompt_len tokens and every response max_new_tokens (the worst micro-batch).
 FSDP2 does not reshard a root after its forward (the backward needs it at once), so the actor's and the
 critic's roots count as gathered from their first scoring forward until a training backward ends.
@@ -319,14 +322,16 @@ def build(cfg, run):
     # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less
     P = cfg.max_prompt_len
     per_prompt = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
+    prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad", rows_r * P * block_forward_bytes(c, cb))
+    sampling = (f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}", SAMPLING_BYTES * rows_r * V)
     p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [
         ("weight sync", [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
                           4 * actor.largest(W) * (W + 1) // W)]),
-        ("prefill", [(f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad",
-                      rows_r * P * block_forward_bytes(c, cb))]),
-        ("sampling", [(f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}",
-                       SAMPLING_BYTES * rows_r * V)]),
+        ("prefill", [prefill]),
+        ("sampling", [sampling]),
     ]))
+    label, b = max(prefill, sampling, key=lambda t: t[1])
+    beside = [(f"--async_rollout, the next batch beside it: {label}", b)] if cfg.async_rollout else []
 
     # ---- scoring: per inference micro-batch, reference, actor (fused logprob + KL), critic, reward model
     def gathered_root(m):
@@ -357,7 +362,7 @@ def build(cfg, run):
             (f"reward model block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(rm.c, cb))]))
     p.phases.append((f"scoring: {run.local_rows} sequences per GPU, {rows_i} at a time, no grad",
                      [(f"{names} root{'s' if critic else ''}, gathered (FSDP2 keeps a root after its forward)",
-                       sum(gathered_root(m) for m in trained))], scoring))
+                       sum(gathered_root(m) for m in trained))] + beside, scoring))
 
     # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
     kl = cfg.kl_loss_coef > 0
@@ -382,6 +387,7 @@ def build(cfg, run):
               (f"{names} root{'s' if critic else ''}, gathered", sum(gathered_root(m) for m in trained))]
     if kl:
         always.append(("reference LM head, gathered for the KL loss", gathered_root(ref)))
+    always += beside
     moments, held = [], []  # held: what the critic's backward (it runs first) leaves for the actor's
     if critic is not None:
         critic_saved = saved(critic) + tok * 4 * critic.c.hidden_size  # + the value head's float32 input

@@ -13,7 +13,7 @@ the memory they need per GPU is printed before launch by --dry_run (plan.py).
 
 Each step:
     1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
-                 actor's full weights, in micro-batches
+                 actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
     2. score     no grad: old_logp and entropy (actor), ref_logp (reference), values (critic),
                  the sequence score (reward model / function)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
@@ -24,7 +24,7 @@ Each step:
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
-                   actor loss = pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
+                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
     7. evaluate  every eval_every steps (and before the first, after the last): held-out prompts (evaluate.py)
 
@@ -65,15 +65,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import checkpoint
+from async_rollout import Rollouts
 from data import PromptSampler, check_reward_head, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate, load_eval_prompts
-from gae import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, final_score,
-                 masked_sum, shape_rewards)
+from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
+                 final_score, is_weights, masked_sum, shape_rewards)
 from hf import save_hf
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller
-from rollout import generate, row_seeds
+from rollout import generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, need, phase_end, print0, progress,
                      run_command, setup_distributed)
 
@@ -127,11 +128,16 @@ class Config:
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
     rollout_micro_batch_size: int = 32  # prompts generated at once on one rank (capped at its share): sizes the KV cache
+    async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
+    is_correction: str = "tis"  # weight on each token's policy gradient for sampler != trainer, a key of gae.IS_CORRECTIONS: tis | icepop | seq_mask | none
+    is_cap: float = 2.0  # tis, seq_mask: w = min(r, is_cap), r = exp(old_logp - sampler_logp)
+    is_band: tuple[float, float] = (0.5, 5.0)  # icepop: w = r inside [lo, hi], else 0
+    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: a response whose geometric-mean r leaves [lo, hi] gets w = 0
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
@@ -189,7 +195,7 @@ LIMITS = {
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
              "eval_temperature"),
-    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb"),
+    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap"),
     "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
@@ -207,6 +213,7 @@ def derive(cfg, rank, W, device):
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
         need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
+                           is_correction=list(IS_CORRECTIONS),
                            lr_schedule=["constant", "linear"], dtype=["auto", "bf16", "fp32"],
                            activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
@@ -229,6 +236,9 @@ def derive(cfg, rank, W, device):
     need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0,
          f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
+    for k in ("is_band", "is_seq_band"):
+        lo, hi = getattr(cfg, k)
+        need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0,
          "--target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
@@ -331,7 +341,8 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     the minibatch's response-token count over all ranks, then multiplied by the world size
     because FSDP averages gradients over ranks: summed over micro-batches and ranks this is the
     token mean over the minibatch. Rollout tensors are cleaned outside the mask first, so a NaN
-    in a padded slot reaches neither the loss nor the gradient."""
+    in a padded slot reaches neither the loss nor the gradient. Each token's policy term carries its importance
+    weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still counts in n_tokens."""
     mask = mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
@@ -346,6 +357,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     pg = torch.max(pg_losses, pg_losses2)
     if cfg.dual_clip > 0:
         pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
+    pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)[0]
     actor_tok = pg - cfg.entropy_coef * pol["entropy"]
     if cfg.kl_loss_coef > 0:
         actor_tok = actor_tok + cfg.kl_loss_coef * pol["kl"]
@@ -467,8 +479,9 @@ def main(cfg: Config, reward_fn=None):
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
+    rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
-                    sft_sampler=sft_sampler)
+                    sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
     estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
@@ -491,19 +504,13 @@ def main(cfg: Config, reward_fn=None):
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
-            # ---- 1. rollout: sample from the actor's full weights with a KV cache; noise keyed by (seed, step, row)
-            rows = [i for i in sampler.next_batch() for _ in range(cfg.samples_per_prompt)]  # a prompt's samples
-            seeds = row_seeds(cfg.seed, step, range(rank * run.local_rows, (rank + 1) * run.local_rows))  # side by side
-            m["gen"].copy_weights_from(m["actor"])  # gathers the sharded actor
-            ro = generate(m["gen"], [prompts.ids[i] for i in rows], cfg.max_new_tokens, temperature=cfg.temperature,
-                          eos_token_id=stop_ids, pad_token_id=pad_id, seeds=seeds.to(device),
-                          micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
-                          progress=progress(f"step {step} rollout"))
+            # ---- 1. rollout: sample from the actor's weights with a KV cache; noise keyed by (seed, step, row)
+            rows, ro = rollouts.take(step)  # --async_rollout: drawn during the previous step, from its weights
             mask = ro.response_mask  # (B, R) bool
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
-                         response_mask=mask, P=ro.prompt_len)
+                         response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs)
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path
@@ -548,9 +555,10 @@ def main(cfg: Config, reward_fn=None):
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             beta = kl_ctl.value
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                                   run.rows, run.trained)
+                                   run.rows, run.trained, cfg)
             kl_ctl.update(metrics["objective/kl"], run.rows)
-            counters = dict(episode=step * cfg.rollout_batch_size, epoch=sampler.passes)  # prompts, passes over them
+            counters = dict(episode=step * cfg.rollout_batch_size,  # prompts, passes over them (async: one batch ahead)
+                            epoch=sampler.passes(back=1 if cfg.async_rollout else 0))
             metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
@@ -558,7 +566,7 @@ def main(cfg: Config, reward_fn=None):
             metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
                                              for name in run.trained}, **counters,
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks})
+                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             if evalset and due(step, cfg):
                 log.log_eval(*evaluate_at(step, counters))
@@ -573,6 +581,7 @@ def main(cfg: Config, reward_fn=None):
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
     finally:
+        rollouts.close()
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
         release()  # out_dir/.lock (a run killed before this point leaves a stale lock: the next run takes it over)
     log.close()

@@ -69,8 +69,8 @@ def phase_end(device, peaks, phase):
     (they run asynchronously: a host clock alone would charge a phase's work to the next one), records
     the caching allocator's peak over the phase as peaks["mem/<phase>_peak_gib"] (what --dry_run's phase
     peaks predict; plan.py) and starts counting the next phase's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # this thread's stream: a rollout on its own stream (--async_rollout) goes on
+        torch.cuda.current_stream(device).synchronize()
         if phase is not None:
             peaks[f"mem/{phase}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
@@ -140,13 +140,18 @@ def hold_to_types(cfg):
         if want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
             ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        elif want == tuple[float, float]:  # a band lo,hi: two numbers
+            v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+            ok = len(v) == 2 and all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in v)
+            v = tuple(float(i) for i in v) if ok else v
         elif want is str:
             v, ok = str(v), True
         else:  # bool, int, float: a bool is not a number here, an int is a float
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
         if not ok:
-            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else ""))
+            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else
+                                                                        " of two numbers" if want == tuple[float, float] else ""))
         setattr(cfg, f.name, v)
 
 

@@ -42,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import checkpoint as C
+import gae
 import hf as H
 import runtime
 import model as M
@@ -3483,6 +3484,48 @@ def test_kl_estimators_against_float64():
         kl_estimate(logp, ref_logp, "k4")
 
 
+# ---- importance weights for the sampler-trainer mismatch ---------------------------------------
+
+
+def test_is_weights_hand_computed():
+    # r = exp(old_logp - sampler_logp) set per token; masked slots hold NaN and inf, which must reach nothing.
+    #   row 0: r = 2.5, 0.4, 1.0     geometric mean 1.0: seq_mask keeps it
+    #   row 1: r = 1.1, 1.0          geometric mean sqrt(1.1) = 1.049 > 1.01: seq_mask drops the response
+    #   row 2: r = 0.3, 6.0, 1, 1    geometric mean 1.8^(1/4) = 1.158: dropped
+    nan, inf = float("nan"), float("inf")
+    r = torch.tensor([[2.5, 0.4, 1.0, nan], [1.1, 1.0, nan, nan], [0.3, 6.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    sampler_logp = -torch.rand(3, 4, generator=torch.Generator().manual_seed(0)) * 3
+    old_logp = torch.where(mask, r.log() + sampler_logp, nan)
+    sampler_logp = torch.where(mask, sampler_logp, torch.tensor([[inf], [-inf], [nan]]))
+    want = {  # (weights, truncated or zeroed), 0 / False off the mask
+        "tis": ([[2.0, 0.4, 1.0, 0], [1.1, 1.0, 0, 0], [0.3, 2.0, 1.0, 1.0]],
+                [[1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]]),
+        "icepop": ([[2.5, 0.0, 1.0, 0], [1.1, 1.0, 0, 0], [0.0, 0.0, 1.0, 1.0]],
+                   [[0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]),
+        "seq_mask": ([[2.0, 0.4, 1.0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+                     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]),
+        "none": ([[1.0, 1.0, 1.0, 0], [1.0, 1.0, 0, 0], [1.0, 1.0, 1.0, 1.0]], [[0] * 4] * 3),
+    }
+    assert set(want) == set(gae.IS_CORRECTIONS)
+    for mode, (w_want, cut_want) in want.items():
+        w, cut = gae.is_weights(old_logp, sampler_logp, mask, mode, cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01))
+        torch.testing.assert_close(w, torch.tensor(w_want), rtol=1e-6, atol=0, msg=mode)
+        assert cut.dtype == torch.bool and cut.tolist() == torch.tensor(cut_want, dtype=torch.bool).tolist(), mode
+    # a band's edges are inside it (r = 1 exactly where old_logp == sampler_logp); a wider sequence band keeps
+    # row 1; no gradient flows into the weights
+    w, cut = gae.is_weights(old_logp, sampler_logp, mask, "icepop", band=(1.0, 1.0))
+    assert w.tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1]] and cut.sum() == 5
+    w, _ = gae.is_weights(old_logp, sampler_logp, mask, "seq_mask", seq_band=(0.9, 1.05))
+    assert w[1, :2].tolist() == pytest.approx([1.1, 1.0], rel=1e-6) and (w[2] == 0).all()
+    logp = old_logp.clone().requires_grad_()
+    assert not gae.is_weights(logp, sampler_logp, mask)[0].requires_grad
+    with pytest.raises(ValueError, match="unknown importance-weight mode 'is'"):
+        gae.is_weights(old_logp, sampler_logp, mask, "is")
+    with pytest.raises(ValueError, match=r"sampler_logp \(3, 3\) differ in shape"):
+        gae.is_weights(old_logp, sampler_logp[:, :3], mask)
+
+
 # ---- shaped rewards ---------------------------------------------------------
 
 
@@ -4009,7 +4052,8 @@ def fake_batch(V, B=6, P=5, R=7, seed=0):
     return dict(tokens=tokens, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0), P=P,
                 response_mask=resp, old_logp=-torch.rand(B, R, generator=g) * 4,
                 old_values=torch.randn(B, R, generator=g), adv=torch.randn(B, R, generator=g),
-                ret=torch.randn(B, R, generator=g))
+                ret=torch.randn(B, R, generator=g),
+                sampler_logp=-torch.rand(B, R, generator=g) * 4)  # importance weights all over (0, 2]: some capped
 
 
 def loss_and_grads(actor, critic, batch, cfg, micro, n_tokens=None, world=1, ref=None, ptx=None):
@@ -4144,7 +4188,7 @@ def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
     poisoned = dict(batch)
     off = ~batch["response_mask"]
     assert off.any()
-    for k in ("old_logp", "old_values", "adv", "ret"):
+    for k in ("old_logp", "old_values", "adv", "ret", "sampler_logp"):
         poisoned[k] = torch.where(off, float("nan"), batch[k])
     l2, g2 = loss_and_grads(actor, critic, poisoned, cfg, micro=3, ref=ref)
     assert l2 == l1
@@ -4224,6 +4268,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     mb = dict(response_mask=torch.tensor([[True] * 5 + [False]]), old_logp=torch.tensor([[0.0] * 5 + [nan]]),
               adv=torch.tensor([[2.0, -1.0, 1.0, -1.0, -1.0, nan]]), old_values=torch.tensor([[0.0, 0, 0, 1.5, 0, nan]]),
               ret=torch.tensor([[1.0] * 5 + [nan]]))
+    mb["sampler_logp"] = mb["old_logp"]  # the sampler is pi_old: every importance weight is 1
     cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1)
     critic = torch.nn.Identity()  # a stand-in: value_forward is replaced (None would mean "no critic")
     actor_loss, critic_loss, st = ppo.ppo_losses(None, critic, mb, cfg, n_tokens=10, world=2)
@@ -4262,6 +4307,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     use(logp1, torch.zeros(1, 1), torch.zeros(1, 1))
     one = dict(response_mask=torch.tensor([[True]]), old_logp=torch.zeros(1, 1), adv=torch.tensor([[-1.0]]),
                old_values=torch.zeros(1, 1), ret=torch.zeros(1, 1))
+    one["sampler_logp"] = one["old_logp"]
     a, _, _ = ppo.ppo_losses(None, critic, one, cfg, n_tokens=1, world=1)
     a.backward()
     assert a.item() == pytest.approx(3.0) and logp1.grad.item() == 0.0
@@ -4278,12 +4324,101 @@ def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(monkeypatch):
     monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
         logp=logp, entropy=torch.zeros(1, 3)))
     mb = dict(response_mask=torch.ones(1, 3, dtype=torch.bool), old_logp=torch.zeros(1, 3),
-              adv=torch.tensor([[-1.0, 1.0, 1.0]]))
+              sampler_logp=torch.zeros(1, 3), adv=torch.tensor([[-1.0, 1.0, 1.0]]))  # sampler = trainer: weights 1
     loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(), n_tokens=3, world=1)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert st["ratio"].item() == pytest.approx(math.exp(20) + math.exp(-20) + math.exp(0.5), rel=1e-6)
     assert loss.item() == pytest.approx((math.exp(20) - math.exp(-20) - 1.2) / 3, rel=1e-6)
+
+
+# -- the importance weights in the loss --------------------------------------------------------------
+
+
+def sampled_batch(actor, prompts, temperature, seed=0):
+    """A rollout of `actor` itself (float32, keyed seeds) with old_logp from the training forward, the sampler's
+    logprobs, and random advantages, values and returns."""
+    import ppo
+
+    ro = generate(actor, prompts, 6, temperature=temperature, eos_token_id=3, seeds=list(range(len(prompts))))
+    batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
+                 response_mask=ro.response_mask, P=ro.prompt_len, sampler_logp=ro.logprobs)
+    with torch.no_grad():
+        batch["old_logp"] = ppo.policy_forward(actor, batch, temperature)["logp"]
+    g = torch.Generator().manual_seed(seed)
+    B, R = ro.response_mask.shape
+    return dict(batch, adv=torch.randn(B, R, generator=g), old_values=torch.randn(B, R, generator=g),
+                ret=torch.randn(B, R, generator=g))
+
+
+def test_tis_equals_none_when_the_sampler_is_the_trainer(tiny_run):
+    # float32: the cached decode's logprobs are the training forward's to rounding, so every weight is 1 to 1e-5 and
+    # the truncated-IS loss and gradients are the uncorrected ones to 1e-6
+    import ppo
+
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    prompts = [ids_of(p) for p in TINY_PROMPTS[:7]]
+    batch = sampled_batch(actor, prompts, LOSS_CFG["temperature"])
+    mask = batch["response_mask"]
+    assert mask.sum() > 20 and ((batch["old_logp"] - batch["sampler_logp"])[mask].exp() - 1).abs().max() < 1e-5
+
+    def run(batch, mode):
+        return loss_and_grads(actor, critic, batch, ppo.Config(**{**LOSS_CFG, "is_correction": mode}), micro=3, ref=ref)
+
+    l0, g0 = run(batch, "none")
+    l1, g1 = run(batch, "tis")
+    assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
+    for k in g0:  # each entry to 1e-6 of its tensor's largest
+        assert (g1[k] - g0[k]).abs().max() <= 1e-6 * g0[k].abs().max(), k
+    # with the sampler's logprobs set to the trainer's, every mode is the uncorrected loss bit for bit
+    same = dict(batch, sampler_logp=batch["old_logp"])
+    for mode in gae.IS_CORRECTIONS:
+        l, g = run(same, mode)
+        assert l == l0 and all(torch.equal(g[k], g0[k]) for k in g0), mode
+    # and the comparison can fail: a sampler 0.5 nats off on every other token changes the tis gradient
+    off = dict(batch, sampler_logp=batch["sampler_logp"] - 0.5 * (torch.arange(mask.size(1)) % 2))
+    l2, g2 = run(off, "tis")
+    assert l2 != pytest.approx(l0, rel=1e-3)
+    assert any(not torch.allclose(g2[k], g0[k], rtol=1e-3, atol=1e-6) for k in g0 if k.startswith("actor."))
+
+
+def test_tis_gradient_is_unbiased_on_a_toy_categorical(monkeypatch):
+    # one-token responses from a categorical policy pi = softmax(theta) over K tokens, drawn by a different sampler
+    # q; the loss is ppo_losses' (policy_forward replaced by the toy's logprobs). At ratio 1 its gradient is
+    # -mean_i w_i A(x_i) grad log pi(x_i), whose expectation under q with w = pi / q is the on-policy gradient
+    # -sum_x pi(x) A(x) grad log pi(x). Over M minibatches of N draws, the mean gradient with truncated IS (a cap no
+    # weight reaches) lies within 3 standard errors of it in every coordinate; uncorrected, it does not.
+    import ppo
+
+    K, N, M = 6, 64, 300
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(K, generator=g, dtype=torch.float64)
+    q = torch.softmax(theta + 0.8 * torch.randn(K, generator=g, dtype=torch.float64), 0)
+    A = torch.randn(K, generator=g, dtype=torch.float64)
+    pi = torch.softmax(theta, 0)
+    on_policy = -(pi * A) @ (torch.eye(K, dtype=torch.float64) - pi)  # -sum_x pi_x A_x (e_x - pi)
+    assert (pi / q).max() < 100.0  # the cap below is never reached: truncated IS is plain IS here
+
+    def mean_and_se(mode):
+        grads = []
+        for _ in range(M):
+            x = torch.multinomial(q, N, replacement=True, generator=g)  # (N,) drawn by the sampler
+            th = theta.clone().requires_grad_()
+            logp = torch.log_softmax(th, 0)[x][:, None]  # (N, 1)
+            monkeypatch.setattr(ppo, "policy_forward",
+                                lambda actor, mb, temperature, ref=None: dict(logp=logp, entropy=torch.zeros_like(logp)))
+            mb = dict(response_mask=torch.ones(N, 1, dtype=torch.bool), old_logp=logp.detach(),
+                      sampler_logp=q.log()[x][:, None], adv=A[x][:, None])
+            loss, _, _ = ppo.ppo_losses(None, None, mb, ppo.Config(is_correction=mode, is_cap=100.0), n_tokens=N, world=1)
+            loss.backward()
+            grads.append(th.grad)
+        G = torch.stack(grads)  # (M, K)
+        return G.mean(0), G.std(0) / M**0.5
+
+    mean, se = mean_and_se("tis")
+    assert ((mean - on_policy).abs() < 3 * se).all(), ((mean - on_policy) / se).tolist()
+    mean, se = mean_and_se("none")
+    assert ((mean - on_policy).abs() > 3 * se).any(), ((mean - on_policy) / se).tolist()
 
 
 # -- resume, preemption, bad input ---------------------------------------------------------------
@@ -4333,6 +4468,129 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     # 24 prompts, 8 a step: prompts consumed over all ranks, and passes over the file
     assert [(r["episode"], r["epoch"]) for r in resumed] == [(0, 0.0), (8, 8 / 24), (16, 16 / 24), (16, 16 / 24),
                                                              (24, 24 / 24), (32, 1 + 8 / 24), (32, 1 + 8 / 24)]
+
+
+# -- one-step asynchronous rollouts ------------------------------------------------------------------------------
+
+
+def same_rollout(a, b):
+    return (a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens)
+            and torch.equal(a.response_mask, b.response_mask) and torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6))
+
+
+def test_async_rollout_draws_step_k_from_the_weights_before_step_k_minus_1s_update(tiny_run, tmp_path):
+    # the batch scored at step k is what a synchronous generation from theta_{k-1} (the actor when step k-1's training
+    # began; theta_1 for step 1) draws with step k's keys; the first step is the synchronous run's, metric for metric
+    policy, out = tiny_run["policy"], tmp_path / "record.pt"
+    args = {**TINY_ARGS, "model": policy, "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "async"),
+            "total_steps": 3, "async_rollout": True}
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+import torch
+from torch.distributed.tensor import DTensor
+import ppo
+record, score_batch = [], ppo.score_batch
+
+def recorded(actor, ref, critic, reward_model, batch, cfg, run, *rest):  # step k: theta_k, and the batch it scores
+    theta = {{k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in actor.state_dict().items()}}
+    record.append((theta, {{k: batch[k].clone() for k in ("tokens", "response_mask", "sampler_logp")}}))
+    return score_batch(actor, ref, critic, reward_model, batch, cfg, run, *rest)
+
+ppo.score_batch = recorded
+ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
+torch.save(record, {str(out)!r})
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    record, rows = torch.load(out), read_metrics(tmp_path / "async")
+    assert [r["val/policy_lag"] for r in rows] == [0, 1, 1] and all(r["time/rollout_overlap"] >= 0 for r in rows)
+    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1)
+    assert without_measured(sync)[0] == {k: v for k, v in without_measured(rows)[0].items() if k != "val/policy_lag"}
+
+    tok = H.load_tokenizer(policy)
+    prompts = load_prompts(tiny_run["prompts"], tok, 64, "prompt", "messages")
+    sampler = PromptSampler(len(prompts), 8, 0, 1, seed=3)
+    model = Transformer.from_pretrained(policy)
+
+    def draw(theta, ids, k):  # a synchronous generation from theta with step k's keys, as ppo.py calls it
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(theta[name])
+        return generate(model, ids, 6, temperature=0.7, eos_token_id=stop_and_pad_ids(policy, tok)[0],
+                        pad_token_id=tok.pad_token_id, seeds=R.row_seeds(3, k, range(8)), micro_batch_size=8,
+                        max_prompt_len=64)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the run's thread count: the same float rounding
+    try:
+        for k in (1, 2, 3):
+            ids = [prompts.ids[i] for i in sampler.next_batch()]
+            theta = {j + 1: record[j][0] for j in range(3)}  # theta[k]: the actor when step k's training began
+            scored = types.SimpleNamespace(tokens=record[k - 1][1]["tokens"], logprobs=record[k - 1][1]["sampler_logp"],
+                                           response_mask=record[k - 1][1]["response_mask"])
+            assert same_rollout(draw(theta[max(k - 1, 1)], ids, k), scored), k
+            if k > 1:  # and not what the synchronous schedule draws (from theta_k)
+                assert not same_rollout(draw(theta[k], ids, k), scored), k
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_async_rollout_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path):
+    # 2 ranks train on what 1 rank does; a run stopped after step 2 resumes bitwise into the uninterrupted one (its
+    # checkpoint holds the batch drawn for step 3), and on another number of ranks to float rounding
+    kw = dict(async_rollout=True, save_every=2)
+    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+    assert [r["val/policy_lag"] for r in one] == [0, 1, 1, 1]
+    pending = torch.load(tmp_path / "one" / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)["rollouts"]
+    assert len(pending["rows"]) == 8 and pending["lag"] == 1  # the last step drew one too
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
+    assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
+    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
+    assert_close_runs(one[:2], two)
+    _, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)  # 2 ranks' pending rows on 1
+    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
+
+
+def test_pending_batch_round_trips_through_plain_rows(tiny_run):
+    # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
+    # ended at different steps and one that never ended
+    from async_rollout import rollout_from_rows, rollout_rows
+
+    model = Transformer.from_pretrained(tiny_run["policy"])
+    prompts = [ids_of(p) for p in TINY_PROMPTS[:5]]
+    free = generate(model, prompts, 8, temperature=1.0, seeds=list(range(5)))
+    eos = eos_set_ending_rows_at(free.responses, [1, 4, None, None, 6])
+    ro = generate(model, prompts, 8, temperature=1.0, eos_token_id=eos, pad_token_id=0, seeds=list(range(5)))
+    assert len(set(ro.response_lengths.tolist())) >= 3 and ro.ended.any() and not ro.ended.all()
+    assert len({len(p) for p in prompts}) > 1
+    rows, back = rollout_from_rows(rollout_rows(ro, [7, 3, 3, 9, 0]), 0, "cpu")
+    assert rows == [7, 3, 3, 9, 0] and back.prompt_len == ro.prompt_len
+    for f in ("tokens", "prompt_mask", "response_mask", "logprobs", "ended", "seeds"):
+        a, b = getattr(ro, f), getattr(back, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
+@needs_cuda
+def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
+    # one GPU, bf16, compiled decode (CUDA graphs) on the worker's own stream: the first step is the synchronous
+    # run's, later ones train one update behind, and a run stopped after step 2 resumes into the same steps 3 and 4
+    kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
+              save_every=2, env={"TRITON_INTERPRET": "0"})
+    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1, **kw)
+    p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, async_rollout=True, **kw)
+    assert "device cuda" in p.stdout, p.stdout[-2000:]
+    assert [r["val/policy_lag"] for r in full] == [0, 1, 1, 1] and all(r["time/rollout_overlap"] > 0 for r in full[1:])
+
+    def no_mem(rows, drop=()):  # the peaks depend on what the rollout beside a phase allocated by then
+        return [{k: v for k, v in r.items() if not k.startswith("mem/") and k not in drop} for r in rows]
+
+    assert_close_runs(no_mem(sync), no_mem(full[:1], drop=("val/policy_lag",)))
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, async_rollout=True, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", async_rollout=True, **kw)
+    assert_close_runs(no_mem(full), no_mem(resumed), tmp_path / "full", tmp_path / "part")
 
 
 # -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
@@ -4777,6 +5035,37 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1]
 
 
+
+
+def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
+    # a run written before --is_correction existed put no weight on the policy gradient: it resumes with
+    # --is_correction=none, and the default (tis) is refused by name
+    import dataclasses
+
+    import ppo
+
+    saved = json.loads(json.dumps(dataclasses.asdict(ppo.Config())))
+    del saved["is_correction"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
+        C.check_config(str(tmp_path), ppo.Config())
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+
+
+def test_importance_weight_flags_are_checked():
+    import ppo
+
+    cpu = torch.device("cpu")
+    for match, kw in [("--is_correction must be one of ['tis', 'icepop', 'seq_mask', 'none'], not 'is'",
+                       dict(is_correction="is")),
+                      ("--is_cap must be > 0, not 0.0", dict(is_cap=0)),
+                      ("--is_band must be lo,hi with 0 <= lo <= hi, not 5.0,0.5", dict(is_band=(5, 0.5))),
+                      ("--is_seq_band must be lo,hi with 0 <= lo <= hi, not 1.01,0.99", dict(is_seq_band=(1.01, 0.99)))]:
+        with pytest.raises(UsageError, match=re.escape(match)):
+            ppo.derive(ppo.Config(**kw), 0, 1, cpu)
+    assert ppo.Config(is_band=[1, 2]).is_band == (1.0, 2.0)  # what fire hands over for --is_band=[1,2]
+    with pytest.raises(ValueError, match=re.escape("--is_seq_band=(0.9,): expected tuple of two numbers")):
+        ppo.Config(is_seq_band=0.9)
 
 
 def test_config_errors_name_the_problem():
@@ -5775,6 +6064,19 @@ def test_offload_frozen_and_kv_cache_lines(tmp_path):
     (p2, _), _ = plan_for(8, model=policy, reward_model=rm, max_new_tokens=1000)
     assert [b for label, b in p2.persistent if label.startswith("KV cache")] == \
         [plan.kv_cache_bytes(f["actor"].c, 32, 2048, cb=2)]
+
+
+def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path):
+    # --async_rollout: the rollout's larger working set (prefill or sampling) is live through scoring and training,
+    # so both phases' peaks rise by exactly it; the rollout phase and the persistent state do not change
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
+    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True)
+    rollout = dict(term for _, terms in p.phases[0][2] for term in terms)
+    gen = max(b for label, b in rollout.items() if label.startswith(("prefill", "sampling")))
+    assert p.persistent == q.persistent and p.peak(p.phases[0]) == q.peak(q.phases[0])
+    assert [q.peak(b) - p.peak(a) for a, b in zip(p.phases[1:], q.phases[1:])] == [gen, gen]
+    assert text.count("--async_rollout, the next batch beside it") == 2
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export"):

@@ -1,0 +1,185 @@
+"""
+The rollout stage of the PPO loop: which weights draw a step's batch, and when. ppo.main calls Rollouts.take(step).
+
+Synchronous (the default): step k's batch is drawn at the start of step k from the actor's weights theta_k, copied
+into the generation copy (model.copy_weights_from: every rank gathers the sharded actor); the sampler is pi_old, up
+to the numerics of the cached decode (gae.is_weights corrects for those).
+
+One step ahead (--async_rollout; Noukhovitch et al. 2024, "Asynchronous RLHF", open-instruct's one-step-off schedule):
+step k+1's batch is generated on a worker thread while step k scores and trains, from theta_k, the weights as they
+were when step k's training began. The learner at theta_{k+1} then trains on data drawn by theta_k: val/policy_lag is
+1 update, and the importance weights of --is_correction see that whole update in r = exp(old_logp - sampler_logp).
+
+    main thread    | wait for batch k | theta_k -> gen | launch k+1 | score k, reward, advantages, train: theta_{k+1} |
+    worker thread  ... batch k (from theta_{k-1}) |                 generate batch k+1 from theta_k ...
+
+- Step 1 has no earlier step: its batch is generated and waited for (lag 0), then step 2's starts from the same weights.
+- The generation copy is refilled only at the step boundary, in the main thread, while nothing generates: the gather is
+  a collective, and the worker runs none (every rank must issue its collectives in one order). One copy is enough.
+- The noise stays keyed by (seed, step, row) (rollout.py): an async run is deterministic on a machine and the same, to
+  float rounding, on any number of ranks; step k's batch is exactly what a synchronous generation from theta_{k-1}
+  draws with step k's keys.
+- A training checkpoint holds the batch drawn for the next step (state_dict: waited for, every rank's rows gathered in
+  global row order, so the run may resume on another number of ranks). The last step draws one too, so that a run
+  continued past its total_steps repeats a longer uninterrupted one; it costs one rollout at the end of the run.
+- CPU threads. torch.set_num_threads sets the calling thread's OpenMP team size and MKL's thread-local count
+  (aten/src/ATen/ParallelOpenMP.cpp: omp_set_num_threads, mkl_set_num_threads_local), and the default that threads
+  started later take. Each thread that runs an op opens its own OpenMP team, so while a rollout overlaps training
+  the two teams share the cores. The worker runs CPU_WORKER_THREADS intra-op threads, the main thread keeps its own
+  count: on 2 cores that is 1 + 2 threads (measured against 1 + 1 and 2 + 2 in python bench.py async_rollout).
+- CUDA. The worker generates on its own stream, so the decode's kernels (CUDA graphs when compiled: recorded on the
+  worker's thread, which runs every rollout, its first included) run beside the training kernels. The stream waits for
+  the weight copy before it generates; the main thread's stream waits for the stream before it reads the batch, whose
+  tensors are marked as used there (record_stream) so that the caching allocator does not hand them back to the
+  worker's stream early. Phases end on the current stream only (runtime.phase_end), not on the whole device.
+
+Where the scale-out design attaches (dedicated generation ranks, more than one GPU): _launch and take's weight refill
+are the two seams. A generation rank would replace the worker thread (take waits on its batch instead of a future),
+and the refill would become a broadcast of theta_k over NCCL from the training ranks to the generation ranks, issued
+at the same step boundary by every rank of both groups; the keyed noise and the checkpointed pending batch stay as
+they are.
+"""
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from data import left_pad
+from rollout import Rollout, row_seeds
+from runtime import progress
+
+CPU_WORKER_THREADS = 1  # intra-op threads of the generation thread on a CPU (see the module docstring)
+
+
+def rollout_rows(ro, rows):
+    """A Rollout (B rows) -> B plain records on the CPU, for a checkpoint: the row's prompt index (rows[b]), its
+    prompt and response token ids, the response's sampler logprobs (float32), whether it ended, its seed."""
+    P = ro.prompt_len
+    return [dict(index=rows[b], prompt=ro.tokens[b, :P][ro.prompt_mask[b]].tolist(),
+                 response=ro.tokens[b, P:][ro.response_mask[b]].tolist(),
+                 logprobs=ro.logprobs[b][ro.response_mask[b]].cpu(), ended=bool(ro.ended[b]), seed=int(ro.seeds[b]))
+            for b in range(ro.tokens.size(0))]
+
+
+def rollout_from_rows(records, pad_id, device):
+    """The inverse of rollout_rows: (prompt indices, Rollout) with the tensors generate returns for these rows
+    (prompts left-padded to the widest, responses padded with pad_id to the longest, logprob 0 off the mask)."""
+    idx, prompt_mask, _ = left_pad([r["prompt"] for r in records], pad_id)
+    B, R = len(records), max(len(r["response"]) for r in records)
+    tokens = torch.full((B, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.bool)
+    logprobs = torch.zeros(B, R, dtype=torch.float32)
+    for b, r in enumerate(records):
+        n = len(r["response"])
+        tokens[b, :n], response_mask[b, :n], logprobs[b, :n] = torch.tensor(r["response"], dtype=torch.long), True, r["logprobs"]
+    ro = Rollout(tokens=torch.cat([idx, tokens], 1).to(device), prompt_len=idx.size(1),
+                 prompt_mask=prompt_mask.bool().to(device), response_mask=response_mask.to(device),
+                 logprobs=logprobs.to(device), ended=torch.tensor([r["ended"] for r in records], device=device),
+                 seeds=torch.tensor([r["seed"] for r in records], dtype=torch.long, device=device))
+    return [r["index"] for r in records], ro
+
+
+class Rollouts:
+    """Each step's (prompt indices, Rollout) for this rank: drawn now, or one step ahead (module docstring).
+    m: the run's models (m["gen"] generates, m["actor"] fills it); generate: rollout.generate, passed in so that a
+    caller may swap it (bench.py does)."""
+
+    def __init__(self, m, prompts, sampler, cfg, run, stop_ids, pad_id, generate):
+        self.m, self.prompts, self.sampler, self.cfg, self.run = m, prompts, sampler, cfg, run
+        self.stop_ids, self.pad_id, self.generate = stop_ids, pad_id, generate
+        self.next, self.pool, self.stream, self.metrics = None, None, None, {}
+        if cfg.async_rollout:
+            threads = torch.get_num_threads()
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout", initializer=self._init_worker)
+            self.pool.submit(lambda: None).result()  # the worker exists and has set its threads
+            torch.set_num_threads(threads)  # also the default of threads started later (autograd's, gloo's): the main's
+            if run.device.type == "cuda":
+                self.stream = torch.cuda.Stream(run.device)
+
+    def _init_worker(self):
+        if self.run.device.type == "cuda":
+            torch.cuda.set_device(self.run.device)  # the current device is per thread
+        else:
+            torch.set_num_threads(min(CPU_WORKER_THREADS, torch.get_num_threads()))
+
+    def _draw(self, step):
+        """This rank's rows of `step`: prompt indices (a prompt's samples side by side) and their noise seeds."""
+        rows = [i for i in self.sampler.next_batch() for _ in range(self.cfg.samples_per_prompt)]
+        L, r = self.run.local_rows, self.run.rank
+        return rows, row_seeds(self.cfg.seed, step, range(r * L, (r + 1) * L))
+
+    def _generate(self, rows, seeds, step):
+        cfg, run = self.cfg, self.run
+        return self.generate(self.m["gen"], [self.prompts.ids[i] for i in rows], cfg.max_new_tokens,
+                             temperature=cfg.temperature, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                             seeds=seeds.to(run.device), micro_batch_size=run.rollout_micro,
+                             max_prompt_len=cfg.max_prompt_len, progress=progress(f"step {step} rollout"))
+
+    def _work(self, job):
+        """On the worker thread: generates job's batch, on its own stream on CUDA."""
+        job["start"] = time.time()
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            job["ro"] = self._generate(job["rows"], job["seeds"], job["step"])
+            if self.stream is not None:
+                self.stream.synchronize()  # only this thread waits: the end time is when the GPU finished
+        job["end"] = time.time()
+
+    def _launch(self, step, lag):
+        rows, seeds = self._draw(step)
+        job = dict(rows=rows, seeds=seeds, lag=lag, step=step)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.run.device))  # the weights just copied into gen
+        job["future"] = self.pool.submit(self._work, job)
+        return job
+
+    def _wait(self, job):
+        if "future" in job:
+            job["waited"] = time.time()  # from here on the main thread waits for it
+            job.pop("future").result()  # re-raises what the worker raised
+            if self.stream is not None:
+                cur = torch.cuda.current_stream(self.run.device)
+                cur.wait_stream(self.stream)
+                ro = job["ro"]
+                for t in (ro.tokens, ro.prompt_mask, ro.response_mask, ro.logprobs, ro.ended, ro.seeds):
+                    t.record_stream(cur)
+        return job
+
+    def take(self, step):
+        """-> (rows, Rollout): this rank's prompt indices, one per row, and the batch of `step`. Synchronous: drawn
+        now from the actor's weights. Async: drawn during the previous step; the generation copy is then refilled
+        from the actor and the next step's batch launched. Sets self.metrics (async only)."""
+        gen, actor = self.m["gen"], self.m["actor"]
+        if self.pool is None:
+            rows, seeds = self._draw(step)
+            gen.copy_weights_from(actor)  # gathers the sharded actor
+            return rows, self._generate(rows, seeds, step)
+        if self.next is None:  # the first step: nothing was drawn ahead
+            gen.copy_weights_from(actor)
+            job = self._wait(self._launch(step, lag=0))
+        else:
+            job = self._wait(self.next)
+            gen.copy_weights_from(actor)  # the step boundary: nothing generates now
+        self.next = self._launch(step + 1, lag=1)
+        hidden = max(0.0, min(job["end"], job["waited"]) - job["start"]) if "start" in job else 0.0
+        self.metrics = {"val/policy_lag": job["lag"], "time/rollout_overlap": hidden}
+        return job["rows"], job["ro"]
+
+    def state_dict(self):
+        """The batch drawn for the next step, every rank's rows in global row order; waits for it. A collective:
+        every rank calls it."""
+        job = self._wait(self.next)
+        everyone = [None] * self.run.world
+        dist.all_gather_object(everyone, rollout_rows(job["ro"], job["rows"]))
+        return dict(rows=[r for part in everyone for r in part], lag=job["lag"])
+
+    def load_state_dict(self, state):
+        L, r = self.run.local_rows, self.run.rank
+        rows, ro = rollout_from_rows(state["rows"][r * L : (r + 1) * L], self.pad_id, self.run.device)
+        self.next = dict(rows=rows, ro=ro, lag=state["lag"])
+
+    def close(self):
+        """Waits for a batch still generating, and ends the worker."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
