@@ -26,7 +26,10 @@ were when step k's training began. The learner at theta_{k+1} then trains on dat
   (aten/src/ATen/ParallelOpenMP.cpp: omp_set_num_threads, mkl_set_num_threads_local), and the default that threads
   started later take. Each thread that runs an op opens its own OpenMP team, so while a rollout overlaps training
   the two teams share the cores. The worker runs CPU_WORKER_THREADS intra-op threads, the main thread keeps its own
-  count: on 2 cores that is 1 + 2 threads (measured against 1 + 1 and 2 + 2 in python bench.py async_rollout).
+  count: on 2 cores 1 + 2 threads, the steady choice (python bench.py async_rollout, README): 1 + 1 was slowest
+  everywhere; 2 + 2 matched the synchronous step on a quiet machine but, under OpenMP's default spin-waiting
+  with a neighbour running, took 15.4 s a step against 9.9 for 1 + 2. On 2 cores no split beat the synchronous
+  step: generation takes its core-seconds from training. On CUDA the thread count does not matter.
 - CUDA. The worker generates on its own stream, so the decode's kernels (CUDA graphs when compiled: recorded on the
   worker's thread, which runs every rollout, its first included) run beside the training kernels. The stream waits for
   the weight copy before it generates; the main thread's stream waits for the stream before it reads the batch, whose

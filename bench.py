@@ -2,6 +2,8 @@
 Benchmarks that print tables, each comparing two paths side by side in one run (these machines are noisy):
 
     python bench.py ppo_step [--steps=2 --dtype=fp32]    one PPO step on a ragged workload, padded vs padding-free
+    python bench.py async_rollout [--steps=3]            PPO steps with synchronous rollouts against one-step-ahead
+                                                         ones (--async_rollout), on the default run and a ragged one
     python bench.py generation [--device=cuda]           rollout.generate against transformers' generate, and
                                                          finished rows dropped from the decode batch or not
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
@@ -43,6 +45,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -130,8 +133,12 @@ def run(variant, prompts, out_dir, steps, dtype, threads):
 def run_isolated(*args):
     """run() in a fresh process: no run inherits the previous one's heap (a CPU's freed pages, its allocator's
     caches), so the order of the variants does not favour either."""
+    return run_isolated_fn(run, *args)
+
+
+def run_isolated_fn(fn, *args):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run, *args).result()
+        return pool.submit(fn, *args).result()
 
 
 def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
@@ -165,6 +172,104 @@ def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
               + f": {sum(t['padded']) / sum(t['default']):.2f}x")
     same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
     print(f"\nsame scores step by step in both variants (the same samples): {same}")
+
+
+# -----------------------------------------------------------------------------
+# async_rollout: synchronous rollouts against rollouts drawn one step ahead on a worker thread
+
+ASYNC_WORKLOADS = {  # Config fields over the defaults; "ragged" also takes the ragged prompts
+    "default": dict(),  # python ppo.py: SmolLM2, 16 prompts, 24 new tokens, minibatches of 8
+    "ragged": dict(rollout_batch_size=16, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4,
+                   max_new_tokens=64, max_prompt_len=96),
+}
+ASYNC_VARIANTS = {  # name -> (async_rollout, CPU threads of the generation thread, of the main one); None: all cores
+    "sync": (False, None, None),
+    "async": (True, 1, None),  # the default split (async_rollout.CPU_WORKER_THREADS)
+    "async 1+1": (True, 1, 1),
+    "async 2+2": (True, None, None),
+}
+
+
+def _async_run(variant, workload, prompts, out_dir, steps, model):
+    import async_rollout
+
+    on, gen_threads, main_threads = ASYNC_VARIANTS[variant]
+    cores = torch.get_num_threads()
+    torch.set_num_threads(main_threads or cores)
+    async_rollout.CPU_WORKER_THREADS = gen_threads or cores
+    cfg = ppo.Config(**ASYNC_WORKLOADS[workload], **({"prompts": prompts} if workload == "ragged" else {}),
+                     **({"model": model} if model else {}), out_dir=out_dir, total_steps=steps, async_rollout=on,
+                     sample_every=0, save_every=0, seed=1)
+    with NoCheckpoints():
+        ppo.main(cfg)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=None, model=None):
+    """PPO steps with synchronous rollouts against rollouts drawn one step ahead (--async_rollout), every variant
+    in a fresh process, the variants alternating (each goes first in turn), so that a neighbour's load hits all of
+    them. Step 1 of an async run is synchronous (no earlier step), so the table gives the median of steps 2..steps
+    over the rounds (a median: a neighbour's burst that slows a step or two stays out of it). The async
+    variants differ in the intra-op threads of the generation thread + the main (training) thread: on a CPU the two
+    share the cores. rollout s is what the main thread spends in the rollout stage (async: waiting for the batch
+    drawn during the previous step, and the weight refill); overlap s the seconds of that batch's generation that ran
+    beside the previous step's work; mismatch k3 and IS clipfrac the step's val/mismatch_k3 and val/is_clipfrac
+    (--is_correction=tis: the sampler's numerics, and with async the update it lags by). The bound of a perfect overlap is max(rollout, score + train) of the sync step.
+    On CUDA (a GPU present: ppo.main runs there) the variants are sync and async, the generation on its own stream.
+    model: another policy for every workload (the GPU runbook passes random weights of SmolLM2's shapes)."""
+    import platform
+
+    cuda = torch.cuda.is_available()
+    workloads = (workloads,) if isinstance(workloads, str) else tuple(workloads)
+    variants = ("sync", "async") if variants is None and cuda else tuple(ASYNC_VARIANTS) if variants is None else \
+        (variants,) if isinstance(variants, str) else tuple(variants)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    bf16 = "AVX512-BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "no AVX512-BF16"
+    device = f"GPU {torch.cuda.get_device_name()}" if cuda else f"CPU {cpu} ({bf16}), {torch.get_num_threads()} cores"
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {device}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"model {model or 'smollm2'}, {steps} steps a run, {rounds} round(s); load average at the start "
+          f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}", flush=True)
+    keys = ["time/rollout", "time/score", "time/train", "time/step", "time/rollout_overlap", "val/mismatch_k3",
+            "val/is_clipfrac"]
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl"))
+        table = []
+        for workload in workloads:
+            rows = {v: [] for v in variants}
+            for r in range(rounds):
+                for i, v in enumerate(variants[r % len(variants):] + variants[: r % len(variants)]):  # first in turn
+                    t0 = time.time()
+                    ms = run_isolated_fn(_async_run, v, workload, prompts, os.path.join(tmp, f"{workload}-{r}-{i}"),
+                                         steps, model)
+                    rows[v] += ms[1:]  # step 1 is synchronous in every variant
+                    print(f"  {workload} {v}: {time.time() - t0:.0f} s; steps "
+                          + ", ".join(f"{m['time/step']:.1f} s" for m in ms), flush=True)
+            mean = {v: {k: statistics.median(m.get(k, 0.0) for m in ms) for k in keys} for v, ms in rows.items()}
+            table.append((workload, mean, rows))
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}\n")
+    print("| workload | variant | threads: generation + training | rollout s | score s | train s | step s | overlap s "
+          "| speedup | mismatch k3 | IS clipfrac |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for workload, mean, rows in table:
+        sync = mean.get("sync")
+        for v, m in mean.items():
+            on, g, t = ASYNC_VARIANTS[v]
+            threads = "-" if cuda else f"{g or torch.get_num_threads()} + {t or torch.get_num_threads()}" if on else \
+                f"{torch.get_num_threads()}, in turn"
+            speed = f"{sync['time/step'] / m['time/step']:.2f}x" if sync else "-"
+            print(f"| {workload} | {v} | {threads} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | "
+                  f"{m['time/train']:.1f} | {m['time/step']:.1f} | {m['time/rollout_overlap']:.1f} | {speed} | "
+                  f"{m['val/mismatch_k3']:.2e} | {m['val/is_clipfrac']:.4f} |")
+        if sync:
+            bound = max(sync["time/rollout"], sync["time/score"] + sync["time/train"])
+            best = min((m["time/step"], v) for v, m in mean.items() if ASYNC_VARIANTS[v][0])
+            print(f"{workload}: sync step {sync['time/step']:.1f} s (rollout {sync['time/rollout']:.1f} + score and train "
+                  f"{sync['time/score'] + sync['time/train']:.1f}); a perfect overlap would take max(rollout, score + "
+                  f"train) = {bound:.1f} s; the best async variant ({best[1]}) {best[0]:.1f} s")
 
 
 # -----------------------------------------------------------------------------
@@ -683,6 +788,6 @@ def decode_pool(policy, rows=8, max_prompt_len=64, max_new_tokens=64, stop_token
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"ppo_step": ppo_step, "generation": generation, "attention": attention, "real_shapes": real_shapes,
+    fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "generation": generation, "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})
