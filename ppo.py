@@ -28,20 +28,17 @@ Each step:
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
     7. evaluate  every eval_every steps (and before the first, after the last): held-out prompts (evaluate.py)
 
-Loss aggregation: every per-token term is summed over the minibatch's response tokens and
-divided by their number across ALL ranks (a token mean over the minibatch), so the loss and its
-gradient do not change when a minibatch is split into micro-batches or across ranks. The SFT (ptx)
-term is a token mean over its own batch of ptx_batch_size pairs, likewise over all ranks. Micro-batches hold
-rows of similar length, cropped to them (data.micro_batches), so little compute goes to padding.
-logprob, entropy and KL come from the fused kernels in kernels/ on the actor's hidden states: the
-(tokens, vocab) logits are never materialised. The same temperature divides the logits in sampling and
-in every logprob.
+Loss aggregation: every per-token term is summed over the minibatch's response tokens and divided by their
+number across ALL ranks (a token mean over the minibatch), so the loss and its gradient do not change when a
+minibatch is split into micro-batches or across ranks; the SFT (ptx) term likewise over its own batch.
+Micro-batches hold rows of similar length, cropped to them (data.micro_batches). logprob, entropy and KL come
+from the fused kernels in kernels/: the (tokens, vocab) logits are never materialised. The same temperature
+divides the logits in sampling and in every logprob.
 
 Randomness is keyed, not drawn from a running generator: the sampling noise of global row g at step s from
-(seed, s, g), hashed by rollout.py, and the minibatch order of epoch e from (seed, s, e) (data.py). Row g is
-sample g % n of prompt g // n (n = samples_per_prompt): a prompt's samples sit side by side on one rank.
-So a run gives the same samples and minibatches on any number of ranks, up to float rounding, and a
-resumed run, on any number of ranks, repeats the uninterrupted one (checkpoint.py).
+(seed, s, g) (rollout.py), the minibatch order of epoch e from (seed, s, e) (data.py); row g is sample g % n of
+prompt g // n. So a run gives the same samples and minibatches on any number of ranks, up to float rounding,
+and a resumed run repeats the uninterrupted one (checkpoint.py).
 
     python ppo.py                                               # the embedded default (CPU, see README)
     python ppo.py --help                                        # every option, its default and meaning
