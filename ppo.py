@@ -8,18 +8,15 @@ Four models (Ouyang et al. 2022; Ziegler et al. 2019):
                none with a critic-free advantage estimator (grpo, rloo, reinforce_pp)
     reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
     reward     frozen sequence-classification model, or a reward function of (prompt record, response)
-All are built on the meta device and filled from one read of each checkpoint on rank 0 (checkpoint.py);
-the memory they need per GPU is printed before launch by --dry_run (plan.py).
+Built on the meta device, filled from one read of each checkpoint on rank 0 (checkpoint.py); --dry_run (plan.py).
 
 Each step:
     1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
                  actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
-    2. score     no grad: old_logp and entropy (actor), ref_logp (reference), values (critic),
-                 the sequence score (reward model / function)
+    2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
-    4. advantage GAE with the critic's values, advantages whitened over the whole batch (all ranks); or a
-                 critic-free estimator: a group baseline on the score (grpo, rloo), batch-whitened returns
-                 (reinforce_pp); one function each in gae.ADVANTAGE_ESTIMATORS
+    4. advantage GAE with the critic's values, whitened over all ranks; or critic-free: grpo, rloo, reinforce_pp
+                 (one function each in gae.ADVANTAGE_ESTIMATORS)
     5. optimise  ppo_epochs x minibatches x micro-batches:
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
