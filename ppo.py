@@ -4,8 +4,7 @@ PPO for RLHF, top to bottom: one main() with the whole algorithm in view.
 Four models (Ouyang et al. 2022; Ziegler et al. 2019):
     actor      trained, starts from the SFT checkpoint            (FSDP2, AdamW)
     critic     trained, one value per token, from the reward model (FSDP2, AdamW)
-               or, with a reward function, from the actor with a fresh scalar head;
-               none with a critic-free advantage estimator (grpo, rloo, reinforce_pp)
+               or from the actor with a fresh scalar head; none with a critic-free advantage estimator
     reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
     reward     frozen sequence-classification model, or a reward function of (prompt record, response)
 Built on the meta device, filled from one read of each checkpoint on rank 0 (checkpoint.py); --dry_run (plan.py).
