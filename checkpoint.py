@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer
 from runtime import UsageError, check_space, print0
 
@@ -52,7 +53,7 @@ from runtime import UsageError, check_space, print0
 MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every", "wandb", "wandb_project", "out_dir",
                         "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
-                        "offload_frozen", "dry_run", "gpu_memory_gb"}
+                        "offload_frozen", "offload_optimizer", "dry_run", "gpu_memory_gb"}
 MAY_CHANGE_ON_RESUME |= {"overwrite"}
 # Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
 # compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
@@ -77,28 +78,41 @@ LOCK = ".lock"  # out_dir/.lock: the PID and host of the run that owns the folde
 def shard(model, mesh, dtype, frozen=False, offload=False):
     """FSDP2: each transformer block is one unit, the root holds the embeddings, norm and head. A trained model
     keeps float32 master weights and computes in `dtype`; a frozen one (reference, reward model) is stored in
-    `dtype` itself, without grads or optimizer, optionally on the CPU between forwards (offload). Either way
-    a rank holds 1/W of the bytes, and a forward gathers one block at a time (resharded after it)."""
+    `dtype` itself, without grads or optimizer. Under LoRA a trained model is both: its frozen base in `dtype`,
+    its adapters (and a critic's head) in float32. offload: every shard lives on the CPU between uses (a frozen
+    model's weights: --offload_frozen; a trained one's weights, grads and AdamW states, whose step then runs on
+    the CPU: --offload_optimizer). Either way a rank holds 1/W of the bytes, and a forward gathers one block at a
+    time (resharded after it)."""
     if frozen:
-        kw = dict(offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
         model.to(dtype).requires_grad_(False)
-    else:
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    for p in model.parameters():  # LoRA's frozen base: stored in the compute dtype, as a frozen model is
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+    kw = dict(offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    if not frozen:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
     return model
 
 
-def load_sharded(path, mesh, run, head=None, frozen=False, bias=False):
+def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, reward_head=False):
     """A model built on the meta device, sharded, then filled from the one copy rank 0 reads (a float32 state for
     a trained model, the compute dtype for a frozen one): set_model_state_dict broadcasts it a tensor at a time
     and each rank keeps its shard, so no other rank ever holds the full weights. bias: give a value head a bias
-    (zero), as a critic from a reward model needs (the reward model's head has none)."""
+    (zero), as a critic from a reward model needs (the reward model's head has none). Under LoRA (run.lora) a
+    trained model gets adapters, their A drawn on rank 0 from `seed`; reward_head: a critic that is also the
+    reward model keeps the reward model's score layer, frozen, as `reward_head` (lora.AdaptersOff reads it)."""
     model = Transformer.from_pretrained(path, head=head, device="meta")
     if bias and model.score.bias is None:
         model.score.bias = torch.nn.Parameter(torch.zeros(1, device="meta"))
-    offload = frozen and run.offload_frozen
+    if run.lora and not frozen:
+        add_adapters(model, run.lora)
+        if reward_head:
+            model.reward_head = torch.nn.Linear(model.config.hidden_size, 1, bias=False, device="meta")
+            model.reward_head.requires_grad_(False)
+    offload = run.offload_frozen if frozen else run.offload_optimizer
     shard(model, mesh, run.dtype, frozen, offload)
     model.to_empty(device="cpu" if offload else run.device)
     state = {}
@@ -106,6 +120,12 @@ def load_sharded(path, mesh, run, head=None, frozen=False, bias=False):
         state = Transformer.read_state(path, head=head, dtype=run.dtype if frozen else torch.float32)
         if bias:
             state.setdefault("score.bias", torch.zeros(1))
+        if run.lora and not frozen:
+            expected = model.state_dict()
+            if reward_head:
+                state["reward_head.weight"] = state["score.weight"]
+            state.update(adapter_state({k: v.shape for k, v in expected.items()}, seed))
+            state = {k: state[k].to(expected[k].dtype) for k in expected}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
@@ -130,17 +150,25 @@ def build_models(cfg, run, mesh):
     (whole on every rank, compute dtype; refilled from the actor before each rollout). Built on the meta device and
     read once, by rank 0. The critic starts from the reward model (which may learn a bias), or from the policy's
     backbone with a fresh head drawn on rank 0 from the seeded global RNG. The inputs were checked before
-    (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head)."""
-    actor = load_sharded(cfg.model, mesh, run, head="lm")
+    (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head).
+    Under LoRA (--lora_rank) the actor and the critic train adapters on frozen bases (lora.py): the reference is
+    the actor with its adapters off, and a critic that starts from the reward model is the reward model with its
+    adapters off, so neither is a second copy."""
+    actor = load_sharded(cfg.model, mesh, run, head="lm", seed=cfg.seed)
     with torch.device("meta"):
         gen = Transformer(actor.config).to(run.dtype)
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
-    m = dict(actor=actor, ref=frozen_like(actor, mesh, run), gen=gen, reward_model=None)
-    if cfg.reward_model:
+    m = dict(actor=actor, ref=AdaptersOff(actor) if run.lora else frozen_like(actor, mesh, run), gen=gen,
+             reward_model=None)
+    shared = bool(run.lora and run.critic and cfg.reward_model)  # the critic's base is the reward model
+    if cfg.reward_model and not shared:
         m["reward_model"] = load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)
     if run.critic:
-        m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True) if cfg.reward_model
-                       else load_sharded(cfg.model, mesh, run, head="value"))
+        m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True, seed=cfg.seed + 1,
+                                    reward_head=shared) if cfg.reward_model
+                       else load_sharded(cfg.model, mesh, run, head="value", seed=cfg.seed + 1))
+    if shared:
+        m["reward_model"] = AdaptersOff(m["critic"], head=m["critic"].reward_head)
     for name in run.trained:
         m[name].activation_checkpointing = run.activation_checkpointing
     return m
@@ -266,6 +294,12 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def trained_only(cfg):
+    """What a checkpoint holds of a model: under LoRA the adapters (and a critic's head) alone, since the frozen base
+    is the HF checkpoint the run reads again on resume (16 GB an 8B model, not written every save_every steps)."""
+    return StateDictOptions(ignore_frozen_params=bool(cfg.lora_rank), strict=not cfg.lora_rank)
+
+
 def save(folder, modules, trainer, cfg):
     """modules: {"actor": (model, optimizer), ...}, sharded or not; trainer: a picklable dict (rank 0's is kept;
     trainer["run_id"] names the run); cfg: the Config dataclass. Every rank calls it. Written to folder.tmp, the
@@ -274,7 +308,7 @@ def save(folder, modules, trainer, cfg):
     tmp, rank = folder + ".tmp", dist.get_rank()
     state = {}
     for name, (model, opt) in modules.items():
-        state[name], state[name + "_optim"] = get_state_dict(model, opt)
+        state[name], state[name + "_optim"] = get_state_dict(model, opt, options=trained_only(cfg))
     check_space(os.path.dirname(folder), _local_bytes(state), "the training checkpoint")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing
@@ -449,10 +483,11 @@ def load(folder, modules, cfg):
     trainer dict."""
     state = {}
     for name, (model, opt) in modules.items():
-        state[name], state[name + "_optim"] = get_state_dict(model, opt)
+        state[name], state[name + "_optim"] = get_state_dict(model, opt, options=trained_only(cfg))
     dcp.load(state, checkpoint_id=folder)
     for name, (model, opt) in modules.items():
-        set_state_dict(model, opt, model_state_dict=state[name], optim_state_dict=state[name + "_optim"])
+        set_state_dict(model, opt, model_state_dict=state[name], optim_state_dict=state[name + "_optim"],
+                       options=trained_only(cfg))
     trainer = torch.load(os.path.join(folder, "trainer.pt"), weights_only=False)
     rng_file = os.path.join(folder, f"rng-rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):

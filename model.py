@@ -74,6 +74,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hf import MAX_SHARD_SIZE, read_checkpoint, read_config, write_pretrained
+from lora import full_parameters
 from runtime import UsageError
 
 SUPPORTED = {  # model_type -> what differs from Llama
@@ -584,12 +585,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def copy_weights_from(self, src):
-        """Copies src's parameters (an FSDP-sharded model: gathered, every rank takes part) into this plain model."""
-        from torch.distributed.tensor import DTensor
-
+        """Copies src's parameters (an FSDP-sharded model: gathered, every rank takes part) into this plain model,
+        with src's LoRA adapters merged into its weights (lora.full_parameters)."""
         params = dict(self.named_parameters())
-        for name, p in src.named_parameters():
-            params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+        for name, p in full_parameters(src):
+            params[name].copy_(p)
 
     def save_pretrained(self, folder, tokenizer=None, dtype=None, max_shard_size=None):
         """Writes config.json, the safetensors weights (in the checkpoint's dtype unless `dtype` is given) and

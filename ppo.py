@@ -64,6 +64,7 @@ from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, masked_sum, shape_rewards)
 from hf import save_hf
+from lora import TARGETS, LoRAConfig
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller
@@ -137,9 +138,15 @@ class Config:
     lr_schedule: str = "constant"  # constant | linear (decay to 0 at the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
+    # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model the critic starts from, are "adapters off"
+    lora_rank: int = 0  # rank r of the actor's and the critic's adapters; 0: full fine-tuning
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
+    lora_dropout: float = 0.0  # dropout on the adapters' input in training forwards (PPO keeps dropout off)
+    lora_targets: tuple[str, ...] = TARGETS  # the projections of each block that get adapters (default: all seven)
     # system
     activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
     offload_frozen: bool = False  # keep the reference and reward model shards on the CPU between forwards (CUDA)
+    offload_optimizer: bool = False  # the trained models' shards, grads and AdamW states in pinned CPU memory; AdamW steps there (CUDA)
     dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where it is fast (see cpu_has_bf16)
     seed: int = 1  # seeds everything: sampling noise, minibatch order, the critic's fresh head
     log_every: int = 1  # metrics line every N steps
@@ -171,6 +178,8 @@ class Run:
     rollout_micro: int  # prompts generated at once
     activation_checkpointing: bool  # for the actor and the critic
     offload_frozen: bool  # reference and reward model shards on the CPU between forwards
+    offload_optimizer: bool  # actor and critic shards, grads and AdamW states on the CPU
+    lora: LoRAConfig | None  # adapters on the actor and the critic, or None (full fine-tuning)
     critic: bool  # the advantage estimator needs a critic (else none is built)
     rows: int  # rows per step over all ranks: rollout_batch_size x samples_per_prompt
 
@@ -185,14 +194,17 @@ LIMITS = {
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
              "keep_checkpoints", "reward_workers"),
+    ">= 0 (0: off)": ("lora_rank",),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
              "eval_temperature"),
-    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap"),
+    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
+    "in [0, 1)": ("lora_dropout",),
     "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
-IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, ">= 0 (0: off)": lambda v: v >= 0, "> 0": lambda v: v > 0,
+            "in [0, 1)": lambda v: 0 <= v < 1,
             "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
 
 
@@ -229,6 +241,8 @@ def derive(cfg, rank, W, device):
     need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0,
          f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
+    bad = [t for t in cfg.lora_targets if t not in TARGETS]
+    need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
     for k in ("is_band", "is_seq_band"):
         lo, hi = getattr(cfg, k)
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
@@ -243,6 +257,8 @@ def derive(cfg, rank, W, device):
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
                cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
                rollout_micro, ac, cfg.offload_frozen and device.type == "cuda",
+               cfg.offload_optimizer and device.type == "cuda",
+               LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank else None,
                ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
 
 
@@ -431,7 +447,8 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
 def add_optimizers(m, cfg, run):
     """AdamW and the LR schedule for each trained model (actor, and critic when there is one)."""
     for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr))[: len(run.trained)]:
-        m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
+        params = [p for p in m[name].parameters() if p.requires_grad]  # LoRA: the adapters (and a critic's head)
+        m[name + "_opt"] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
                                              fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
         m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
     return m

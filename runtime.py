@@ -140,6 +140,9 @@ def hold_to_types(cfg):
         if want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
             ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        elif want == tuple[str, ...]:  # names: a,b,c
+            v = tuple(v) if isinstance(v, (list, tuple)) else tuple(str(v).split(","))
+            ok = all(isinstance(i, str) for i in v)
         elif want == tuple[float, float]:  # a band lo,hi: two numbers
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
             ok = len(v) == 2 and all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in v)
@@ -151,7 +154,8 @@ def hold_to_types(cfg):
             v = want(v) if ok else v
         if not ok:
             raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else
-                                                                        " of two numbers" if want == tuple[float, float] else ""))
+                                                                        " of two numbers" if want == tuple[float, float] else
+                                                                        " of names" if want == tuple[str, ...] else ""))
         setattr(cfg, f.name, v)
 
 
