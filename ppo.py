@@ -194,16 +194,15 @@ LIMITS = {
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
              "keep_checkpoints", "reward_workers"),
-    ">= 0 (0: off)": ("lora_rank",),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
-             "eval_temperature"),
+             "eval_temperature", "lora_rank"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",),
     "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
-IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, ">= 0 (0: off)": lambda v: v >= 0, "> 0": lambda v: v > 0,
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
             "in [0, 1)": lambda v: 0 <= v < 1,
             "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
 

@@ -1042,6 +1042,129 @@ def test_cuda_fused_path_never_runs_the_math_kernel(monkeypatch):
 
 
 # ==================================================================================================
+# lora.py
+# ==================================================================================================
+
+
+def lora_model(tmp_path, family, rank=4, alpha=8.0, random_B=True, seed=1, **kw):
+    """(base, lora): the tiny `family` checkpoint loaded twice, the second with adapters on every projection;
+    random_B: B drawn too (else 0, as LoRA starts)."""
+    import lora
+
+    make_checkpoint(tmp_path / family, family)
+    base = Transformer.from_pretrained(str(tmp_path / family))
+    model = lora.add_adapters(Transformer.from_pretrained(str(tmp_path / family)), lora.LoRAConfig(rank, alpha, **kw))
+    g = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        if isinstance(mod, lora.LoRALinear):
+            mod.lora_A.weight.data.copy_(torch.randn(mod.lora_A.weight.shape, generator=g) * 0.3)
+            if random_B:
+                mod.lora_B.weight.data.copy_(torch.randn(mod.lora_B.weight.shape, generator=g) * 0.3)
+    return base, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen2", "smollm2"])
+def test_lora_with_zero_B_is_the_base_model_bitwise(tmp_path, family, dtype):
+    # B = 0 (LoRA's start): logits, fused logprobs and entropies, and a decode step through the KV cache are the
+    # base model's bit for bit; the adapters' float32 weights meet bf16 activations without an error
+    base, model = lora_model(tmp_path, family, random_B=False)
+    base.to(dtype), model.to(dtype)
+    import lora
+
+    for mod in model.modules():  # as build_models keeps them: float32 adapters on a base in the compute dtype
+        if isinstance(mod, lora.LoRALinear):
+            mod.lora_A.float(), mod.lora_B.float()
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    assert torch.equal(model(idx, mask, pos), base(idx, mask, pos))
+    labels = torch.where(mask.bool(), idx.roll(-1, 1), -100)
+    labels[:, -1] = -100
+    a, b = model(idx, mask, pos, labels=labels), base(idx, mask, pos, labels=labels)
+    assert all(torch.equal(a[k], b[k]) for k in ("logp", "entropy"))
+    out = []
+    for m in (model, base):
+        m.setup_kv_cache(3, 14)
+        m(idx, mask, pos, cache_pos=torch.arange(13))
+        out.append(m(idx[:, :1], torch.ones(3, 14, dtype=torch.long), pos[:, -1:] + 1, cache_pos=torch.tensor([13])))
+        m.clear_kv_cache()
+    assert torch.equal(*out)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3.1"])
+def test_lora_matches_the_merged_weight_reference(tmp_path, family):
+    # y = x W^T + b + (alpha / r) x A^T B^T against a plain-torch model whose every target weight is
+    # W + (alpha / r) B A, with A and B leaves: logits to float32 rounding, and the gradients of A and B too
+    import lora
+
+    base, model = lora_model(tmp_path, family, rank=3, alpha=5.0)
+    adapted = {n: m for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
+    assert len(adapted) == 7 * TINY["num_hidden_layers"]
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    w = torch.randn(3, 13, TINY["vocab_size"], generator=torch.Generator().manual_seed(2))
+    real = mask.bool()[..., None]
+    (model(idx, mask, pos) * w * real).sum().backward()
+
+    leaves = {n: (m.lora_A.weight.detach().clone().requires_grad_(), m.lora_B.weight.detach().clone().requires_grad_())
+              for n, m in adapted.items()}
+    params = dict(base.named_parameters())
+    merged = {f"{n}.weight": params[f"{n}.weight"].detach() + (5.0 / 3) * B @ A for n, (A, B) in leaves.items()}
+    want = torch.func.functional_call(base, merged, (idx, mask, pos))
+    (want * w * real).sum().backward()
+    got = model(idx, mask, pos)
+    got, want = got[real.expand_as(got)], want[real.expand_as(want)]
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    for n, m in adapted.items():
+        A, B = leaves[n]
+        for g, r in ((m.lora_A.weight.grad, A.grad), (m.lora_B.weight.grad, B.grad)):
+            assert (g - r).abs().max() <= 1e-4 * r.abs().max() + 1e-6, n
+    # only the adapters train; the base's weights have no gradient
+    assert all((p.grad is not None) == (".lora_" in n) for n, p in model.named_parameters())
+
+
+def test_lora_merge_and_adapters_off(tmp_path):
+    # the generation copy: the adapters merged into a plain model's weights give the LoRA model's logits
+    # (float32 rounding; with B = 0 bitwise the base's weights); adapters_off is the base and restores them
+    import lora
+
+    base, model = lora_model(tmp_path, "qwen2")
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        gen = copy.deepcopy(base)
+        gen.copy_weights_from(model)
+        real = mask.bool()
+        assert max_diff(gen(idx, mask, pos)[real], model(idx, mask, pos)[real]) < 3e-5  # logits ~ 3
+        with lora.adapters_off(model):
+            assert torch.equal(model(idx, mask, pos), base(idx, mask, pos))
+        assert max_diff(gen(idx, mask, pos)[real], model(idx, mask, pos)[real]) < 3e-5  # logits ~ 3
+        zero = lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0))  # B = 0
+        gen.copy_weights_from(zero)
+        assert all(torch.equal(a, b) for a, b in zip(gen.state_dict().values(), base.state_dict().values()))
+    # dropout: in forwards that build a graph only (scoring and generation see none)
+    _, drop = lora_model(tmp_path / "d", "qwen2", dropout=0.5)
+    with torch.no_grad():
+        assert torch.equal(drop(idx, mask, pos), drop(idx, mask, pos))
+    assert not torch.equal(drop(idx, mask, pos), drop(idx, mask, pos))
+    with pytest.raises(ValueError, match="unknown LoRA target 'qkv'"):
+        lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0, targets=("q_proj", "qkv")))
+
+
+def test_lora_initial_adapters_do_not_depend_on_the_shapes_order():
+    # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed; B = 0; the same on every rank count
+    import lora
+
+    shapes = {"model.layers.0.mlp.up_proj.lora_A.weight": (4, 400), "model.layers.0.mlp.up_proj.lora_B.weight": (7, 4),
+              "model.layers.0.mlp.up_proj.weight": (7, 400)}
+    a = lora.adapter_state(shapes, seed=3)
+    b = lora.adapter_state(dict(reversed(list(shapes.items()))), seed=3)
+    assert a.keys() == b.keys() == {k for k in shapes if ".lora_" in k}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    A = a["model.layers.0.mlp.up_proj.lora_A.weight"]
+    assert A.abs().max() <= 1 / 20 and A.abs().max() > 0.9 / 20 and A.std() == pytest.approx(1 / 20 / math.sqrt(3), rel=0.1)
+    assert not a["model.layers.0.mlp.up_proj.lora_B.weight"].any()
+    assert not torch.equal(A, lora.adapter_state(shapes, seed=4)["model.layers.0.mlp.up_proj.lora_A.weight"])
+
+
+# ==================================================================================================
 # checkpoint.py: the HF export, meta-device loading
 # ==================================================================================================
 
@@ -5120,6 +5243,20 @@ def test_bad_input_errors(tiny_run, tmp_path):
     fails("no such folder", resume=str(tmp_path / "nowhere"))
 
 
+def test_lora_targets_are_checked_and_read_from_the_command_line():
+    import ppo
+
+    cpu = torch.device("cpu")
+    for targets, bad in ((("q_proj", "qkv"), "['qkv']"), ((), "none")):
+        with pytest.raises(UsageError, match=re.escape(f"--lora_targets must be some of q_proj,k_proj,v_proj,o_proj,"
+                                                       f"gate_proj,up_proj,down_proj, not {bad}")):
+            ppo.derive(ppo.Config(lora_rank=4, lora_targets=targets), 0, 1, cpu)
+    for flag, want in (("q_proj,v_proj", ("q_proj", "v_proj")), ("down_proj", ("down_proj",))):
+        cfg = ppo.Config(lora_rank=8, lora_targets=flag)  # as fire hands over a comma list or a single name
+        assert cfg.lora_targets == want and ppo.derive(cfg, 0, 1, cpu).lora.targets == want
+    assert ppo.derive(ppo.Config(), 0, 1, cpu).lora is None
+
+
 def test_every_number_is_checked_against_its_range():
     # the issue's cases (mini_batch_size=0 and micro_batch_size=0 divided by zero, ppo_epochs=0 failed with an
     # IndexError after a whole rollout, seed=-1 with numpy's message, total_steps=0 exited 0 having done nothing,
@@ -5133,7 +5270,8 @@ def test_every_number_is_checked_against_its_range():
     numbers = {f.name for f in dataclasses.fields(ppo.Config) if f.type in (int, float, float | None)}
     ranged = {k for names in ppo.LIMITS.values() for k in names}
     assert numbers - ranged == {"entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"}  # finite
-    outside = {">= 1": [0, -1], ">= 0": [-1], "> 0": [0, -1], "in [0, 1]": [-0.5, 1.5], "in [0, 2**32)": [-1, 2**32]}
+    outside = {">= 1": [0, -1], ">= 0": [-1], "> 0": [0, -1], "in [0, 1]": [-0.5, 1.5], "in [0, 1)": [-0.5, 1.0],
+               "in [0, 2**32)": [-1, 2**32]}
     for rule, names in ppo.LIMITS.items():
         for k in names:
             is_float = isinstance(getattr(ppo.Config(), k), float)
@@ -5725,6 +5863,93 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
     torch.manual_seed(5)
     want = Transformer.from_pretrained(tiny_run["policy"], head="value").state_dict()
     assert crit.keys() == want.keys() and all(torch.equal(crit[k], want[k]) for k in want)
+
+
+def randomize_adapters(model, seed=0):
+    """Random B (and A) on every adapter of an FSDP2 model (each rank's shard drawn from the full tensor)."""
+    import lora
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, lora.LoRALinear):
+                for p in (mod.lora_A.weight, mod.lora_B.weight):
+                    full = torch.randn(p.shape, generator=g) * 0.2
+                    local = p.to_local()
+                    local.copy_(full.view(-1)[: local.numel()].view(local.shape))  # one rank: the whole tensor
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lora_reference_and_reward_model_are_the_bases_with_adapters_off(tiny_run, group, tmp_path, dtype):
+    # under LoRA the reference is the actor with its adapters off, and the reward model the critic (built from it)
+    # with its adapters off, read by the reward model's own head: with trained (random) adapters and a moved critic
+    # head, their logprobs and scores equal the separate frozen models' of a full fine-tuning build bit for bit
+    import lora
+    import ppo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels import linear_logprob_entropy
+
+    rm = make_reward_model(tmp_path / "rm")
+    mesh = init_device_mesh("cpu", (1,))
+    models = {}
+    for rank in (0, 4):
+        cfg = ppo.Config(model=tiny_run["policy"], reward_model=rm, dtype=dtype, lora_rank=rank)
+        models[rank] = C.build_models(cfg, ppo.derive(cfg, 0, 1, torch.device("cpu")), mesh)
+    m, full = models[4], models[0]
+    assert isinstance(m["ref"], lora.AdaptersOff) and isinstance(m["reward_model"], lora.AdaptersOff)
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    # trained: the adapters in float32 and the critic's head; the base in the compute dtype, frozen
+    for name in ("actor", "critic"):
+        for k, p in m[name].named_parameters():
+            trained = ".lora_" in k or k.startswith("score.")
+            assert p.requires_grad == trained and (p.dtype == torch.float32 if trained else p.dtype == dt), (name, k)
+    randomize_adapters(m["actor"], 1), randomize_adapters(m["critic"], 2)
+    with torch.no_grad():
+        m["critic"].score.weight.to_local().add_(1.0)
+    tokens, mask, pos = ppo_style_batch(0, 3, 60, seed=4)
+    labels = torch.where(mask.bool(), tokens.roll(-1, 1), -100)
+    labels[:, -1] = -100
+    sel = labels != -100
+
+    def ref_logp(ref):
+        h = ref(tokens, mask, pos, return_hidden=True)[sel]
+        return linear_logprob_entropy(h, ref.lm_head_weight, labels[sel], 0.7)[0]
+
+    with torch.no_grad():
+        assert torch.equal(ref_logp(m["ref"]), ref_logp(full["ref"]))
+        assert torch.equal(m["reward_model"](tokens, mask, pos), full["reward_model"](tokens, mask, pos))
+        # and the adapters are on everywhere else: the actor and the critic have moved
+        assert not torch.equal(m["actor"](tokens, mask, pos), full["actor"](tokens, mask, pos))
+        assert not torch.equal(m["critic"](tokens, mask, pos), full["critic"](tokens, mask, pos))
+
+
+@slow
+def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
+    # a LoRA run with a critic that is the reward model plus adapters. Its first minibatch sees the weights that
+    # scored the rollout (ratio 1) and the reference is the actor exactly (KL 0); 2 ranks agree with 1 to float
+    # rounding; a resumed run repeats the uninterrupted one; checkpoints hold the trained parameters alone
+    rm = make_reward_model(tmp_path / "rm")
+    kw = dict(lora_rank=4, lora_alpha=8.0, reward_model=rm)
+    for dtype in ("fp32", "bf16"):
+        _, rows = run_ppo(tiny_run, tmp_path / f"first-{dtype}", total_steps=1, ppo_epochs=1, mini_batch_size=8,
+                          micro_batch_size=4, inference_micro_batch_size=4, dtype=dtype, **kw)
+        assert rows[0]["val/ratio"] == 1.0 and rows[0]["policy/clipfrac_avg"] == 0.0, dtype
+        assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0, dtype
+    kw.update(save_every=2)
+    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=3, **kw)
+    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=3, nproc=2, **kw)
+    assert_close_runs(one, two, tmp_path / "one", tmp_path / "two")
+    assert one[-1]["objective/kl"] != 0.0  # the adapters trained
+    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=3, resume="auto", **kw)
+    assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(tmp_path / "one" / "checkpoints" / "step-000002")).read_metadata().state_dict_metadata
+    models = {k.split(".", 1)[0] for k in keys if not k.split(".", 1)[0].endswith("_optim")}
+    saved = {k for k in keys if k.split(".", 1)[0] in models}
+    assert models == {"actor", "critic"} and saved and all(".lora_" in k or k.startswith("critic.score.") for k in saved), saved
 
 
 # ==================================================================================================
