@@ -1,6 +1,6 @@
 """
-Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), and its
-training checkpoints (save, find, resume).
+Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), their
+optimizers (add_optimizers), and its training checkpoints (save, find, resume).
 
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
@@ -8,7 +8,8 @@ other rank holds the full weights in host memory (an 8B model in float32 is 32 G
 on an 8-GPU node). hf.py reads the files, model.py checks them against the architecture.
 
 Training checkpoints:
-    out_dir/checkpoints/step-000040/   .metadata + *.distcp  actor, critic and both optimizers (DCP, sharded)
+    out_dir/checkpoints/step-000040/   .metadata + *.distcp  actor, critic and both optimizers (DCP, sharded; under
+                                                         LoRA the adapters and the critic's head: trained_only)
                                        trainer.pt            step, schedulers, KL controller, samplers, metrics
                                        rng-rank{r}.pt        the global RNGs of rank r (python, numpy, torch, cuda)
                                        config.json           the Config the run was started with
@@ -171,6 +172,28 @@ def build_models(cfg, run, mesh):
         m["reward_model"] = AdaptersOff(m["critic"], head=m["critic"].reward_head)
     for name in run.trained:
         m[name].activation_checkpointing = run.activation_checkpointing
+    return m
+
+
+def lr_lambda(cfg):
+    rows = cfg.rollout_batch_size * cfg.samples_per_prompt
+    total = cfg.total_steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
+
+    def f(i):
+        warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
+        decay = 1.0 - i / total if cfg.lr_schedule == "linear" else 1.0
+        return warm * max(decay, 0.0)
+
+    return f
+
+
+def add_optimizers(m, cfg, run):
+    """AdamW and the LR schedule for each trained model (actor, and critic when there is one)."""
+    for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr))[: len(run.trained)]:
+        params = [p for p in m[name].parameters() if p.requires_grad]  # LoRA: the adapters (and a critic's head)
+        m[name + "_opt"] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
+                                             fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
+        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
     return m
 
 

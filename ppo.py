@@ -8,6 +8,8 @@ Four models (Ouyang et al. 2022; Ziegler et al. 2019):
     reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
     reward     frozen sequence-classification model, or a reward function of (prompt record, response)
 Built on the meta device, filled from one read of each checkpoint on rank 0 (checkpoint.py); --dry_run (plan.py).
+--lora_rank: the actor and the critic train adapters on frozen bases; the reference is the actor with its adapters
+off, and a critic from the reward model is the reward model plus adapters (lora.py): two base weight sets, not four.
 
 Each step:
     1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
@@ -402,18 +404,6 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)
 
 
-def lr_lambda(cfg):
-    rows = cfg.rollout_batch_size * cfg.samples_per_prompt
-    total = cfg.total_steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
-
-    def f(i):
-        warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
-        decay = 1.0 - i / total if cfg.lr_schedule == "linear" else 1.0
-        return warm * max(decay, 0.0)
-
-    return f
-
-
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
     """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
     n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips it."""
@@ -437,20 +427,6 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
         m[name + "_opt"].zero_grad(set_to_none=True)
         m[name + "_sched"].step()
     return dict(sums=sums, n_tokens=n_tokens, norms=norms.double().cpu(), skipped=not finite, slots=slots)
-
-
-# -----------------------------------------------------------------------------
-# setup: what main() calls so that it reads as the algorithm (the metrics: metrics.py)
-
-
-def add_optimizers(m, cfg, run):
-    """AdamW and the LR schedule for each trained model (actor, and critic when there is one)."""
-    for name, lr in (("actor", cfg.lr), ("critic", cfg.critic_lr))[: len(run.trained)]:
-        params = [p for p in m[name].parameters() if p.requires_grad]  # LoRA: the adapters (and a critic's head)
-        m[name + "_opt"] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
-                                             fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
-        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
-    return m
 
 
 # -----------------------------------------------------------------------------
@@ -480,7 +456,7 @@ def main(cfg: Config, reward_fn=None):
            f"micro-batch {run.local_micro}")
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
-    m = add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
+    m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "

@@ -5248,7 +5248,7 @@ def test_lora_targets_are_checked_and_read_from_the_command_line():
 
     cpu = torch.device("cpu")
     for targets, bad in ((("q_proj", "qkv"), "['qkv']"), ((), "none")):
-        with pytest.raises(UsageError, match=re.escape(f"--lora_targets must be some of q_proj,k_proj,v_proj,o_proj,"
+        with pytest.raises(UsageError, match=re.escape("--lora_targets must be some of q_proj,k_proj,v_proj,o_proj,"
                                                        f"gate_proj,up_proj,down_proj, not {bad}")):
             ppo.derive(ppo.Config(lora_rank=4, lora_targets=targets), 0, 1, cpu)
     for flag, want in (("q_proj,v_proj", ("q_proj", "v_proj")), ("down_proj", ("down_proj",))):
@@ -5455,7 +5455,7 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(tiny, max_prompt_len=6), f"--prompts: {tiny_run['prompts']} has 2 prompts of at most 6 tokens (22 longer "
                                        "ones dropped), fewer than --rollout_batch_size=8"),
         (dict(tiny, max_prompt_len=1), f"--prompts: {tiny_run['prompts']}: all 24 prompts are longer than 1 tokens"),
-        (dict(ptx_coef=0.1, sft_data=str(tmp_path / "sft.jsonl")), f"--sft_data: prompt file not found"),
+        (dict(ptx_coef=0.1, sft_data=str(tmp_path / "sft.jsonl")), "--sft_data: prompt file not found"),
         (dict(model=f["no_config"]), f"--model: {f['no_config']}: no config.json: expected a model folder"),
         (dict(model=f["cut_safetensors"]), f"--model: {f['cut_safetensors']}/model.safetensors: truncated"),
         (dict(model=f["cut_gguf"]), f"--model: {f['cut_gguf']}: truncated"),
