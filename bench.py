@@ -4,6 +4,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
     python bench.py ppo_step [--steps=2 --dtype=fp32]    one PPO step on a ragged workload, padded vs padding-free
     python bench.py async_rollout [--steps=3]            PPO steps with synchronous rollouts against one-step-ahead
                                                          ones (--async_rollout), on the default run and a ragged one
+    python bench.py lora_generation                      the generation copy with LoRA's adapters merged, or not
+    python bench.py lora_run                             the default run, full fine-tuning against --lora_rank=16
     python bench.py generation [--device=cuda]           rollout.generate against transformers' generate, and
                                                          finished rows dropped from the decode batch or not
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
@@ -270,6 +272,135 @@ def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=N
             print(f"{workload}: sync step {sync['time/step']:.1f} s (rollout {sync['time/rollout']:.1f} + score and train "
                   f"{sync['time/score'] + sync['time/train']:.1f}); a perfect overlap would take max(rollout, score + "
                   f"train) = {bound:.1f} s; the best async variant ({best[1]}) {best[0]:.1f} s")
+
+
+# -----------------------------------------------------------------------------
+# lora: the generation copy with the adapters merged against unmerged; the default run under LoRA against full
+
+
+def _machine():
+    import platform
+
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name()}"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    flags = open("/proc/cpuinfo").read()
+    kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512, no BF16" if "avx512f" in flags else "AVX2"
+    return f"CPU {cpu} ({kind}), {torch.get_num_threads()} cores"
+
+
+def lora_generation(ranks=(16, 64), batch=16, new_tokens=24, rounds=3, dtypes=("fp32", "bf16")):
+    """The rollout's generation copy under LoRA, two ways, at the default run's rollout (16 prompts of prompts.jsonl,
+    24 new tokens at temperature 0.7, SmolLM2-135M-Instruct or its shapes): "merged" refills a plain copy with
+    W + (alpha / r) B A (model.copy_weights_from) and generates with it; "unmerged" refills a copy that keeps the
+    adapters (the base weights and A, B copied) and generates through them, two more small matmuls per projection
+    and token. B is random (a trained adapter). Each cell is the best of `rounds`, the two ways interleaved."""
+    import copy
+
+    import lora
+    from data import load_prompts
+
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
+    from hf import EMBEDDED, load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        name = "smollm2"
+        if importlib.util.find_spec(EMBEDDED["smollm2"][0]) is None:
+            name = random_checkpoints(tmp, "smollm2-135m")[0]
+        tok = load_tokenizer(name)
+        base = Transformer.from_pretrained(name).eval()
+    prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64).ids[:batch]
+    print(f"torch {torch.__version__}, {_machine()}; {len(prompts)} prompts, {new_tokens} new tokens, best of {rounds}")
+    print("| dtype | rank | variant | weight refill s | generate s | rollout s | tokens/s |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for dtype in dtypes:
+        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        for r in ranks:
+            actor = lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(r, 16.0))
+            torch.manual_seed(r)
+            for mod in actor.modules():
+                if isinstance(mod, lora.LoRALinear):
+                    mod.lora_B.weight.data.normal_(0, 0.01)
+            actor.to(dt)  # the base in the compute dtype
+            for mod in actor.modules():
+                if isinstance(mod, lora.LoRALinear):
+                    mod.lora_A.float(), mod.lora_B.float()  # the adapters in float32, as they train
+            merged = copy.deepcopy(base).to(dt).requires_grad_(False)
+            unmerged = copy.deepcopy(actor).requires_grad_(False)
+            refill = {"merged": lambda: merged.copy_weights_from(actor),
+                      "unmerged": lambda: unmerged.load_state_dict(actor.state_dict())}
+            best = {}
+            for i in range(rounds):
+                for v, gen in (("merged", merged), ("unmerged", unmerged))[:: 1 if i % 2 == 0 else -1]:
+                    with torch.no_grad():
+                        t_refill, _ = _timed(refill[v], torch.device("cpu"))
+                        t_gen, ro = _timed(lambda: generate(gen, prompts, new_tokens, temperature=0.7,
+                                                            seeds=list(range(len(prompts)))), torch.device("cpu"))
+                    n = int(ro.response_lengths.sum())
+                    if v not in best or t_refill + t_gen < sum(best[v][:2]):
+                        best[v] = (t_refill, t_gen, n)
+            for v, (t_refill, t_gen, n) in best.items():
+                print(f"| {dtype} | {r} | {v} | {t_refill:.3f} | {t_gen:.2f} | {t_refill + t_gen:.2f} | "
+                      f"{n / (t_refill + t_gen):.0f} |", flush=True)
+
+
+def _lora_run(variant, out_dir, steps):
+    import resource
+
+    kw = dict(LORA_RUNS[variant], out_dir=out_dir, sample_every=0)
+    if steps:
+        kw["total_steps"] = steps
+    cfg = ppo.Config(**kw)
+    t0 = time.time()
+    with NoCheckpoints():
+        ppo.main(cfg)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return rows, time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+LORA_RUNS = {  # Config fields over the defaults (python ppo.py)
+    "full": dict(),
+    "lora 16": dict(lora_rank=16),
+    "lora 16, lr 5e-4": dict(lora_rank=16, lr=5e-4),
+}
+
+
+def lora_run(variants=tuple(LORA_RUNS), steps=None):
+    """The default run (python ppo.py: 16 steps, its three evaluations) with full fine-tuning against LoRA, each in a
+    fresh process, one after another: wall time from the start of ppo.main (loading included, no checkpoint writes),
+    the median step and its phases, the score's rise (mean of the last quarter of the steps against the first, with
+    2 standard errors from the per-step means), the held-out score before and after, and the process's peak
+    resident memory (what the operating system counts, models and optimizer states included)."""
+    variants = (variants,) if isinstance(variants, str) else tuple(variants)
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {_machine()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"load average at the start {load[0]:.2f}", flush=True)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            rows, wall, rss = run_isolated_fn(_lora_run, v, os.path.join(tmp, v.replace(" ", "-").replace(",", "")),
+                                              steps)
+            out[v] = (rows, wall, rss)
+            print(f"  {v}: {wall:.0f} s", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
+    print("| variant | wall | step s (rollout / score / train) | score: first quarter | last quarter | rise | 2 s.e. "
+          "| held-out score before, after | KL, last quarter | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for v, (rows, wall, rss) in out.items():
+        train = [r for r in rows if "objective/scores" in r]
+        evals = [r["eval/score"] for r in rows if "eval/score" in r]
+        q = max(1, len(train) // 4)
+        first, last = [r["objective/scores"] for r in train[:q]], [r["objective/scores"] for r in train[-q:]]
+        se = math.sqrt(statistics.pvariance(first) / q + statistics.pvariance(last) / q) if q > 1 else float("nan")
+        med = {k: statistics.median(r[k] for r in train) for k in ("time/step", "time/rollout", "time/score", "time/train")}
+        kl = statistics.mean(r["objective/kl"] for r in train[-q:])
+        print(f"| {v} | {wall // 60:.0f} min {wall % 60:.0f} s | {med['time/step']:.1f} ({med['time/rollout']:.1f} / "
+              f"{med['time/score']:.1f} / {med['time/train']:.1f}) | {statistics.mean(first):.3f} | "
+              f"{statistics.mean(last):.3f} | {statistics.mean(last) - statistics.mean(first):.3f} | {2 * se:.3f} | "
+              f"{evals[0]:.3f}, {evals[-1]:.3f} | {kl:.2f} | {rss / 2**30:.2f} GiB |")
 
 
 # -----------------------------------------------------------------------------
@@ -788,6 +919,7 @@ def decode_pool(policy, rows=8, max_prompt_len=64, max_new_tokens=64, stop_token
 if __name__ == "__main__":
     import fire
 
-    fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "generation": generation, "attention": attention, "real_shapes": real_shapes,
+    fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
+               "lora_run": lora_run, "generation": generation, "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})

@@ -89,7 +89,7 @@ def shard(model, mesh, dtype, frozen=False, offload=False):
     for p in model.parameters():  # LoRA's frozen base: stored in the compute dtype, as a frozen model is
         if not p.requires_grad:
             p.data = p.data.to(dtype)
-    kw = dict(offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy())
     if not frozen:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.model.layers:

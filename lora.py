@@ -25,7 +25,7 @@ graph (training), never in scoring, generation or evaluation, so the first minib
 come from the global RNG, which checkpoints save per rank: a resumed run repeats the uninterrupted one on the same
 number of ranks, but a run with dropout is not invariant to the rank count as a run without it is.
 
-    python bench.py lora        # generation with the adapters merged into the generation copy, against unmerged
+    python bench.py lora_generation   # generation with the adapters merged into the generation copy, or not
 """
 import contextlib
 import math
@@ -157,7 +157,11 @@ def full_parameters(model):
 
     def full(p):
         p = p.detach()
-        return p.full_tensor() if isinstance(p, DTensor) else p
+        if not isinstance(p, DTensor):
+            return p
+        if p.device.type != p.device_mesh.device_type:  # shards offloaded to the CPU: gathered where the group talks
+            p = p.to(p.device_mesh.device_type)
+        return p.full_tensor()
 
     merged = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, p in model.named_parameters():

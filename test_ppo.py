@@ -5924,6 +5924,42 @@ def test_lora_reference_and_reward_model_are_the_bases_with_adapters_off(tiny_ru
         assert not torch.equal(m["critic"](tokens, mask, pos), full["critic"](tokens, mask, pos))
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_offloaded_optimizer_steps_like_the_resident_one(tiny_run, group, tmp_path, lora_rank):
+    # --offload_optimizer (FSDP2's CPUOffloadPolicy on the trained models, their AdamW step on the CPU) acts on CUDA
+    # only; forced on here, where the shards live on the CPU either way, it must change no number: two updates of
+    # the actor and the critic (full fine-tuning and LoRA) leave the same parameters, bit for bit
+    import ppo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rm = make_reward_model(tmp_path / "rm")
+    tokens, mask, pos = ppo_style_batch(0, 3, 60, seed=5)
+    labels = torch.where(mask.bool(), tokens.roll(-1, 1), -100)
+    labels[:, -1] = -100
+    after = []
+    for offload in (False, True):
+        cfg = ppo.Config(model=tiny_run["policy"], reward_model=rm, dtype="fp32", lora_rank=lora_rank, lr=1e-2,
+                         critic_lr=1e-2, offload_optimizer=True)
+        run = ppo.derive(cfg, 0, 1, torch.device("cpu"))
+        assert not run.offload_optimizer  # not on a CPU
+        run.offload_optimizer = offload
+        m = C.add_optimizers(C.build_models(cfg, run, init_device_mesh("cpu", (1,))), cfg, run)
+        policy = m["actor"].model.layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+        assert isinstance(policy, torch.distributed.fsdp.CPUOffloadPolicy) == offload
+        for _ in range(2):
+            loss = -m["actor"](tokens, mask, pos, labels=labels)["logp"].sum() + m["critic"](tokens, mask, pos).square().sum()
+            loss.backward()
+            for name in ("actor", "critic"):
+                ppo.grad_norm(m[name], 1.0)
+                m[name + "_opt"].step(), m[name + "_opt"].zero_grad()
+        after.append({f"{name}.{k}": v.full_tensor().clone() for name in ("actor", "critic")
+                      for k, v in m[name].state_dict().items()})
+    assert after[0].keys() == after[1].keys()
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
+    moved = [k for k in after[0] if ".lora_B" in k or (not lora_rank and "q_proj.weight" in k)]
+    assert moved and all(after[0][k].abs().sum() > 0 for k in moved)
+
+
 @slow
 def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
     # a LoRA run with a critic that is the reward model plus adapters. Its first minibatch sees the weights that
