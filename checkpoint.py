@@ -226,8 +226,7 @@ def _holds_a_run(out_dir):
     steps = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
     if steps:
         found.append(f"checkpoints {', '.join(steps)}")
-    if os.path.isdir(os.path.join(out_dir, "actor")):
-        found.append("an exported actor/")
+    found += [f"an exported {d}/" for d in ("actor", "actor-lora") if os.path.isdir(os.path.join(out_dir, d))]
     return "; ".join(found)
 
 

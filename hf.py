@@ -17,7 +17,10 @@ float32 when the source records none, e.g. GGUF) as one model.safetensors or, pa
 model-0000i-of-0000N.safetensors files with an index, the tokenizer, and a language model's generation_config.json
 with the run's stop ids and pad id. A sharded model is gathered a parameter at a time (cast first, so bf16 moves half the bytes) and only rank 0 keeps a file's tensors until the file is
 written. The folder is written beside its destination and renamed into place: a crash leaves the previous export.
+A LoRA model's export holds the merged weights W + (alpha / r) B A; write_peft_adapter writes its adapters alone
+in PEFT's format (adapter_model.safetensors, adapter_config.json), which PEFT loads onto the base checkpoint.
 """
+import contextlib
 import copy
 import functools
 import glob
@@ -490,7 +493,6 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
     planned up front from the shapes. Atomic: `master` writes a temporary folder beside `folder` and renames
     it over `folder`, so a crash leaves the previous export; the other ranks return without waiting for it."""
     from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
 
     if model.hf_config is None:
         raise ValueError("saving needs the transformers config the model was loaded with")
@@ -502,39 +504,26 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         if hasattr(hf, k):
             delattr(hf, k)
 
-    def gather(t, to=None):  # the full tensor on every rank; cast before gathering sends bf16's half the bytes
-        t = t.detach().to(to or t.dtype)
-        if not isinstance(t, DTensor):
-            return t
-        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shards: gathered where the group talks
-            t = t.to(t.device_mesh.device_type)
-        return t.full_tensor()
-
     tensors = model.state_dict()  # a sharded model's are DTensors: global shapes, nothing gathered yet
     # LoRA: each adapted weight is written merged, W + (alpha / r) B A (lora.merge), the adapters not at all
     merged = {f"{n}.weight": (tensors.pop(f"{n}.lora_A.weight"), tensors.pop(f"{n}.lora_B.weight"), m.scale)
               for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     if model.head == "value":
         hf.num_labels = 1
-        if "score.bias" in tensors and gather(tensors.pop("score.bias")).abs().max() != 0:  # on every rank
+        if "score.bias" in tensors and _gather(tensors.pop("score.bias")).abs().max() != 0:  # on every rank
             raise ValueError("the value head's bias is non-zero: transformers' score layer has none")
     plan = plan_shards([(k, t.numel() * dtype.itemsize) for k, t in tensors.items()], size_in_bytes(max_shard_size))
     names = (["model.safetensors"] if len(plan) == 1 else
              [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
-    tmp = None
-    if master:
-        folder = os.path.abspath(folder)
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
-    try:
+    with _written_beside(folder, master) as tmp:
         for fname, keys in zip(names, plan):
             shard = {}
             for k in keys:
                 if k in merged:
                     A, B, scale = merged[k]
-                    full = merge(gather(tensors[k]), gather(A), gather(B), scale).to(dtype)
+                    full = merge(_gather(tensors[k]), _gather(A), _gather(B), scale).to(dtype)
                 else:
-                    full = gather(tensors[k], dtype)
+                    full = _gather(tensors[k], dtype)
                 if master:
                     shard[k] = full.cpu().contiguous()
                 del full  # before the next gather: one full tensor at a time on the other ranks
@@ -554,6 +543,33 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
             _generation_config(hf, tokenizer, stop_ids, pad_id).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
+
+def _gather(t, to=None):
+    """The full tensor of `t` (a DTensor: every rank takes part; a plain tensor: itself), cast to `to` first, so
+    that gathering bf16 sends half the bytes of float32."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach().to(to or t.dtype)
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shards: gathered where the group talks
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
+
+
+@contextlib.contextmanager
+def _written_beside(folder, master):
+    """An atomic folder write: yields a temporary folder beside `folder` (None where not `master`) that replaces
+    `folder` when the block ends, or is removed if the block raises, so a crash leaves the previous folder."""
+    if not master:
+        yield None
+        return
+    folder = os.path.abspath(folder)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+    try:
+        yield tmp
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700): readable as any saved model is
@@ -566,9 +582,51 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         else:
             os.replace(tmp, folder)
     except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+PEFT_ADAPTER = ("adapter_model.safetensors", "adapter_config.json")  # what PEFT's save_pretrained writes
+
+
+def write_peft_adapter(model, folder, base_model, master=True):
+    """Writes the LoRA adapters of `model` (model.lora set by lora.add_adapters) alone, as PEFT writes a LoRA
+    adapter, so that peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), folder)
+    is the model:
+        adapter_model.safetensors  base_model.model.<our name>: ...q_proj.lora_A.weight (r, in) and
+                                   .lora_B.weight (out, r), float32 as trained (PEFT's key names: PeftModel's
+                                   own, with its adapter name "default" taken out)
+        adapter_config.json        PEFT's LoraConfig fields (peft/tuners/lora/config.py): r, lora_alpha (PEFT
+                                   scales by lora_alpha / r, as lora.py does), targets, dropout; every other
+                                   field at the value that means what lora.py does (no bias, no rsLoRA, no DoRA)
+    base_model: the checkpoint the adapters were trained on (a Hub id or folder), recorded for PEFT's
+    AutoPeftModel. Sharded or not, every rank calls it (the tensors are gathered one at a time, in state_dict
+    order); `master` writes, atomically as write_pretrained does."""
+    from safetensors.torch import save_file
+
+    cfg = getattr(model, "lora", None)
+    if cfg is None:
+        raise ValueError("write_peft_adapter: the model has no LoRA adapters (lora.add_adapters sets model.lora)")
+    if model.head != "lm":  # PEFT would need the trained value head as well (modules_to_save)
+        raise ValueError(f"write_peft_adapter: a language model's adapters only, not a {model.head!r} head's")
+    tensors = {k: t for k, t in model.state_dict().items() if ".lora_" in k}
+    alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else float(cfg.alpha)  # PEFT's field is an int
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model), revision=None,
+                  inference_mode=True, r=cfg.rank, lora_alpha=alpha, lora_dropout=float(cfg.dropout),
+                  target_modules=sorted(cfg.targets), bias="none", fan_in_fan_out=False, use_rslora=False,
+                  use_dora=False, init_lora_weights=True, modules_to_save=None, layers_to_transform=None,
+                  layers_pattern=None, rank_pattern={}, alpha_pattern={})
+    with _written_beside(folder, master) as tmp:
+        out = {}
+        for k, t in tensors.items():
+            full = _gather(t, torch.float32)
+            if master:
+                out["base_model.model." + k] = full.cpu().contiguous()
+            del full
+        if master:
+            save_file(out, os.path.join(tmp, PEFT_ADAPTER[0]), metadata={"format": "pt"})
+            with open(os.path.join(tmp, PEFT_ADAPTER[1]), "w") as f:
+                f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _generation_config(hf, tokenizer, stop_ids, pad_id):
@@ -583,14 +641,19 @@ def _generation_config(hf, tokenizer, stop_ids, pad_id):
 
 
 @torch.no_grad()
-def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size=MAX_SHARD_SIZE):
+def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size=MAX_SHARD_SIZE, base_model=None):
     """The FSDP2-sharded actor in HF format, in its checkpoint's dtype (config, safetensors files, tokenizer,
     generation_config.json with the run's stop ids and pad id): every rank takes part in gathering one parameter
     at a time, rank 0 writes each file once it is complete and renames the folder into place
-    (write_pretrained). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
+    (write_pretrained). An actor with LoRA adapters is written merged there, and its adapters alone in PEFT's
+    format to `folder`-lora (write_peft_adapter; base_model: the checkpoint trained from, else the folder its
+    config was read from). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
     dtype = actor.config.checkpoint_dtype or torch.float32
     check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
                 * dtype.itemsize / dist.get_world_size(), "the HF export")
     write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0,
                      stop_ids=stop_ids, pad_id=pad_id)
+    if getattr(actor, "lora", None) is not None:
+        base_model = base_model or getattr(actor.hf_config, "_name_or_path", None)
+        write_peft_adapter(actor, os.fspath(folder).rstrip(os.sep) + "-lora", base_model, master=dist.get_rank() == 0)
     dist.barrier()  # no rank goes on (or reads the export) before rank 0 has renamed it into place

@@ -560,7 +560,7 @@ def main(cfg: Config, reward_fn=None):
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
                                 dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
-                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id)
+                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")

@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import checkpoint as C
 import gae
 import hf as H
+import lora
 import runtime
 import model as M
 import plan
@@ -1457,6 +1458,224 @@ def test_two_rank_save_hf_equals_one_rank_export(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     for how in ("loaded", "meta"):
         assert folder_bytes(tmp_path / "two" / how) == one, how  # every file, byte for byte
+
+
+# -- LoRA: the merged export, and the adapter alone in PEFT's format ----------------------------------
+
+
+def lora_model(path, head=None, rank=4, alpha=8.0, targets=lora.TARGETS, seed=0):
+    """The checkpoint at `path` with LoRA adapters whose B is random (B = 0 at the start would hide every
+    mistake): A as lora.py draws it, B ~ N(0, 0.3), both from `seed` alone, so every rank builds the same."""
+    model = Transformer.from_pretrained(path, head=head)
+    torch.manual_seed(seed)
+    lora.add_adapters(model, lora.LoRAConfig(rank, alpha, targets=tuple(targets)))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def peft_tensors(model):
+    """{PEFT's name: our tensor} of a LoRA model's adapters: PeftModel's names without its adapter name."""
+    return {"base_model.model." + k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def test_lora_merged_export_loads_in_transformers_as_our_model(tmp_path):
+    # the export of a LoRA actor and critic holds W + (alpha / r) B A: transformers' plain models built from it
+    # give our adapted models' logits and values, at every real position of a left-padded batch
+    make_checkpoint(tmp_path / "src", "qwen2")  # q/k/v biases, which stay the base's
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    real = mask.bool()
+    actor = lora_model(str(tmp_path / "src")).eval()
+    actor.save_pretrained(tmp_path / "actor")
+    tensors, _ = exported(tmp_path / "actor")
+    assert not [k for k in tensors if "lora" in k] and set(tensors) == set(Transformer.from_pretrained(
+        str(tmp_path / "src")).state_dict())
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "actor", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = actor(idx, attention_mask=mask, position_ids=pos)
+        theirs = back(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        assert (ours - theirs).abs()[real].max() < 1e-5
+        plain = base(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        assert (ours - plain).abs()[real].max() > 0.1  # the adapters move the logits: the check has teeth
+    critic = lora_model(str(tmp_path / "src"), head="value", seed=3).eval()
+    critic.save_pretrained(tmp_path / "critic")
+    back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = critic(idx, attention_mask=mask, position_ids=pos)  # (B, T)
+        hidden = back.model(input_ids=idx, attention_mask=mask, position_ids=pos).last_hidden_state
+        theirs = back.score(hidden).squeeze(-1)  # transformers' head at every position, not only the last
+        assert (ours - theirs).abs()[real].max() < 1e-5
+        with lora.adapters_off(critic):
+            assert (ours - critic(idx, attention_mask=mask, position_ids=pos)).abs()[real].max() > 1e-2
+
+
+def test_peft_adapter_files_config_and_tensors(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "src", "llama2")
+    model = lora_model(str(tmp_path / "src"), rank=3, alpha=6.0, targets=("v_proj", "q_proj", "down_proj"))
+    H.write_peft_adapter(model, tmp_path / "ad", "org/base-model")
+    assert sorted(os.listdir(tmp_path / "ad")) == ["adapter_config.json", "adapter_model.safetensors"]
+    with open(tmp_path / "ad" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    expected = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path="org/base-model",
+                    inference_mode=True, r=3, lora_alpha=6, lora_dropout=0.0,
+                    target_modules=["down_proj", "q_proj", "v_proj"], bias="none", fan_in_fan_out=False,
+                    use_rslora=False, use_dora=False, init_lora_weights=True, modules_to_save=None,
+                    layers_to_transform=None, layers_pattern=None, rank_pattern={}, alpha_pattern={}, revision=None)
+    assert cfg == expected
+    assert [type(cfg[k]) for k in ("r", "lora_alpha", "lora_dropout")] == [int, int, float]  # PEFT's types
+    tensors = safetensors.torch.load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    with safetensors.safe_open(tmp_path / "ad" / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    ours = peft_tensors(model)
+    L, Hd, I = TINY["num_hidden_layers"], TINY["hidden_size"], TINY["intermediate_size"]
+    kv = Hd // TINY["num_attention_heads"] * TINY["num_key_value_heads"]
+    shapes = {"self_attn.q_proj": (Hd, Hd), "self_attn.v_proj": (Hd, kv), "mlp.down_proj": (I, Hd)}  # (in, out)
+    assert set(tensors) == set(ours) == {f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight"
+                                         for i in range(L) for m in shapes for ab in "AB"}
+    for i in range(L):
+        for m, (n_in, n_out) in shapes.items():
+            a, b = (tensors[f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight"] for ab in "AB")
+            assert a.shape == (3, n_in) and b.shape == (n_out, 3) and a.dtype == b.dtype == torch.float32
+    assert all(torch.equal(tensors[k], v) for k, v in ours.items())
+    # a fractional alpha stays a float; dropout is recorded; the adapters of a bf16 model are written float32
+    model2 = lora.add_adapters(Transformer.from_pretrained(str(tmp_path / "src")), lora.LoRAConfig(2, 2.5, 0.1))
+    H.write_peft_adapter(model2.to(torch.bfloat16), tmp_path / "ad2", str(tmp_path / "src"))
+    with open(tmp_path / "ad2" / "adapter_config.json") as f:
+        cfg2 = json.load(f)
+    assert (cfg2["lora_alpha"], cfg2["lora_dropout"], cfg2["target_modules"]) == (2.5, 0.1, sorted(lora.TARGETS))
+    assert {t.dtype for t in safetensors.torch.load_file(tmp_path / "ad2" / "adapter_model.safetensors").values()} \
+        == {torch.float32}
+    # what it refuses: a model without adapters, a critic's (PEFT would need its value head too)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        H.write_peft_adapter(Transformer.from_pretrained(str(tmp_path / "src")), tmp_path / "x", "b")
+    with pytest.raises(ValueError, match="'value' head"):
+        H.write_peft_adapter(lora_model(str(tmp_path / "src"), head="value"), tmp_path / "x", "b")
+    assert not os.path.exists(tmp_path / "x")
+    # atomic: a crash while writing leaves the previous adapter, and no temporary folder
+    before = folder_bytes(tmp_path / "ad")
+
+    def crash(*a, **kw):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        H.write_peft_adapter(model2, tmp_path / "ad", "org/base-model")
+    assert folder_bytes(tmp_path / "ad") == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
+
+
+def apply_peft_adapter(base, folder):
+    """PEFT's LoRA by its documented semantics, without PEFT: for every module named in adapter_model.safetensors
+    (PEFT's names: base_model.model.<module>.lora_A.weight), W += lora_alpha / r * B @ A on a transformers model."""
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["peft_type"] == "LORA" and not cfg["use_rslora"] and not cfg["use_dora"] and cfg["bias"] == "none"
+    tensors = safetensors.torch.load_file(os.path.join(folder, "adapter_model.safetensors"))
+    modules = dict(base.named_modules())
+    n = 0
+    with torch.no_grad():
+        for k, A in tensors.items():
+            if k.endswith(".lora_A.weight"):
+                name = k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                assert name.rsplit(".", 1)[-1] in cfg["target_modules"], name
+                B = tensors[k.replace(".lora_A.", ".lora_B.")]
+                modules[name].weight += cfg["lora_alpha"] / cfg["r"] * (B @ A)
+                n += 1
+    return n
+
+
+def test_peft_adapter_applied_as_peft_documents_gives_our_logits(tmp_path):
+    make_checkpoint(tmp_path / "src", "qwen2")
+    model = lora_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
+    H.write_peft_adapter(model, tmp_path / "ad", str(tmp_path / "src"))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    real = mask.bool()
+    with torch.no_grad():
+        ours = model(idx, attention_mask=mask, position_ids=pos)
+        plain = base(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        assert apply_peft_adapter(base, tmp_path / "ad") == TINY["num_hidden_layers"] * len(lora.TARGETS)
+        theirs = base(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+    # merged weights against the adapters beside them (scale alpha / r = 4): float32 rounding, logits up to ~4
+    assert (ours - theirs).abs()[real].max() < 1e-5 * ours.abs().max()
+    assert (ours - plain).abs()[real].max() > 0.1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (not a dependency)")
+def test_peft_loads_our_adapter_with_our_logits(tmp_path):
+    import peft
+
+    make_checkpoint(tmp_path / "src", "qwen2")
+    model = lora_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
+    H.write_peft_adapter(model, tmp_path / "ad", str(tmp_path / "src"))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    assert pm.peft_config["default"].r == 4 and pm.peft_config["default"].lora_alpha == 16
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    real = mask.bool()
+    with torch.no_grad():
+        ours = model(idx, attention_mask=mask, position_ids=pos)
+        theirs = pm(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        assert (ours - theirs).abs()[real].max() < 1e-5
+        with pm.disable_adapter():
+            plain = pm(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        assert (ours - plain).abs()[real].max() > 0.1
+
+
+def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group):
+    # FSDP2 on a group of one: save_hf writes out/actor (merged) and out/actor-lora (PEFT); the run folder
+    # check names both
+    from torch.distributed.device_mesh import init_device_mesh
+
+    make_checkpoint(tmp_path / "src", "llama2")
+    plain = lora_model(str(tmp_path / "src"))
+    H.write_pretrained(plain, tmp_path / "one")
+    H.write_peft_adapter(plain, tmp_path / "one-lora", str(tmp_path / "src"))
+    actor = C.shard(lora_model(str(tmp_path / "src")), init_device_mesh("cpu", (1,)), torch.float32)
+    out = tmp_path / "out"
+    H.save_hf(actor, None, str(out / "actor"))  # base_model: the folder its config was read from
+    assert folder_bytes(out / "actor") == folder_bytes(tmp_path / "one")
+    assert folder_bytes(out / "actor-lora") == folder_bytes(tmp_path / "one-lora")
+    H.save_hf(actor, None, str(out / "actor") + os.sep, base_model="org/base-model")
+    with open(out / "actor-lora" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == "org/base-model"
+    assert "an exported actor-lora/" in C._holds_a_run(str(out))
+    H.save_hf(C.shard(Transformer.from_pretrained(str(tmp_path / "src")), init_device_mesh("cpu", (1,)),
+                      torch.float32), None, str(tmp_path / "full" / "actor"))
+    assert os.listdir(tmp_path / "full") == ["actor"]  # no adapters, no adapter folder
+
+
+def two_rank_lora_export(policy, out):
+    """torchrun worker: a LoRA actor FSDP2-sharded over 2 ranks (the same adapters on both), exported with
+    hf.save_hf: out/actor merged, out/actor-lora in PEFT's format."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ppo
+
+    rank, world, _ = ppo.setup_distributed()
+    actor = C.shard(lora_model(policy), init_device_mesh("cpu", (world,)), torch.float32)
+    H.save_hf(actor, None, os.path.join(out, "actor"), max_shard_size="15KB", base_model=policy)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@slow
+def test_two_rank_lora_export_equals_one_rank(tmp_path):
+    # vocab 101 and intermediate 50 do not split evenly over the ranks; nor do rank 3's adapters
+    make_checkpoint(tmp_path / "policy", "qwen2", vocab_size=101, intermediate_size=50)
+    policy = str(tmp_path / "policy")
+    one = lora_model(policy)
+    H.write_pretrained(one, tmp_path / "one", max_shard_size="15KB")
+    H.write_peft_adapter(one, tmp_path / "one-lora", policy)
+    assert sum(fn.endswith(".safetensors") for fn in os.listdir(tmp_path / "one")) >= 3
+    p = run_torchrun([__file__, "two-rank-lora-export", policy, str(tmp_path / "two")], timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert folder_bytes(tmp_path / "two" / "actor") == folder_bytes(tmp_path / "one")  # byte for byte
+    assert folder_bytes(tmp_path / "two" / "actor-lora") == folder_bytes(tmp_path / "one-lora")
 
 
 # -- building on the meta device, reading the state apart --------------------------------------------
@@ -6340,9 +6559,12 @@ def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path
     assert text.count("--async_rollout, the next batch beside it") == 2
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export"):
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
+                                                                   "two-rank-lora-export"):
     if sys.argv[1] == "two-rank-grads":
         two_rank_grads(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "two-rank-lora-export":
+        two_rank_lora_export(sys.argv[2], sys.argv[3])
     else:
         two_rank_export(*sys.argv[2:5])
     os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
