@@ -14,6 +14,7 @@ Training checkpoints:
                                        rng-rank{r}.pt        the global RNGs of rank r (python, numpy, torch, cuda)
                                        config.json           the Config the run was started with
     out_dir/actor/                     the actor in HF format and its checkpoint's dtype (hf.save_hf)
+    out_dir/actor-lora/                under LoRA, the actor's adapters alone in PEFT's format (hf.write_peft_adapter)
     out_dir/metrics.jsonl              one line per step; on resume, cut back to the checkpoint's steps (runtime.py)
 
 Every write goes to a temporary folder that is renamed when every rank is done: a crash mid-write
