@@ -1463,7 +1463,7 @@ def test_two_rank_save_hf_equals_one_rank_export(tmp_path):
 # -- LoRA: the merged export, and the adapter alone in PEFT's format ----------------------------------
 
 
-def lora_model(path, head=None, rank=4, alpha=8.0, targets=lora.TARGETS, seed=0):
+def lora_export_model(path, head=None, rank=4, alpha=8.0, targets=lora.TARGETS, seed=0):
     """The checkpoint at `path` with LoRA adapters whose B is random (B = 0 at the start would hide every
     mistake): A as lora.py draws it, B ~ N(0, 0.3), both from `seed` alone, so every rank builds the same."""
     model = Transformer.from_pretrained(path, head=head)
@@ -1488,7 +1488,7 @@ def test_lora_merged_export_loads_in_transformers_as_our_model(tmp_path):
     make_checkpoint(tmp_path / "src", "qwen2")  # q/k/v biases, which stay the base's
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     real = mask.bool()
-    actor = lora_model(str(tmp_path / "src")).eval()
+    actor = lora_export_model(str(tmp_path / "src")).eval()
     actor.save_pretrained(tmp_path / "actor")
     tensors, _ = exported(tmp_path / "actor")
     assert not [k for k in tensors if "lora" in k] and set(tensors) == set(Transformer.from_pretrained(
@@ -1501,7 +1501,7 @@ def test_lora_merged_export_loads_in_transformers_as_our_model(tmp_path):
         assert (ours - theirs).abs()[real].max() < 1e-5
         plain = base(input_ids=idx, attention_mask=mask, position_ids=pos).logits
         assert (ours - plain).abs()[real].max() > 0.1  # the adapters move the logits: the check has teeth
-    critic = lora_model(str(tmp_path / "src"), head="value", seed=3).eval()
+    critic = lora_export_model(str(tmp_path / "src"), head="value", seed=3).eval()
     critic.save_pretrained(tmp_path / "critic")
     back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -1515,7 +1515,7 @@ def test_lora_merged_export_loads_in_transformers_as_our_model(tmp_path):
 
 def test_peft_adapter_files_config_and_tensors(tmp_path, monkeypatch):
     make_checkpoint(tmp_path / "src", "llama2")
-    model = lora_model(str(tmp_path / "src"), rank=3, alpha=6.0, targets=("v_proj", "q_proj", "down_proj"))
+    model = lora_export_model(str(tmp_path / "src"), rank=3, alpha=6.0, targets=("v_proj", "q_proj", "down_proj"))
     H.write_peft_adapter(model, tmp_path / "ad", "org/base-model")
     assert sorted(os.listdir(tmp_path / "ad")) == ["adapter_config.json", "adapter_model.safetensors"]
     with open(tmp_path / "ad" / "adapter_config.json") as f:
@@ -1553,7 +1553,7 @@ def test_peft_adapter_files_config_and_tensors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no LoRA adapters"):
         H.write_peft_adapter(Transformer.from_pretrained(str(tmp_path / "src")), tmp_path / "x", "b")
     with pytest.raises(ValueError, match="'value' head"):
-        H.write_peft_adapter(lora_model(str(tmp_path / "src"), head="value"), tmp_path / "x", "b")
+        H.write_peft_adapter(lora_export_model(str(tmp_path / "src"), head="value"), tmp_path / "x", "b")
     assert not os.path.exists(tmp_path / "x")
     # atomic: a crash while writing leaves the previous adapter, and no temporary folder
     before = folder_bytes(tmp_path / "ad")
@@ -1590,7 +1590,7 @@ def apply_peft_adapter(base, folder):
 
 def test_peft_adapter_applied_as_peft_documents_gives_our_logits(tmp_path):
     make_checkpoint(tmp_path / "src", "qwen2")
-    model = lora_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
+    model = lora_export_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
     H.write_peft_adapter(model, tmp_path / "ad", str(tmp_path / "src"))
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
@@ -1610,7 +1610,7 @@ def test_peft_loads_our_adapter_with_our_logits(tmp_path):
     import peft
 
     make_checkpoint(tmp_path / "src", "qwen2")
-    model = lora_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
+    model = lora_export_model(str(tmp_path / "src"), rank=4, alpha=16.0).eval()
     H.write_peft_adapter(model, tmp_path / "ad", str(tmp_path / "src"))
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(base, tmp_path / "ad").eval()
@@ -1632,10 +1632,10 @@ def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group):
     from torch.distributed.device_mesh import init_device_mesh
 
     make_checkpoint(tmp_path / "src", "llama2")
-    plain = lora_model(str(tmp_path / "src"))
+    plain = lora_export_model(str(tmp_path / "src"))
     H.write_pretrained(plain, tmp_path / "one")
     H.write_peft_adapter(plain, tmp_path / "one-lora", str(tmp_path / "src"))
-    actor = C.shard(lora_model(str(tmp_path / "src")), init_device_mesh("cpu", (1,)), torch.float32)
+    actor = C.shard(lora_export_model(str(tmp_path / "src")), init_device_mesh("cpu", (1,)), torch.float32)
     out = tmp_path / "out"
     H.save_hf(actor, None, str(out / "actor"))  # base_model: the folder its config was read from
     assert folder_bytes(out / "actor") == folder_bytes(tmp_path / "one")
@@ -1657,7 +1657,7 @@ def two_rank_lora_export(policy, out):
     import ppo
 
     rank, world, _ = ppo.setup_distributed()
-    actor = C.shard(lora_model(policy), init_device_mesh("cpu", (world,)), torch.float32)
+    actor = C.shard(lora_export_model(policy), init_device_mesh("cpu", (world,)), torch.float32)
     H.save_hf(actor, None, os.path.join(out, "actor"), max_shard_size="15KB", base_model=policy)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -1668,7 +1668,7 @@ def test_two_rank_lora_export_equals_one_rank(tmp_path):
     # vocab 101 and intermediate 50 do not split evenly over the ranks; nor do rank 3's adapters
     make_checkpoint(tmp_path / "policy", "qwen2", vocab_size=101, intermediate_size=50)
     policy = str(tmp_path / "policy")
-    one = lora_model(policy)
+    one = lora_export_model(policy)
     H.write_pretrained(one, tmp_path / "one", max_shard_size="15KB")
     H.write_peft_adapter(one, tmp_path / "one-lora", policy)
     assert sum(fn.endswith(".safetensors") for fn in os.listdir(tmp_path / "one")) >= 3
