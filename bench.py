@@ -867,8 +867,9 @@ def memory_vs_plan(out_dir, gpus=1):
                   and all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES))
     if not done:
         raise FileNotFoundError(f"{root}: no complete checkpoint, whose config.json the plan needs")
-    with open(os.path.join(root, done[-1], "config.json")) as f:
-        cfg = ppo.Config(**json.load(f))
+    with open(os.path.join(root, done[-1], "config.json")) as f:  # the Config, and what save() adds (input_sha256)
+        saved = json.load(f)
+    cfg = ppo.Config(**{k: saved[k] for k in ppo.Config.__dataclass_fields__ if k in saved})
     print(f"{out_dir}: the config of {done[-1]}, the plan for {gpus} GPU{'s' if gpus > 1 else ''}")
     table = StepTable(cfg, gpus)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:

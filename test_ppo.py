@@ -6179,6 +6179,17 @@ def test_offloaded_optimizer_steps_like_the_resident_one(tiny_run, group, tmp_pa
     assert moved and all(after[0][k].abs().sum() > 0 for k in moved)
 
 
+def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
+    # the GPU runbook's `bench.py memory_vs_plan OUT_DIR` (the smoke and lora stages) rebuilds the Config from the
+    # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256)
+    run_ppo(tiny_run, tmp_path, total_steps=1, lora_rank=4)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "memory_vs_plan", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "the config of step-000001" in p.stdout and "plan (--dry_run=1), peak GiB" in p.stdout
+    assert "| 1 |" in p.stdout and "no mem/* peaks to compare (CUDA only)" in p.stdout
+
+
 @slow
 def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
     # a LoRA run with a critic that is the reward model plus adapters. Its first minibatch sees the weights that
