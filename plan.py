@@ -372,8 +372,8 @@ def build(cfg, run):
                          (f"{name} {what} AdamW exp_avg + exp_avg_sq, fp32 shard{cpu}",
                           on_gpu * 8 * m.shard(W, "trained"))]
     if ref is not None:
-        p.persistent.append((f"reference weights, {dtype} shard" + (" (on the CPU: --offload_frozen)" if
-                                                                    run.offload_frozen else ""), frozen_cb * ref.shard(W)))
+        where = " (on the CPU: --offload_frozen)" if run.offload_frozen else ""
+        p.persistent.append((f"reference weights, {dtype} shard{where}", frozen_cb * ref.shard(W)))
     if rm is not None and not shared:
         p.persistent.append((f"reward model weights, {dtype} shard" + (" (on the CPU)" if run.offload_frozen else ""),
                              frozen_cb * rm.shard(W)))
@@ -463,8 +463,7 @@ def build(cfg, run):
     saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl, dw=not lora)
     tok = rows_t * T
 
-    def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's (LoRA: its
-        # frozen weight's mul saves no normed value)
+    def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's (LoRA: no normed)
         per_block = cb * m.c.hidden_size if run.activation_checkpointing else block_saved_bytes(m.c, cb, lora=lora)
         return tok * (m.L * per_block + 4 * m.c.hidden_size + 4 + (0 if lora else cb * m.c.hidden_size))
 
@@ -482,7 +481,7 @@ def build(cfg, run):
 
     actor_saved = saved(actor) + saved_h
     lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
-    dw = [("LM head gradient dW", lm_grad)] if not lora else []  # LoRA: a frozen head, no dW
+    dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0
     ac = "recomputed" if run.activation_checkpointing else "without checkpointing"
     what = "adapter " if lora else ""
     always = [(f"{names} {what}grads, fp32 shard{cpu}", on_gpu * 4 * sum(m.shard(W, "trained") for m in trained)),
@@ -510,8 +509,8 @@ def build(cfg, run):
             ("actor blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(actor)),
             *fetched("actor", actor)]),
         ("end of the backward", [
-            (f"root gradients of {names}" + (" (+ the tied head's, added)" if c.tie_word_embeddings and not lora else ""),
-             sum(root_grads(m) for m in trained) + (lm_grad if c.tie_word_embeddings else 0)),
+            (f"root gradients of {names}" + (" (+ the tied head's, added)" if tied else ""),
+             sum(root_grads(m) for m in trained) + tied),
             ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.part(m.root, "trained"), W)
                                                                    for m in trained))]),
     ]
@@ -586,12 +585,12 @@ def report(cfg, run):
                  f" the fused kernel keeps one float32 logsumexp per token and head")
     if run.offload_optimizer:
         rpn = min(8, W)  # ranks per node: 8 GPUs a node, or all W
-        lines.append(f"--offload_optimizer, per step and GPU: {_gib(f['h2d']):.2f} GiB host->device (the trained models'"
-                     f" shards at every gather, {f['n_s']} scoring and {f['n_t']} training micro-batches,\n  and the "
-                     f"merged actor into the generation copy), {_gib(f['d2h']):.2f} GiB device->host (fp32 gradient "
-                     f"shards after each backward);\n  pinned host memory {_gib(rpn * f['pinned']):.1f} GiB per node "
-                     f"({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: {'actor and critic' if f['critic'] else 'actor'} "
-                     f"shards, grads, AdamW states)")
+        lines.append(f"--offload_optimizer, per step and GPU: {_gib(f['h2d']):.2f} GiB host->device (the trained "
+                     f"models' shards at every gather, {f['n_s']} scoring and {f['n_t']} training micro-batches,\n  "
+                     f"and the merged actor into the generation copy), {_gib(f['d2h']):.2f} GiB device->host (fp32 "
+                     f"gradient shards after each backward);\n  pinned host memory {_gib(rpn * f['pinned']):.1f} GiB "
+                     f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: "
+                     f"{'actor and critic' if f['critic'] else 'actor'} shards, grads, AdamW states)")
     lines.append(f"reserve {_gib(reserve):.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
                  f"context, NCCL, cuBLAS)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
                  f"{cfg.gpu_memory_gb - _gib(reserve):.1f} GiB usable")
