@@ -8,9 +8,15 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
 
     actor, critic    FSDP2, one unit per block plus the root (embeddings, final norm, head); fp32 master weights
                      sharded on dim 0, which FSDP2 pads to a multiple of W (a rank holds ceil(rows / W) rows of
-                     every parameter); AdamW's exp_avg and exp_avg_sq alike; fp32 sharded grads in training only
+                     every parameter); AdamW's exp_avg and exp_avg_sq alike; fp32 sharded grads in training only.
+                     LoRA (--lora_rank): the base frozen in the compute dtype, no grads; the adapters (A (r, in),
+                     B (out, r) per target projection) and a critic's head are what is fp32 and trained.
+                     --offload_optimizer: all of it in pinned CPU memory (0 on the GPU; each unit's shard is copied
+                     in and cast for its all-gather; the report adds the bytes that cross per step, and the host
+                     memory of a node of min(8, W) ranks)
     reference,       FSDP2 in the compute dtype, no grads, resharded after each forward; with --offload_frozen
-    reward model     their shards live on the CPU (0 bytes on the GPU at rest)
+    reward model     their shards live on the CPU (0 bytes on the GPU at rest). LoRA: the actor with its adapters
+                     off, and the critic with its adapters off where the critic starts from the reward model
     generation copy  the whole actor in the compute dtype on every rank
     KV cache         rollout_micro x S x layers x (k, v) x kv heads x head_dim, S = max_prompt_len +
                      max_new_tokens rounded up to 64; kept between rollouts (CUDA graphs hold its addresses)
@@ -18,7 +24,8 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
                      (decode_graph_bytes)
 
 A phase's peak is that persistent state plus what is live at the phase's worst moment:
-    rollout    the weight sync to the generation copy (one full fp32 parameter at a time), or the prefill of
+    rollout    the weight sync to the generation copy (one full fp32 parameter at a time; LoRA: a target's
+               merge, lora.merge's float32 temporaries), or the prefill of
                one rollout micro-batch (no grad, one layer at a time), or its float32 sampling tensors
     scoring    one inference micro-batch forward (no grad) of the actor (after the reference's, whose LM head
                and hidden states the fused KL kernel reads), of the critic, or of the reward model
@@ -76,9 +83,11 @@ SAMPLING_BYTES = 41
 # parameters
 
 
-def param_shapes(c, head="lm", value_bias=True):
+def param_shapes(c, head="lm", value_bias=True, lora=None, reward_head=False):
     """-> (root, block): {name: shape} of the root's parameters and of one block's (names inside
-    model.layers.i), as model.Transformer(c, head, value_bias) has them."""
+    model.layers.i), as model.Transformer(c, head, value_bias) has them; lora (a lora.LoRAConfig): with the
+    adapters lora.add_adapters gives each target projection W (out, in): lora_A (r, in) and lora_B (out, r);
+    reward_head: with the frozen (1, H) score layer a critic that is also the reward model keeps."""
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     block = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
@@ -102,6 +111,12 @@ def param_shapes(c, head="lm", value_bias=True):
             root["score.bias"] = (1,)
     elif not c.tie_word_embeddings:
         root["lm_head.weight"] = (c.vocab_size, H)
+    if reward_head:
+        root["reward_head.weight"] = (1, H)
+    for name, (rows, cols) in [(k, s) for k, s in block.items() if lora and k.split(".")[1] in lora.targets
+                               and k.endswith("weight")]:
+        base = name.removesuffix(".weight")
+        block[f"{base}.lora_A.weight"], block[f"{base}.lora_B.weight"] = (lora.rank, cols), (rows, lora.rank)
     return root, block
 
 
@@ -116,25 +131,43 @@ def shard_numel(shapes, W):
 
 
 class Model:
-    """One model's shapes: its ModelConfig, root and block parameters, and where they were read."""
+    """One model's shapes: its ModelConfig, root and block parameters, and where they were read. Under LoRA
+    (lora: a lora.LoRAConfig) the adapters and a value head train, the rest is the frozen base."""
 
-    def __init__(self, c, head="lm", value_bias=True, source=""):
-        self.c, self.head, self.source, self.L = c, head, source, c.num_hidden_layers
-        self.root, self.block = param_shapes(c, head, value_bias)
+    def __init__(self, c, head="lm", value_bias=True, source="", lora=None, reward_head=False):
+        self.c, self.head, self.source, self.L, self.lora = c, head, source, c.num_hidden_layers, lora
+        self.root, self.block = param_shapes(c, head, value_bias, lora, reward_head)
 
-    def numel(self):
-        return numel(self.root) + self.L * numel(self.block)
+    def trains(self, name):  # lora.add_adapters: the adapters and a critic's head (not the frozen reward_head)
+        return not self.lora or ".lora_" in name or name.startswith("score.")
 
-    def shard(self, W):
-        """Elements one rank stores of the whole model."""
-        return shard_numel(self.root, W) + self.L * shard_numel(self.block, W)
+    def part(self, shapes, which):
+        """which: None (every parameter), "trained" or "frozen"."""
+        return {k: s for k, s in shapes.items() if which is None or self.trains(k) == (which == "trained")}
+
+    def numel(self, which=None):
+        return numel(self.part(self.root, which)) + self.L * numel(self.part(self.block, which))
+
+    def base_numel(self):
+        """Elements of the model without its adapters (and reward_head): the generation copy's."""
+        keep = lambda d: {k: v for k, v in d.items() if ".lora_" not in k and not k.startswith("reward_head")}
+        return numel(keep(self.root)) + self.L * numel(keep(self.block))
+
+    def shard(self, W, which=None):
+        """Elements one rank stores of the whole model (or of its trained or frozen part)."""
+        return shard_numel(self.part(self.root, which), W) + self.L * shard_numel(self.part(self.block, which), W)
+
+    def stored(self, shapes, W, cb):
+        """Bytes one rank stores of `shapes`: trained parameters in float32, a LoRA base in the compute dtype."""
+        return 4 * shard_numel(self.part(shapes, "trained"), W) + cb * shard_numel(self.part(shapes, "frozen"), W)
 
     def gathered(self, shapes, W):
         """Elements of a unit once gathered: W padded chunks."""
         return W * shard_numel(shapes, W)
 
-    def largest(self, W):
-        return max(cdiv(s[0], W) * W * math.prod(s[1:]) for s in (*self.root.values(), *self.block.values()))
+    def largest(self, W, which=None):
+        shapes = {**self.part(self.root, which), **self.part(self.block, which)}
+        return max(cdiv(s[0], W) * W * math.prod(s[1:]) for k, s in shapes.items() if ".lora_" not in k)
 
 
 def read_model(name_or_path):
@@ -156,7 +189,7 @@ def _dims(c):
             c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.num_key_value_heads)
 
 
-def block_saved_bytes(c, cb=2, padding_free=True):
+def block_saved_bytes(c, cb=2, padding_free=True, lora=None):
     """What one model.Block forward saves for its backward, per token, each tensor once, parameters excluded
     (they are FSDP's); q = heads x head_dim, kv = kv heads x head_dim:
       each RMSNorm   its float32 input (pow and mul save it), rsqrt (one float), the normed value in the
@@ -171,11 +204,28 @@ def block_saved_bytes(c, cb=2, padding_free=True):
                      back to the real tokens, a copy (counted at no padding, the widest case)   + cb q
       MLP            gate's output (silu saves it), silu's and up's outputs (their product saves both),
                      the product (down_proj saves it)                         4 cb I
-    The residual stream itself is saved by none of them (the tests count this with saved-tensor hooks)."""
+    The residual stream itself is saved by none of them (the tests count this with saved-tensor hooks).
+    Under LoRA (lora: a lora.LoRAConfig) the norms' weights and the base projections are frozen, and autograd
+    saves only what a gradient it computes reads: the input gradients still need every activation above
+    except what only a weight's gradient reads. So per token
+      each RMSNorm   no normed value (only the frozen weight's gradient would read it), and its output only
+                     where an adapter's A saves it (q/k/v, or gate/up, targets)      4H + 4 (+ cb H)
+      q/k_norm       no normed values                                         4 (q + kv) + 4 (nh + nkv)
+      o_proj         the real-tokens copy only if o_proj has an adapter       (+ cb q)
+      MLP            the product only if down_proj has one                    3 cb I (+ cb I)
+      each target    its adapter's (tokens, r) intermediate x A^T (B's input)   + cb r
+    (the first block saves a little less: its input, the frozen embedding's output, needs no gradient)."""
     H, I, q, kv, nh, nkv = _dims(c)
-    norms = 2 * (4 * H + 4 + 2 * cb * H)
-    qk = (4 + cb) * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
-    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I + (cb * q if padding_free else 0)
+    if lora is None:
+        norms = 2 * (4 * H + 4 + 2 * cb * H)
+        qk = (4 + cb) * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
+        return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I + (cb * q if padding_free else 0)
+    t = set(lora.targets)
+    norms = 2 * (4 * H + 4) + cb * H * (bool(t & {"q_proj", "k_proj", "v_proj"}) + bool(t & {"gate_proj", "up_proj"}))
+    qk = 4 * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
+    o_in = cb * q if padding_free and "o_proj" in t else 0
+    mlp = cb * I * (3 + ("down_proj" in t))
+    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + o_in + mlp + cb * lora.rank * len(t)
 
 
 def block_grad_bytes(c, cb=2):
@@ -228,14 +278,15 @@ def decode_graph_bytes(c, rows, S, cb=2):
     return rows * per_row + 8 + 4 * (hs // 2)  # the slot (int64), inv_freq (float32)
 
 
-def head_bytes(N, H, V, cb=2, kl=False):
+def head_bytes(N, H, V, cb=2, kl=False, dw=True):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
     boolean-index positions. Forward: the vocab-split statistics (4 or, for KL, 5, splits, N) float32. Backward,
     at its largest moment (a chunk's dh GEMM): dz (N, vocab chunk) in the compute dtype, dh in float32 and the
     GEMM's float32 (N, H) product, the chunk's (chunk, H) W - c (utils.shared_row; the dW product of the chunk,
     as large, comes after it); dW (V, H) is the LM head's gradient and counted as the root's. kl: linear_kl's as
-    well (its dW is a second (V, H) that autograd adds to the first)."""
+    well (its dW is a second (V, H) that autograd adds to the first). dw=False: a frozen head (LoRA), whose
+    backward computes dh alone."""
     if N == 0:
         return 0, 0, 0
     splits = min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
@@ -246,7 +297,7 @@ def head_bytes(N, H, V, cb=2, kl=False):
         saved += N * (cb * H + 20)
         fwd += 5 * splits * N * 4
         vc = vocab_chunk(DEFAULT_KL_CONFIG, N, V, DEFAULT_KL_CONFIG.gpu_chunk_elems, DEFAULT_KL_CONFIG.block_v)
-        bwd += N * vc * cb + N * H * 8 + vc * H * cb + V * H * cb
+        bwd += N * vc * cb + N * H * 8 + vc * H * cb + (V * H * cb if dw else 0)
     return saved, fwd, bwd
 
 
@@ -270,7 +321,7 @@ class Plan:
 def build(cfg, run):
     """-> (Plan, facts: a dict of the sizes the text quotes) for a ppo.Config and its derived sizes on run.world
     GPUs (ppo.derive with a CUDA device: the run's checks and per-rank sizes, as on a GPU)."""
-    W = run.world
+    W, lora, off = run.world, run.lora, run.offload_optimizer
     cb = torch.tensor([], dtype=run.dtype).element_size()
     policy, policy_is_cls = read_model(cfg.model)
     if policy_is_cls:
@@ -279,7 +330,8 @@ def build(cfg, run):
     if T > c.max_position_embeddings:
         raise ValueError(f"max_prompt_len + max_new_tokens = {T} does not fit the context of {cfg.model} "
                          f"({c.max_position_embeddings} positions)")
-    actor, ref = Model(c, "lm", source=cfg.model), Model(c, "lm", source=cfg.model)
+    # LoRA: the reference is the actor with its adapters off (checkpoint.build_models), no model of its own
+    actor, ref = Model(c, "lm", source=cfg.model, lora=lora), None if lora else Model(c, "lm", source=cfg.model)
     if cfg.reward_model:
         rc, rm_is_cls = read_model(cfg.reward_model)
         if rc.vocab_size != c.vocab_size:
@@ -287,8 +339,12 @@ def build(cfg, run):
         rm = Model(rc, "value", value_bias=not rm_is_cls, source=cfg.reward_model)
     else:
         rm, rc = None, c
+    # LoRA with a critic from the reward model: the reward model is the critic with its adapters off, read by
+    # the critic's frozen reward_head; no reward model of its own
+    shared = bool(lora and run.critic and rm)
     # the critic, when the advantage estimator has one: from the reward model, or the policy with a fresh head
-    critic = Model(rc, "value", value_bias=True, source=cfg.reward_model or cfg.model) if run.critic else None
+    critic = Model(rc, "value", value_bias=True, source=cfg.reward_model or cfg.model, lora=lora,
+                   reward_head=shared) if run.critic else None
     trained = [m for m in (actor, critic) if m is not None]
     names = "actor and critic" if critic else "actor"
     for m in (actor, critic, rm):
@@ -300,19 +356,30 @@ def build(cfg, run):
     R, V, H = cfg.max_new_tokens, c.vocab_size, c.hidden_size
     frozen_cb = 0 if run.offload_frozen else cb
     dtype = "bf16" if cb == 2 else "fp32"
+    # --offload_optimizer: a trained model's every shard (a LoRA base too), grad and AdamW state is on the CPU
+    on_gpu, cpu = (0, " (on the CPU)") if off else (1, "")
     p = Plan()
-    p.persistent = [line for name, m in (("actor", actor), ("critic", critic)) if m is not None for line in (
-        (f"{name} weights, fp32 shard", 4 * m.shard(W)),
-        (f"{name} AdamW exp_avg + exp_avg_sq, fp32 shard", 8 * m.shard(W)))]
-    p.persistent += [
-        (f"reference weights, {dtype} shard" + (" (on the CPU: --offload_frozen)" if run.offload_frozen else ""),
-         frozen_cb * ref.shard(W)),
-    ]
-    if rm is not None:
+    for name, m in (("actor", actor), ("critic", critic)):
+        if m is None:
+            continue
+        if not lora:
+            p.persistent += [(f"{name} weights, fp32 shard{cpu}", on_gpu * 4 * m.shard(W)),
+                             (f"{name} AdamW exp_avg + exp_avg_sq, fp32 shard{cpu}", on_gpu * 8 * m.shard(W))]
+            continue
+        what = "adapters" + (" + value head" if m.head == "value" else "")
+        p.persistent += [(f"{name} frozen base, {dtype} shard{cpu}", on_gpu * cb * m.shard(W, "frozen")),
+                         (f"{name} {what}, fp32 shard{cpu}", on_gpu * 4 * m.shard(W, "trained")),
+                         (f"{name} {what} AdamW exp_avg + exp_avg_sq, fp32 shard{cpu}",
+                          on_gpu * 8 * m.shard(W, "trained"))]
+    if ref is not None:
+        where = " (on the CPU: --offload_frozen)" if run.offload_frozen else ""
+        p.persistent.append((f"reference weights, {dtype} shard{where}", frozen_cb * ref.shard(W)))
+    if rm is not None and not shared:
         p.persistent.append((f"reward model weights, {dtype} shard" + (" (on the CPU)" if run.offload_frozen else ""),
                              frozen_cb * rm.shard(W)))
     p.persistent += [
-        (f"generation copy: the whole actor in {dtype}", cb * actor.numel()),
+        (f"generation copy: the whole actor in {dtype}" + (", adapters merged" if lora else ""),
+         cb * actor.base_numel()),
         (f"KV cache: {rows_r} rows x {S} slots x {c.num_hidden_layers} layers x (k, v) x {c.num_key_value_heads} "
          f"kv heads x {c.head_dim}", kv_cache_bytes(c, rows_r, S, cb)),
         (f"decode step's CUDA graphs: one pool, the {rows_r}-row graph's inputs and working set",
@@ -324,9 +391,25 @@ def build(cfg, run):
     per_prompt = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
     prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad", rows_r * P * block_forward_bytes(c, cb))
     sampling = (f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}", SAMPLING_BYTES * rows_r * V)
+    # lora.full_parameters gathers one parameter at a time (all-gather output + padded chunk), in its stored
+    # dtype; --offload_optimizer: the shards and so the gathers are on the CPU (gloo), only the copy crosses
+    if off:
+        sync = [("gathered and merged on the CPU, copied to the GPU (--offload_optimizer)", 0)]
+    elif not lora:
+        sync = [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
+                 4 * actor.largest(W) * (W + 1) // W)]
+    else:
+        # a target's merge: its gathered base W (out, in) and, from lora.merge's W.float() + scale * (B @ A), three
+        # float32 (out, in) tensors at once: W.float() and B @ A, then scale x it, then W.float() + that
+        (out, cols), n = max(((s, cdiv(s[0], W) * W * s[1]) for k, s in actor.block.items()
+                              if k.endswith(".weight") and k.removesuffix("weight") + "lora_A.weight" in actor.block),
+                             key=lambda t: t[1])
+        sync = [max((f"the largest actor parameter gathered in {dtype} (all-gather output + padded chunk)",
+                     cb * actor.largest(W) * (W + 1) // W),
+                    (f"merging the largest target ({out} x {cols}): its gathered {dtype} weight + 3 fp32 copies",
+                     cb * n * (W + 1) // W + 12 * out * cols), key=lambda t: t[1])]
     p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [
-        ("weight sync", [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
-                          4 * actor.largest(W) * (W + 1) // W)]),
+        ("weight sync" + (", LoRA merged" if lora else ""), sync),
         ("prefill", [prefill]),
         ("sampling", [sampling]),
     ]))
@@ -337,25 +420,36 @@ def build(cfg, run):
     def gathered_root(m):
         return cb * m.gathered(m.root, W)
 
+    def h2d(m):  # --offload_optimizer, 2 units: a shard copied to the GPU as stored, and cast to the compute dtype
+        return 2 * (m.stored(m.block, W, cb) + cb * shard_numel(m.part(m.block, "trained"), W)) if off else 0
+
     def units_fwd(m):  # the unit being computed and the next one, prefetched
         return 2 * cb * m.gathered(m.block, W)
+
+    def fetched(who, m):  # the offloaded units' copies, as a line where there are any
+        return [(f"{who} blocks' shards copied from the CPU and cast (--offload_optimizer)", h2d(m))] if off else []
 
     N_i, N_t = rows_i * R, rows_t * R
     _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
     work_i = rows_i * T
     scoring = [
         ("actor forward", [
-            ("reference LM head, gathered for the fused KL", gathered_root(ref)),
-            (f"reference hidden states, {N_i} response tokens", N_i * cb * H),
-            ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)),
+            *([("reference LM head, gathered for the fused KL", gathered_root(ref))] if ref else []),
+            (f"reference hidden states, {N_i} response tokens" + (" (the actor, adapters off)" if lora else ""),
+             N_i * cb * H),
+            ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)), *fetched("actor", actor),
             (f"actor block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(c, cb)),
             ("fused logprob/entropy + KL forward scratch", fwd_i)]),
     ]
     if critic is not None:
         scoring.append(("critic forward", [
-            ("critic blocks gathered", units_fwd(critic)),
+            ("critic blocks gathered", units_fwd(critic)), *fetched("critic", critic),
             (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]))
-    if rm is not None:
+    if shared:  # its root is the critic's, gathered already
+        scoring.append(("reward model forward: the critic, adapters off", [
+            ("critic blocks gathered", units_fwd(critic)), *fetched("critic", critic),
+            (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]))
+    elif rm is not None:
         scoring.append(("reward model forward", [
             ("reward model root, gathered", gathered_root(rm)),
             ("reward model blocks gathered", units_fwd(rm)),
@@ -366,53 +460,76 @@ def build(cfg, run):
 
     # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
     kl = cfg.kl_loss_coef > 0
-    saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl)
+    saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl, dw=not lora)
     tok = rows_t * T
 
-    def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's
-        per_block = cb * m.c.hidden_size if run.activation_checkpointing else block_saved_bytes(m.c, cb)
-        return tok * (m.L * per_block + 4 * m.c.hidden_size + 4 + cb * m.c.hidden_size)
+    def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's (LoRA: no normed)
+        per_block = cb * m.c.hidden_size if run.activation_checkpointing else block_saved_bytes(m.c, cb, lora=lora)
+        return tok * (m.L * per_block + 4 * m.c.hidden_size + 4 + (0 if lora else cb * m.c.hidden_size))
 
-    def block_bwd(m):  # one block recomputed (checkpointing) and its gradients
-        recompute = block_saved_bytes(m.c, cb) if run.activation_checkpointing else 0
+    def block_bwd(m):  # one block recomputed (checkpointing) and its gradients (the input's, through frozen
+        # weights too)
+        recompute = block_saved_bytes(m.c, cb, lora=lora) if run.activation_checkpointing else 0
         return tok * (recompute + block_grad_bytes(m.c, cb))
 
-    def units_bwd(m):  # two blocks gathered, one block's gradients in bf16 and its fp32 reduce-scatter input
-        return (3 * cb + 4) * m.gathered(m.block, W)
+    def units_bwd(m):  # two blocks gathered, one block's gradients in bf16 and its fp32 reduce-scatter input (LoRA:
+        # the adapters' alone)
+        return 2 * cb * m.gathered(m.block, W) + (cb + 4) * m.gathered(m.part(m.block, "trained"), W)
+
+    def root_grads(m):  # in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
+        return cb * m.gathered(m.part(m.root, "trained"), W)
 
     actor_saved = saved(actor) + saved_h
-    lm_grad = cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
+    lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
+    dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0
     ac = "recomputed" if run.activation_checkpointing else "without checkpointing"
-    always = [(f"{names} grads, fp32 shard", 4 * sum(m.shard(W) for m in trained)),
+    what = "adapter " if lora else ""
+    always = [(f"{names} {what}grads, fp32 shard{cpu}", on_gpu * 4 * sum(m.shard(W, "trained") for m in trained)),
               (f"{names} root{'s' if critic else ''}, gathered", sum(gathered_root(m) for m in trained))]
-    if kl:
+    if kl and ref is not None:  # LoRA: the actor's own LM head, in its gathered root
         always.append(("reference LM head, gathered for the KL loss", gathered_root(ref)))
     always += beside
     moments, held = [], []  # held: what the critic's backward (it runs first) leaves for the actor's
     if critic is not None:
         critic_saved = saved(critic) + tok * 4 * critic.c.hidden_size  # + the value head's float32 input
-        held = [("critic root gradients (embedding)", cb * critic.gathered(critic.root, W))]  # its embedding's
+        held = [(f"critic root gradients ({'value head' if lora else 'embedding'})", root_grads(critic))]
         moments.append(("backward through the critic's blocks", [
             ("actor activations saved", actor_saved), ("critic activations saved", critic_saved),
             (f"a critic block {ac}, with its gradients", block_bwd(critic)),
-            ("critic blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(critic))]))
+            ("critic blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(critic)),
+            *fetched("critic", critic)]))
     moments += [
         ("backward through the actor's head", [
-            ("actor activations saved", actor_saved), *held, ("LM head gradient dW", lm_grad),
-            (f"fused head backward scratch, {N_t} tokens" + (" (+ the KL's dW, added to it)" if kl else ""), bwd_h)]),
+            ("actor activations saved", actor_saved), *held, *dw,
+            (f"fused head backward scratch, {N_t} tokens" + (" (+ the KL's dW, added to it)" if kl and not lora
+                                                             else ""), bwd_h)]),
         ("backward through the actor's blocks", [
-            ("actor activations saved", actor_saved), *held, ("LM head gradient dW", lm_grad),
+            ("actor activations saved", actor_saved), *held, *dw,
             (f"an actor block {ac}, with its gradients", block_bwd(actor)),
-            ("actor blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(actor))]),
+            ("actor blocks in flight: 2 gathered, 1 block's grads + reduce-scatter", units_bwd(actor)),
+            *fetched("actor", actor)]),
         ("end of the backward", [
-            (f"root gradients of {names}" + (" (+ the tied head's, added)" if c.tie_word_embeddings else ""),
-             sum(gathered_root(m) for m in trained) + (lm_grad if c.tie_word_embeddings else 0)),
-            ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.root, W) for m in trained))]),
+            (f"root gradients of {names}" + (" (+ the tied head's, added)" if tied else ""),
+             sum(root_grads(m) for m in trained) + tied),
+            ("the larger root's fp32 reduce-scatter input", 4 * max(m.gathered(m.part(m.root, "trained"), W)
+                                                                   for m in trained))]),
     ]
     p.phases.append((f"training: micro-batch of {rows_t} x {T} tokens ({N_t} response tokens), activation "
                      f"checkpointing {'on' if run.activation_checkpointing else 'off'}", always, moments))
-    facts = dict(W=W, cb=cb, T=T, S=S, actor=actor, critic=critic, rm=rm, run=run,
+    facts = dict(W=W, cb=cb, T=T, S=S, actor=actor, critic=critic, rm=rm, ref=ref, shared=shared, run=run,
                  math_attention=rows_t * c.num_attention_heads * T * T * 4)
+    if off:  # per step and rank, what crosses PCIe, and the pinned host memory that holds the offloaded state
+        n_s, n_t = cdiv(run.local_rows, rows_i), cfg.ppo_epochs * cdiv(run.local_rows, rows_t)
+        blocks = lambda m: m.L * m.stored(m.block, W, cb)  # every block's shard, as stored
+        twice = 2 if lora else 1  # LoRA: the reference's forward gathers the actor's blocks, the reward model's
+        # (shared) the critic's; a root is gathered once per phase or micro-batch and kept through it
+        facts["h2d"] = (n_s * (twice * blocks(actor) + (2 if shared else 1) * (blocks(critic) if critic else 0))
+                        + (1 + n_t) * sum(m.stored(m.root, W, cb) for m in trained)
+                        + n_t * sum(2 * blocks(m) for m in trained) + (n_t * blocks(actor) if lora and kl else 0)
+                        + cb * actor.base_numel())  # the weight sync: the merged actor into the generation copy
+        facts["d2h"] = n_t * 4 * sum(m.shard(W, "trained") for m in trained)  # each backward's fp32 grad shards
+        facts["n_s"], facts["n_t"] = n_s, n_t
+        facts["pinned"] = sum(m.stored(m.root, W, cb) + blocks(m) + 12 * m.shard(W, "trained") for m in trained)
     return p, facts
 
 
@@ -429,15 +546,19 @@ def report(cfg, run):
     def row(label, b, indent=2):
         return f"{' ' * indent}{label:<{86 - indent}}{_gib(b):8.2f}"
 
-    def describe(role, m):
-        return (f"  {role:<13}{m.c.model_type} {m.numel() / 1e9:.2f}B ({m.L} x {numel(m.block) / 1e6:.1f}M + root "
-                f"{numel(m.root) / 1e6:.1f}M), {'value' if m.head == 'value' else 'LM'} head: {m.source}")
+    def describe(role, m):  # the base model's sizes, and under LoRA what trains
+        blk, root = (numel({k: s for k, s in d.items() if ".lora_" not in k and k != "reward_head.weight"})
+                     for d in (m.block, m.root))
+        lora = (f"\n{'':15}LoRA rank {m.lora.rank} on {','.join(m.lora.targets)}: {m.numel('trained') / 1e6:.1f}M "
+                f"trained" if m.lora else "")
+        return (f"  {role:<13}{m.c.model_type} {(m.L * blk + root) / 1e9:.2f}B ({m.L} x {blk / 1e6:.1f}M + root "
+                f"{root / 1e6:.1f}M), {'value' if m.head == 'value' else 'LM'} head: {m.source}{lora}")
 
     lines = [f"memory plan per GPU: {W} GPU{'s' if W > 1 else ''} of {cfg.gpu_memory_gb:g} GiB, {dtype} compute, "
              f"FSDP2 over {W} rank{'s' if W > 1 else ''}, sizes in GiB (2^30 bytes)",
              describe("actor", f["actor"])] + ([describe("critic", f["critic"])] if f["critic"] else [])
     if f["rm"] is not None:
-        lines.append(describe("reward model", f["rm"]))
+        lines.append(describe("reward model", f["rm"]) + (" (the critic, adapters off)" if f["shared"] else ""))
     n = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
     lines.append(f"  per GPU      rollout {run.local_rollout} prompts{n}, {run.rollout_micro} at a time; scoring "
                  f"{run.infer_micro} and training {run.local_micro} rows at a time,")
@@ -462,6 +583,14 @@ def report(cfg, run):
     lines.append(f"for comparison: attention without the fused kernel (SDPA's math path) would add "
                  f"{_gib(f['math_attention']):.2f} GiB per layer\n  in training, float32 scores (rows x heads x T x T);"
                  f" the fused kernel keeps one float32 logsumexp per token and head")
+    if run.offload_optimizer:
+        rpn = min(8, W)  # ranks per node: 8 GPUs a node, or all W
+        lines.append(f"--offload_optimizer, per step and GPU: {_gib(f['h2d']):.2f} GiB host->device (the trained "
+                     f"models' shards at every gather, {f['n_s']} scoring and {f['n_t']} training micro-batches,\n  "
+                     f"and the merged actor into the generation copy), {_gib(f['d2h']):.2f} GiB device->host (fp32 "
+                     f"gradient shards after each backward);\n  pinned host memory {_gib(rpn * f['pinned']):.1f} GiB "
+                     f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: "
+                     f"{'actor and critic' if f['critic'] else 'actor'} shards, grads, AdamW states)")
     lines.append(f"reserve {_gib(reserve):.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
                  f"context, NCCL, cuBLAS)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
                  f"{cfg.gpu_memory_gb - _gib(reserve):.1f} GiB usable")

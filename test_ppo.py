@@ -6240,17 +6240,28 @@ def odd_config(**over):
     (dict(model_type="qwen2", qkv_bias=True, attention_bias=False, mlp_bias=False, tie_word_embeddings=True), "lm",
      True),
     (dict(model_type="qwen3", qk_norm=True, attention_bias=False, mlp_bias=False), "value", False)])
-def test_param_shapes_are_the_models(over, head, bias):
+@pytest.mark.parametrize("lora", [None, ("q_proj", "v_proj", "down_proj"), "all"])
+def test_param_shapes_are_the_models(over, head, bias, lora):
+    # under LoRA: the adapters of each target (lora_A (r, in), lora_B (out, r)) and a critic's frozen reward_head,
+    # as lora.add_adapters and checkpoint.load_sharded(reward_head=True) give them
+    import lora as lora_mod
+
+    lc = lora and lora_mod.LoRAConfig(3, 16.0, 0.0, lora_mod.TARGETS if lora == "all" else lora)
     c = odd_config(**over)
     with torch.device("meta"):
         m = Transformer(c, head=head, value_bias=bias)
+        if lc:
+            lora_mod.add_adapters(m, lc)
+            m.reward_head = torch.nn.Linear(c.hidden_size, 1, bias=False).requires_grad_(False)
     want = {k: tuple(p.shape) for k, p in m.named_parameters()}
-    root, block = plan.param_shapes(c, head, bias)
+    root, block = plan.param_shapes(c, head, bias, lora=lc, reward_head=bool(lc))
     got = dict(root)
     for i in range(c.num_hidden_layers):
         got.update({f"model.layers.{i}.{k}": s for k, s in block.items()})
     assert got == want
-    assert plan.Model(c, head, bias).numel() == sum(p.numel() for p in m.parameters())
+    pm = plan.Model(c, head, bias, lora=lc, reward_head=bool(lc))
+    assert pm.numel() == sum(p.numel() for p in m.parameters())
+    assert pm.numel("trained") == sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
 def test_kv_cache_bytes_are_setup_kv_caches():
@@ -6340,15 +6351,24 @@ class FusedAttentionStandIn(torch.autograd.Function):
         raise NotImplementedError
 
 
+@pytest.mark.parametrize("lora", [None, "all", ("q_proj", "v_proj"), ("o_proj", "down_proj"), ("k_proj", "up_proj")])
 @pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("qk_norm, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
-def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, padding_free):
+def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, padding_free, lora):
     # every tensor a block's forward saves for its backward, once per storage, parameters and the shared rope
     # tables excluded: exactly plan.block_saved_bytes per token (in float32 the norms' .float() is the input itself);
-    # padding-free, the (N, H) real tokens in and attention in (B, T) rows, at no padding (N = B T: the plan's case)
+    # padding-free, the (N, H) real tokens in and attention in (B, T) rows, at no padding (N = B T: the plan's case).
+    # LoRA: a frozen base (norms and projections) with adapters on some targets, in the compute dtype as FSDP2's
+    # mixed precision gathers them
+    import lora as lora_mod
+
     monkeypatch.setattr(M, "attend", lambda q, k, v, mask, impl: FusedAttentionStandIn.apply(q, k, v))
+    lc = lora and lora_mod.LoRAConfig(3, 16.0, 0.0, lora_mod.TARGETS if lora == "all" else lora)
     c = odd_config(qk_norm=qk_norm)
-    blk = M.Block(c).to(dtype)
+    if lc:
+        blk = lora_mod.add_adapters(Transformer(c), lc).model.layers[0].to(dtype)
+    else:
+        blk = M.Block(c).to(dtype)
     B, T = 3, 7
     real = M.RealTokens(torch.ones(B, T, dtype=torch.bool)) if padding_free else None
     lead = (B * T,) if padding_free else (B, T)
@@ -6366,7 +6386,8 @@ def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         blk(x, cos, sin, None, real=real)
-    assert sum(saved.values()) == B * T * plan.block_saved_bytes(c, cb=dtype.itemsize, padding_free=padding_free)
+    assert sum(saved.values()) == B * T * plan.block_saved_bytes(c, cb=dtype.itemsize, padding_free=padding_free,
+                                                                 lora=lc)
 
 
 def test_head_scratch_follows_the_kernels_chunking():
@@ -6570,12 +6591,149 @@ def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path
     assert text.count("--async_rollout, the next batch beside it") == 2
 
 
+# -----------------------------------------------------------------------------
+# LoRA and --offload_optimizer
+
+
+LORA_PLAN = dict(rollout_batch_size=8, mini_batch_size=8, micro_batch_size=2, max_prompt_len=16, max_new_tokens=16,
+                 dtype="bf16", lora_rank=3, kl_loss_coef=0.1)
+
+
+def lora_bytes_after_update(policy, rm):
+    """This rank's bytes after one LoRA update of the actor and the critic (from the reward model, the reward model
+    being the critic with its adapters off), as build_models and AdamW allocate them: per model the local shards
+    (padding included) of the frozen base, of the trained parameters, of their grads, and AdamW's two states."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import ppo
+
+    W = torch.distributed.get_world_size()
+    cfg = ppo.Config(model=policy, reward_model=rm, **LORA_PLAN)
+    run = ppo.derive(cfg, torch.distributed.get_rank(), W, torch.device("cpu"))
+    m = C.add_optimizers(C.build_models(cfg, run, init_device_mesh("cpu", (W,))), cfg, run)
+    batch = fake_batch(m["actor"].config.vocab_size)
+    rows, n_tokens = torch.arange(batch["tokens"].size(0)), batch["response_mask"].sum().item()
+    for _, mb in ppo.micro_batches(batch, rows, run.local_micro):  # the KL loss runs the reference: actor, adapters off
+        actor_loss, critic_loss, _ = ppo.ppo_losses(m["actor"], m["critic"], mb, cfg, n_tokens, W, m["ref"])
+        (actor_loss + critic_loss).backward()
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    out = dict(models={k: type(v).__name__ for k, v in m.items() if k in ("ref", "reward_model")})
+    for name in ("actor", "critic"):
+        ps = list(m[name].parameters())
+        trained = [p for p in ps if p.requires_grad]
+        out[name] = dict(base=_storage_bytes(local(p) for p in ps if not p.requires_grad),
+                         trained=_storage_bytes(local(p) for p in trained),
+                         grads=_storage_bytes(local(p.grad) for p in trained))
+        m[name + "_opt"].step()
+        st = m[name + "_opt"].state
+        out[name]["adam"] = _storage_bytes(local(st[p][k]) for p in trained for k in ("exp_avg", "exp_avg_sq"))
+        out[name]["adam_unpadded"] = 8 * sum(local(p).numel() for p in trained)  # AdamW's states: the local shape
+    return out
+
+
+def two_rank_lora_bytes(policy, rm, out_dir):
+    """torchrun worker: lora_bytes_after_update on each of 2 gloo ranks, saved as out_dir/rank{r}.pt."""
+    import ppo
+
+    rank, _, _ = ppo.setup_distributed()
+    torch.save(lora_bytes_after_update(policy, rm), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def check_lora_bytes(policy, rm, got, W):
+    """got: lora_bytes_after_update of each of W ranks, against the plan's lines for W GPUs."""
+    import ppo
+
+    cfg = ppo.Config(model=policy, reward_model=rm, **LORA_PLAN)
+    p, f = plan.build(cfg, ppo.derive(cfg, 0, W, torch.device("cuda")))
+    planned = dict(p.persistent)
+    assert got[0]["models"] == dict(ref="AdaptersOff", reward_model="AdaptersOff")
+    assert not [label for label in planned if label.startswith(("reference", "reward model"))]
+    for name, what in (("actor", "adapters"), ("critic", "adapters + value head")):
+        m = f[name]
+        trained, grads = planned[f"{name} {what}, fp32 shard"], 4 * m.shard(W, "trained")
+        assert planned[f"{name} frozen base, bf16 shard"] == 2 * m.shard(W, "frozen") > 0
+        assert planned[f"{name} {what} AdamW exp_avg + exp_avg_sq, fp32 shard"] == 2 * trained == 2 * grads
+        if W > 1:  # the padding matters at these shapes (rank 3 over 2 ranks, a (1, H) head)
+            assert trained != 4 * m.numel("trained") / W
+        for r in range(W):  # every rank allocates ceil(rows / W) rows of every parameter, grads alike
+            assert got[r][name]["base"] == planned[f"{name} frozen base, bf16 shard"], (name, r)
+            assert got[r][name]["trained"] == trained and got[r][name]["grads"] == grads, (name, r)
+            assert got[r][name]["adam"] == got[r][name]["adam_unpadded"]
+        # AdamW's states take the local shape: rank 0 holds the ceil rows (the plan's, the worst rank)
+        assert got[0][name]["adam"] == 2 * trained
+    grads = sum(got[0][n]["grads"] for n in ("actor", "critic"))
+    assert dict(p.phases[2][1])["actor and critic adapter grads, fp32 shard"] == grads
+
+
+def test_lora_plan_bytes_match_a_lora_update_on_one_rank(tiny_run, group, tmp_path):
+    rm = make_reward_model(tmp_path / "rm")
+    check_lora_bytes(tiny_run["policy"], rm, [lora_bytes_after_update(tiny_run["policy"], rm)], 1)
+
+
+@slow
+def test_lora_plan_bytes_match_a_lora_update_on_two_ranks(tiny_run, tmp_path):
+    rm = make_reward_model(tmp_path / "rm")
+    p = run_torchrun([__file__, "two-rank-lora-bytes", tiny_run["policy"], rm, str(tmp_path)])
+    assert p.returncode == 0, p.stderr[-4000:]
+    check_lora_bytes(tiny_run["policy"], rm, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)], 2)
+
+
+def test_lora_plan_lines(tmp_path):
+    # LoRA with a critic from the reward model: neither a reference nor a reward model of its own, no LM head dW,
+    # the same generation copy; without a critic (grpo) the reward model is a frozen model again
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    (p, f), (text, ok) = plan_for(8, model=policy, reward_model=rm, lora_rank=64)
+    (q, _), _ = plan_for(8, model=policy, reward_model=rm)
+    labels = [label for label, _ in p.persistent]
+    assert not [label for label in labels if label.startswith(("reference", "reward model"))]
+    assert "reward model forward: the critic, adapters off" in [name for name, _ in p.phases[1][2]]
+    assert "LM head gradient dW" not in text and "reference LM head" not in text and ok
+    assert dict(p.persistent)["generation copy: the whole actor in bf16, adapters merged"] == \
+        dict(q.persistent)["generation copy: the whole actor in bf16"]
+    # adapters: r x (in + out) per target, 7 targets a block, 64 x 81920 elements a Llama-3.1-8B block
+    assert f["actor"].numel("trained") == 32 * 64 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert f["critic"].numel("trained") == f["actor"].numel("trained") + 4096 + 1  # + the value head, trained in full
+    # the weight sync: the larger of the largest gathered (bf16) parameter and the largest target's merge
+    (sync,), = [terms for name, terms in p.phases[0][2] if name.startswith("weight sync")]
+    n = 14336 * 4096  # gate_proj / up_proj / down_proj
+    assert sync[1] == max(2 * 128256 * 4096 * 9 // 8, 2 * n * 9 // 8 + 12 * n)
+    (g, gf), (gtext, _) = plan_for(8, model=policy, reward_model=rm, lora_rank=64, advantage_estimator="grpo",
+                                   samples_per_prompt=2)
+    assert dict(g.persistent)["reward model weights, bf16 shard"] == 2 * gf["rm"].shard(8)
+    assert gf["critic"] is None and "critic" not in gtext
+    _, (text, ok) = plan_for(1, model=policy, reward_model=rm, lora_rank=64)  # the README's fourth case
+    assert ok, text
+
+
+@pytest.mark.parametrize("W, kw", [(8, {}), (1, dict(lora_rank=64))])
+def test_offload_optimizer_lines(tmp_path, W, kw):
+    # the trained models' persistent lines and grads go to 0 on the GPU, and their sum is the pinned host memory;
+    # every training micro-batch's backward sends the grads' shards to the host
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    (p, f), _ = plan_for(W, model=policy, reward_model=rm, **kw)
+    (q, g), (text, _) = plan_for(W, model=policy, reward_model=rm, offload_optimizer=True, **kw)
+    trained = [label for label, _ in p.persistent if label.startswith(("actor", "critic"))]
+    on, off = dict(p.persistent), dict(q.persistent)
+    assert trained and all(off[label + " (on the CPU)"] == 0 for label in trained)
+    assert {k: v for k, v in on.items() if k not in trained} == {k: v for k, v in off.items() if "on the CPU" not in k}
+    grads, = [b for label, b in p.phases[2][1] if " grads, fp32 shard" in label]
+    assert g["pinned"] == sum(on[label] for label in trained) + grads
+    assert g["d2h"] == g["n_t"] * grads and g["n_t"] == 512 // W // 2
+    assert f"pinned host memory {min(8, W) * g['pinned'] / plan.GiB:.1f} GiB per node ({min(8, W)} rank" in text
+    assert max(q.peak(ph) for ph in q.phases) < max(p.peak(ph) for ph in p.phases)
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
-                                                                   "two-rank-lora-export"):
+                                                                   "two-rank-lora-export", "two-rank-lora-bytes"):
     if sys.argv[1] == "two-rank-grads":
         two_rank_grads(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "two-rank-lora-export":
         two_rank_lora_export(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "two-rank-lora-bytes":
+        two_rank_lora_bytes(*sys.argv[2:5])
     else:
         two_rank_export(*sys.argv[2:5])
     os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
