@@ -365,6 +365,8 @@ LORA_RUNS = {  # Config fields over the defaults (python ppo.py)
     "full": dict(),
     "lora 16": dict(lora_rank=16),
     "lora 16, lr 5e-4": dict(lora_rank=16, lr=5e-4),
+    "lora 16, lr 1e-3": dict(lora_rank=16, lr=1e-3),
+    "lora 16, lr 2e-3": dict(lora_rank=16, lr=2e-3),
 }
 
 

@@ -144,7 +144,7 @@ class Config:
     lora_rank: int = 0  # rank r of the actor's and the critic's adapters; 0: full fine-tuning
     lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
     lora_dropout: float = 0.0  # dropout on the adapters' input in training forwards (PPO keeps dropout off)
-    lora_targets: tuple[str, ...] = TARGETS  # the projections of each block that get adapters (default: all seven)
+    lora_targets: tuple[str, ...] = TARGETS  # the projections of each block that get adapters, e.g. q_proj,v_proj (default: all seven)
     # system
     activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
     offload_frozen: bool = False  # keep the reference and reward model shards on the CPU between forwards (CUDA)
