@@ -6,6 +6,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
                                                          ones (--async_rollout), on the default run and a ragged one
     python bench.py lora_generation                      the generation copy with LoRA's adapters merged, or not
     python bench.py lora_run                             the default run, full fine-tuning against --lora_rank=16
+    python bench.py cpu_malloc [--steps=6 --rounds=2]    the default run's steps with glibc's malloc as it comes, and
+                                                         with freed memory kept for the next step (CPU)
     python bench.py generation [--device=cuda]           rollout.generate against transformers' generate, and
                                                          finished rows dropped from the decode batch or not
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
@@ -403,6 +405,56 @@ def lora_run(variants=tuple(LORA_RUNS), steps=None):
               f"{med['time/score']:.1f} / {med['time/train']:.1f}) | {statistics.mean(first):.3f} | "
               f"{statistics.mean(last):.3f} | {statistics.mean(last) - statistics.mean(first):.3f} | {2 * se:.3f} | "
               f"{evals[0]:.3f}, {evals[-1]:.3f} | {kl:.2f} | {rss / 2**30:.2f} GiB |")
+
+
+# -----------------------------------------------------------------------------
+# cpu_malloc: glibc's default malloc against runtime.keep_freed_memory, on the default run
+
+
+def _malloc_run(variant, out_dir, steps, dtype):
+    import resource
+
+    if variant == "glibc defaults":
+        ppo.keep_freed_memory = lambda: False
+    cfg = ppo.Config(out_dir=out_dir, total_steps=steps, dtype=dtype, eval_prompts="", sample_every=0)
+    with NoCheckpoints():
+        ppo.main(cfg)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return rows, u.ru_stime, u.ru_utime, u.ru_minflt, u.ru_maxrss * 1024
+
+
+def cpu_malloc(steps=6, rounds=2, dtype="fp32"):
+    """The default run's first `steps` steps (no evaluation, no checkpoint writes) in fresh processes, glibc's malloc
+    as it comes against runtime.keep_freed_memory (what ppo.main does on a CPU), alternating and taking turns to go
+    first: the median step time over steps 2..steps of all rounds, and per process the system and user CPU seconds,
+    the minor page faults and the peak resident memory (each run's whole, loading included)."""
+    variants = ("glibc defaults", "keep freed memory")
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps a run, {rounds} round(s), "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average at the start {load[0]:.2f}",
+          flush=True)
+    out = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for i, v in enumerate(variants[r % 2:] + variants[: r % 2]):
+                res = run_isolated_fn(_malloc_run, v, os.path.join(tmp, f"{r}-{i}"), steps, dtype)
+                out[v].append(res)
+                rows, sys_s, user_s, faults, rss = res
+                print(f"  {v}: steps " + ", ".join(f"{m['time/step']:.1f}" for m in rows) + f" s; system {sys_s:.1f} s, "
+                      f"user {user_s:.1f} s, {faults / 1e6:.2f} M minor faults", flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
+    print("| malloc | step s, median of steps 2.. (rollout / score / train) | system s a run | user s a run "
+          "| minor faults a run | peak RSS |")
+    print("|---|---|---|---|---|---|")
+    for v, runs in out.items():
+        later = [m for rows, *_ in runs for m in rows[1:]]
+        med = {k: statistics.median(m[k] for m in later) for k in ("time/step", "time/rollout", "time/score", "time/train")}
+        print(f"| {v} | {med['time/step']:.2f} ({med['time/rollout']:.2f} / {med['time/score']:.2f} / "
+              f"{med['time/train']:.2f}) | {statistics.mean(r[1] for r in runs):.1f} | "
+              f"{statistics.mean(r[2] for r in runs):.1f} | {statistics.mean(r[3] for r in runs) / 1e6:.2f} M | "
+              f"{max(r[4] for r in runs) / 2**30:.2f} GiB |")
 
 
 # -----------------------------------------------------------------------------
@@ -923,6 +975,6 @@ if __name__ == "__main__":
     import fire
 
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
-               "lora_run": lora_run, "generation": generation, "attention": attention, "real_shapes": real_shapes,
+               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "generation": generation, "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})

@@ -71,8 +71,8 @@ from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller
 from rollout import generate
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, need, phase_end, print0, progress,
-                     run_command, setup_distributed)
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
+                     print0, progress, run_command, setup_distributed)
 
 
 @doc_from_comments
@@ -457,6 +457,8 @@ def main(cfg: Config, reward_fn=None):
 
     # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
     m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
+    if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
+        keep_freed_memory()
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "

@@ -77,6 +77,30 @@ def phase_end(device, peaks, phase):
     return time.time()
 
 
+def keep_freed_memory():
+    """A CPU run's steps allocate and free the same large tensors again and again (FSDP2's gathered parameters and
+    their gradients, the generation copy's refill, activations): gigabytes a step. glibc's malloc maps each block past
+    its threshold (128 KiB, rising to 32 MiB) fresh from the kernel and unmaps it when freed, and the kernel zeroes
+    every page again on first touch, so a step paid its own size in page faults (about a million, 3 s of system time,
+    an fp32 step of the default run on 2 cores: python bench.py cpu_malloc). Called once the models are loaded: from
+    then on large blocks come from the heap (M_MMAP_MAX 0) and freed memory stays in the process for the next step
+    (M_TRIM_THRESHOLD 2 GiB), so after a few steps nothing faults. The price: the process keeps its heap until it
+    exits, and a repeated block can take a few rounds to find its hole (torch asks for 64-byte aligned blocks, which
+    do not fit the exact hole the last one left until holes merge), holding a few such blocks more meanwhile; the
+    default run's peak resident memory did not change. glibc only (elsewhere nothing happens); returns whether it
+    applied."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): its own allocator's policy
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def progress(desc):
     """A function that wraps an iterable (with its length as total, for a generator) in a tqdm bar labelled desc,
     cleared when done: the work inside a step. Only on rank 0 and when stdout is a terminal; elsewhere (a log file,
