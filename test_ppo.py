@@ -4277,6 +4277,20 @@ def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, termi
     return p, read_metrics(out_dir)
 
 
+def ppo_script(args, setup, reward_fn=None, after=""):
+    """The text of a Python script that imports this checkout's ppo, runs `setup` (the test's own imports, patches,
+    a reward function) and then ppo.main(Config(**args)) (with reward_fn, a name that setup defines), then `after`."""
+    call = f"ppo.Config(**json.loads({json.dumps(json.dumps(args))}))" + (f", reward_fn={reward_fn}" if reward_fn else "")
+    return (f"import json, sys\nsys.path.insert(0, {REPO!r})\nimport ppo\n{setup.strip()}\nppo.main({call})\n"
+            f"{after.strip()}\n")
+
+
+def run_script(script, timeout=300):
+    """python -c script in the checkout, one thread, its output captured."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def run_in_terminal(cmd, timeout, **kw):
     """subprocess.run with stdout and stderr on a pseudo-terminal: what a user at a terminal sees, in .stdout."""
     import fcntl
@@ -4975,19 +4989,13 @@ def test_samples_per_prompt_with_gae_differ_and_are_rank_invariant(tiny_run, tmp
               total_steps=2)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "one"),
             **kw}
-    script = f"""
-import json, sys
-sys.path.insert(0, {REPO!r})
-import ppo, reward
+    p = run_script(ppo_script(args, """
+import reward
 seen = []
 def recorded(record, response):
     seen.append((record["prompt"], response))
     return reward.sentiment_reward(record, response)
-ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=recorded)
-print("SEEN", json.dumps(seen))
-"""
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+""", reward_fn="recorded", after='print("SEEN", json.dumps(seen))'))
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads(p.stdout.split("SEEN ")[1])
     assert len(seen) == 2 * 16
@@ -5005,11 +5013,9 @@ def test_a_new_advantage_estimator_is_one_function(tiny_run, tmp_path):
     # a fork registers an estimator (here: the sign of the group-centred score, no critic) and runs it by name
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "fork"),
             "total_steps": 1, "advantage_estimator": "sign", "samples_per_prompt": 2, "rollout_batch_size": 4}
-    script = f"""
-import json, sys
-sys.path.insert(0, {REPO!r})
+    p = run_script(ppo_script(args, """
 import torch
-import gae, ppo
+import gae
 calls = []
 
 @gae.advantage_estimator("sign")
@@ -5017,12 +5023,7 @@ def sign_advantages(score, kl_reward, values, mask, cfg):
     s = score.view(-1, cfg.samples_per_prompt)
     calls.append(values is None)
     return torch.where(mask, torch.sign(s - s.mean(1, keepdim=True)).flatten()[:, None], 0.0), None
-
-ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
-print("CALLS", json.dumps(calls))
-"""
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+""", after='print("CALLS", json.dumps(calls))'))
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.split("CALLS ")[1]) == [True]  # called once, with no critic's values
     m = read_metrics(tmp_path / "fork")[0]
@@ -5287,20 +5288,15 @@ def test_a_full_disk_stops_before_writing_and_keeps_the_checkpoint(tiny_run, tmp
     out = tmp_path / "run"
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
             "total_steps": 3, "save_every": 1}
-    script = f"""
-import json, shutil, sys
-sys.path.insert(0, {REPO!r})
-import ppo
+    p = run_script(ppo_script(args, """
+import shutil
 usage, calls = shutil.disk_usage, []
 def full_after_the_first_save(path):
     calls.append(path)
     u = usage(path)
     return u._replace(free=u.free if len(calls) <= 2 else 1000)  # the first checkpoint and export, then full
 shutil.disk_usage = full_after_the_first_save
-ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
-"""
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+"""))
     assert p.returncode != 0 and "not enough disk space for the training checkpoint in" in p.stderr, p.stderr[-2000:]
     assert str(out / "checkpoints") in p.stderr and "GiB are free" in p.stderr
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000001"] and C.verify(out / "checkpoints" / "step-000001") is None
@@ -5315,10 +5311,9 @@ def test_a_second_signal_stops_a_hanging_step_at_once(tiny_run, tmp_path):
     out = tmp_path / "run"
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
             "total_steps": 3, "save_every": 1}
-    script = f"""
-import json, sys, time
-sys.path.insert(0, {REPO!r})
-import ppo, reward
+    script = ppo_script(args, """
+import time
+import reward
 calls = []
 def hangs_in_step_2(record, response):
     calls.append(1)
@@ -5326,8 +5321,7 @@ def hangs_in_step_2(record, response):
         print("HANGING", flush=True)
         time.sleep(3600)
     return reward.sentiment_reward(record, response)
-ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=hangs_in_step_2)
-"""
+""", reward_fn="hangs_in_step_2")
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     lines = []
@@ -5939,10 +5933,8 @@ def test_slow_or_failing_reward_is_scored_on_error_and_counted(tiny_run, tmp_pat
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": prompts, "out_dir": str(tmp_path / "run"),
             "total_steps": 2, "eval_prompts": heldout, "eval_every": 0, "reward_workers": 2, "reward_timeout": 0.5,
             "reward_on_error": -2.0}
-    script = f"""
-import json, sys, time
-sys.path.insert(0, {REPO!r})
-import ppo
+    script = ppo_script(args, """
+import time
 seen = []
 def verifier(record, response):
     seen.append(record["mode"])
@@ -5951,12 +5943,9 @@ def verifier(record, response):
     if record["mode"] == "bad":
         raise RuntimeError("cannot parse the answer")
     return 1.0
-ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})), reward_fn=verifier)
-print("SEEN", json.dumps(seen))
-"""
+""", reward_fn="verifier", after='print("SEEN", json.dumps(seen))')
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = run_script(script)
     assert p.returncode == 0, p.stderr[-3000:]
     assert time.time() - t0 < 60  # no call was waited for to its end
     seen = json.loads(p.stdout.split("SEEN ")[1])
