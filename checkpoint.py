@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hf import read_checkpoint
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer
 from runtime import UsageError, check_space, print0
@@ -99,13 +100,14 @@ def shard(model, mesh, dtype, frozen=False, offload=False):
     return model
 
 
-def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, reward_head=False):
+def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, reward_head=False, checkpoint=None):
     """A model built on the meta device, sharded, then filled from the one copy rank 0 reads (a float32 state for
     a trained model, the compute dtype for a frozen one): set_model_state_dict broadcasts it a tensor at a time
     and each rank keeps its shard, so no other rank ever holds the full weights. bias: give a value head a bias
     (zero), as a critic from a reward model needs (the reward model's head has none). Under LoRA (run.lora) a
     trained model gets adapters, their A drawn on rank 0 from `seed`; reward_head: a critic that is also the
-    reward model keeps the reward model's score layer, frozen, as `reward_head` (lora.AdaptersOff reads it)."""
+    reward model keeps the reward model's score layer, frozen, as `reward_head` (lora.AdaptersOff reads it).
+    checkpoint: what hf.read_checkpoint(path) returned, when rank 0 has read it already (it is not changed)."""
     model = Transformer.from_pretrained(path, head=head, device="meta")
     if bias and model.score.bias is None:
         model.score.bias = torch.nn.Parameter(torch.zeros(1, device="meta"))
@@ -119,7 +121,8 @@ def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, r
     model.to_empty(device="cpu" if offload else run.device)
     state = {}
     if run.rank == 0:
-        state = Transformer.read_state(path, head=head, dtype=run.dtype if frozen else torch.float32)
+        state = Transformer.read_state(path, head=head, dtype=run.dtype if frozen else torch.float32,
+                                       checkpoint=checkpoint)
         if bias:
             state.setdefault("score.bias", torch.zeros(1))
         if run.lora and not frozen:
@@ -155,8 +158,11 @@ def build_models(cfg, run, mesh):
     (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head).
     Under LoRA (--lora_rank) the actor and the critic train adapters on frozen bases (lora.py): the reference is
     the actor with its adapters off, and a critic that starts from the reward model is the reward model with its
-    adapters off, so neither is a second copy."""
-    actor = load_sharded(cfg.model, mesh, run, head="lm", seed=cfg.seed)
+    adapters off, so neither is a second copy. A critic from the policy is filled from the actor's read of the
+    policy's files (a GGUF file takes seconds to dequantize)."""
+    from_policy = run.critic and not cfg.reward_model
+    policy = read_checkpoint(cfg.model) if run.rank == 0 and from_policy else None
+    actor = load_sharded(cfg.model, mesh, run, head="lm", seed=cfg.seed, checkpoint=policy)
     with torch.device("meta"):
         gen = Transformer(actor.config).to(run.dtype)
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
@@ -168,7 +174,8 @@ def build_models(cfg, run, mesh):
     if run.critic:
         m["critic"] = (load_sharded(cfg.reward_model, mesh, run, head="value", bias=True, seed=cfg.seed + 1,
                                     reward_head=shared) if cfg.reward_model
-                       else load_sharded(cfg.model, mesh, run, head="value", seed=cfg.seed + 1))
+                       else load_sharded(cfg.model, mesh, run, head="value", seed=cfg.seed + 1, checkpoint=policy))
+    del policy
     if shared:
         m["reward_model"] = AdaptersOff(m["critic"], head=m["critic"].reward_head)
     for name in run.trained:

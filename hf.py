@@ -74,7 +74,8 @@ def read_checkpoint(name_or_path):
         from transformers import AutoModelForCausalLM
 
         folder, fname = _gguf_file(path)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                        config=copy.deepcopy(_gguf_config(folder, fname)))
         hf = hf_model.config
         # the config as read_config gets it from the metadata: the loading recorded our float32 request as
         # the checkpoint's dtype (GGUF records none) and a quantization the dequantized tensors no longer have
@@ -231,6 +232,11 @@ def check_gguf(path):
 
 def _gguf_data_end(buf):
     """The byte where a GGUF file's last tensor ends (check_gguf); struct.error where the header runs past the end."""
+    return _gguf_walk(buf)[0]
+
+
+def _gguf_walk(buf):
+    """-> (the byte where a GGUF file's last tensor ends, {metadata key: value} of its scalar values)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     pos = 4
@@ -266,12 +272,13 @@ def _gguf_data_end(buf):
     if version not in (2, 3):
         raise ValueError(f"version {version}, expected 2 or 3")
     n_tensors, n_kv = take("Q"), take("Q")
-    alignment = 32
+    scalars = {}
     for _ in range(n_kv):
         key, kind = value(8), take("I")
         v = value(kind)
-        if key == b"general.alignment":
-            alignment = v
+        if kind in GGUF_SCALARS:
+            scalars[key.decode("utf-8", "replace")] = v
+    alignment = scalars.get("general.alignment", 32)
     end = 0
     for _ in range(n_tensors):
         value(8)  # the name
@@ -279,7 +286,7 @@ def _gguf_data_end(buf):
         dims = dims if isinstance(dims, tuple) else (dims,)
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(take("I"))]
         end = max(end, take("Q") + math.prod(dims) // block * nbytes)
-    return pos + (-pos) % alignment + end
+    return pos + (-pos) % alignment + end, scalars
 
 
 # -----------------------------------------------------------------------------
@@ -353,13 +360,15 @@ def load_tokenizer(name_or_path):
 
 @functools.lru_cache(maxsize=4)
 def _gguf_token_ids(path):
-    """{"bos", "eos", "eot", "eom", "pad"} -> the id a GGUF file's metadata gives, for those it has (read with the
-    gguf package: the file's own statement, whatever transformers version turns it into a tokenizer)."""
-    from gguf import GGUFReader
+    """{"bos", "eos", "eot", "eom", "pad"} -> the id a GGUF file's metadata gives, for those it has: the file's own
+    statement, whatever transformers version turns it into a tokenizer (read by check_gguf's walk of the header,
+    0.1 s; the gguf package's reader takes seconds)."""
+    import mmap
 
-    reader = GGUFReader(path)
-    fields = {name: reader.get_field(f"tokenizer.ggml.{key}") for name, key in GGUF_IDS.items()}
-    return {name: f.contents() for name, f in fields.items() if f is not None}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        scalars = _gguf_walk(buf)[1]
+    return {name: scalars[f"tokenizer.ggml.{key}"] for name, key in GGUF_IDS.items()
+            if f"tokenizer.ggml.{key}" in scalars}
 
 
 def _hf_generation_ids(path):

@@ -539,11 +539,13 @@ class Transformer(nn.Module):
         return model.to(device=device)
 
     @classmethod
-    def read_state(cls, name_or_path, head=None, dtype=torch.float32):
+    def read_state(cls, name_or_path, head=None, dtype=torch.float32, checkpoint=None):
         """The full state dict from_pretrained loads, CPU tensors in `dtype`, after the same checks (keys,
         shapes, one label) and head conversions (a critic from a policy draws its fresh value head here, from
-        the global RNG). Loaded into `from_pretrained(..., device="meta")`, it gives from_pretrained's model."""
-        hf, state = read_checkpoint(name_or_path)
+        the global RNG). Loaded into `from_pretrained(..., device="meta")`, it gives from_pretrained's model.
+        checkpoint: read_checkpoint(name_or_path), already read (neither it nor its tensors are changed; the
+        returned tensors may be its own, where no cast was needed)."""
+        hf, state = checkpoint or read_checkpoint(name_or_path)
         return cls._from_hf_config(hf, name_or_path, head)._checked_state(state, name_or_path, dtype)
 
     @classmethod

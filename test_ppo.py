@@ -278,6 +278,7 @@ def write_gguf(path, alignment=None):
         w.add_custom_alignment(alignment)
     w.add_uint32("test.u32", 7), w.add_string("test.s", "hello"), w.add_float64("test.f", 0.5)
     w.add_bool("test.b", True), w.add_int8("test.i8", -3)
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(0)
     w.add_array("test.tokens", ["a", "bb", "ccc", "é"]), w.add_array("test.ids", [1, 2, 3])
     w.add_tensor("a", np.ones((3, 5), np.float32))
     w.add_tensor("b", np.ones(7, np.float16))
@@ -295,6 +296,7 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
     # numpy's "cannot reshape array" or struct.error, naming no file)
     import mmap
 
+    import gguf
     from gguf import GGUFReader
 
     path = write_gguf(tmp_path / "m.gguf", alignment)
@@ -303,6 +305,11 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         end = H._gguf_data_end(buf)
     reader = GGUFReader(path)
     assert end == max(t.data_offset + t.n_bytes for t in reader.tensors) <= size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        scalars = H._gguf_walk(buf)[1]
+    assert scalars == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")  # the header's
+                       and len(f.types) == 1 and f.types[0] != gguf.GGUFValueType.STRING} and scalars["test.i8"] == -3
+    assert H._gguf_token_ids(path) == {"bos": 1, "eos": 2, "pad": 0}  # the stop and pad ids read from the header
     H.check_model(path)
     data = open(path, "rb").read()
     first = min(t.data_offset for t in reader.tensors)
@@ -325,7 +332,11 @@ def test_smollm2_gguf_header():
     path = H.resolve("smollm2")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         end = H._gguf_data_end(buf)
-    assert end == max(t.data_offset + t.n_bytes for t in GGUFReader(path).tensors) == os.path.getsize(path)
+    reader = GGUFReader(path)
+    assert end == max(t.data_offset + t.n_bytes for t in reader.tensors) == os.path.getsize(path)
+    ids = {name: reader.get_field(f"tokenizer.ggml.{key}") for name, key in H.GGUF_IDS.items()}
+    assert H._gguf_token_ids(path) == {name: f.contents() for name, f in ids.items() if f is not None}
+    assert H._gguf_token_ids(path)["eos"] == 2  # <|im_end|>
 
 
 @pytest.fixture(scope="session")
