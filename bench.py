@@ -56,6 +56,7 @@ from concurrent.futures import ProcessPoolExecutor
 from string import ascii_lowercase
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo
 import rollout
@@ -455,6 +456,214 @@ def cpu_malloc(steps=6, rounds=2, dtype="fp32"):
               f"{med['time/train']:.2f}) | {statistics.mean(r[1] for r in runs):.1f} | "
               f"{statistics.mean(r[2] for r in runs):.1f} | {statistics.mean(r[3] for r in runs) / 1e6:.2f} M | "
               f"{max(r[4] for r in runs) / 2**30:.2f} GiB |")
+
+
+# -----------------------------------------------------------------------------
+# cpu_phases: where the default run's time goes, phase by phase: matmuls, the kernel, everything else
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _matmul_flops(name, shapes):
+    """FLOPs of one matmul call from its tensor arguments' shapes (attention: QK^T and PV, no causal saving)."""
+    if name in ("mm", "mv", "addmm", "addmv"):
+        a, b = shapes[-2:]
+        return 2 * math.prod(a) * (b[1] if len(b) == 2 else 1)
+    if name in ("bmm", "baddbmm"):
+        a, b = shapes[-2:]
+        return 2 * math.prod(a) * b[2]
+    (B, H, L, E), S = shapes[0], shapes[1][2]  # q (B, H, L, E), k (B, Hkv, S, E)
+    return (4 if name.endswith("_cpu") else 10) * B * H * L * S * E  # backward: recomputes QK^T, 4 products more
+
+
+class _PhaseClock:
+    """Stands in for ppo.phase_end (and wraps ppo.evaluate and the checkpoint writes) to record, at every phase
+    boundary, the wall clock and the process's CPU times and page faults (all threads), summed by label: "load"
+    (everything before the first step), "step 1" (all of it: its first allocations are the heap's), then per
+    phase of the later steps ("rollout", "score", "train", "step rest": metrics and logging), "eval" and
+    "checkpoint". on_phase(label) is told of each switch."""
+
+    def __init__(self, on_phase=None):
+        import resource
+
+        self.rusage, self.on_phase = resource.getrusage, on_phase or (lambda label: None)
+        self.totals, self.counts, self.last, self.label, self.step = {}, {}, self._now(), "load", 0
+        self.on_phase("load")
+
+    def _now(self):
+        u = self.rusage(0)  # RUSAGE_SELF
+        return [time.perf_counter(), u.ru_utime, u.ru_stime, u.ru_minflt]
+
+    def switch(self, label):
+        now = self._now()
+        tot = self.totals.setdefault(self.label, [0.0] * 4)
+        for i, (a, b) in enumerate(zip(self.last, now)):
+            tot[i] += b - a
+        self.last, self.label = now, label
+        self.on_phase(label)
+
+    def install(self):
+        phase_end, evaluate, save, save_hf = ppo.phase_end, ppo.evaluate, ppo.checkpoint.save, ppo.save_hf
+        following = {None: "rollout", "rollout": "score", "score": "train", "train": "step rest"}
+
+        def timed_phase_end(device, peaks, phase):
+            self.step += phase is None
+            label = "step 1" if self.step == 1 else following[phase]
+            self.counts[label] = self.counts.get(label, 0) + (phase is None or label != "step 1")
+            self.switch(label)
+            return phase_end(device, peaks, phase)
+
+        def timed(label, fn, count=True):
+            def wrapper(*args, **kwargs):
+                before = self.label
+                self.counts[label] = self.counts.get(label, 0) + count
+                self.switch(label)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.switch(before)
+            return wrapper
+
+        ppo.phase_end, ppo.evaluate = timed_phase_end, timed("eval", evaluate)
+        ppo.checkpoint.save, ppo.save_hf = timed("checkpoint", save), timed("checkpoint", save_hf, count=False)
+
+
+class _MatmulLog(TorchDispatchMode):
+    """Counts every matmul call (MATMUL_OPS) by phase, operand layout (shapes, strides, dtypes) and arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.calls = "load", {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in MATMUL_OPS:
+            meta = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            key = (self.phase, func, meta, tuple(sorted((kwargs or {}).items())))
+            self.calls[key] = self.calls.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _isolated_time(func, meta, kwargs, pool):
+    """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
+    (views into `pool`, up to 16 copies filling it) so that they come from memory, as the model's weights do, not
+    from the cache."""
+    def is_tensor(m):
+        return isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)
+
+    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if is_tensor(m)]
+    per_copy = sum(extents) or 1
+    copies = max(1, min(16, pool.numel() // per_copy))
+
+    def operands(c):  # copy c: its tensors side by side from pool[c * per_copy]
+        out, offset = [], c * per_copy
+        for m in meta:
+            if not is_tensor(m):
+                out.append(m)
+                continue
+            shape, stride, dtype = m
+            n = 1 + sum((k - 1) * s for k, s in zip(shape, stride))
+            base = pool[offset:offset + n]
+            base = base > -9 if dtype == torch.bool else base.to(dtype)  # masks: all True
+            out.append(base.as_strided(shape, stride))
+            offset += n
+        return out
+
+    sets = [operands(c) for c in range(copies)]
+    for args in sets[:2]:
+        func(*args, **kwargs)
+    reps = max(3, copies)
+    t = time.perf_counter()
+    for i in range(reps):
+        func(*sets[i % copies], **kwargs)
+    return (time.perf_counter() - t) / reps
+
+
+def _phases_run(mode, out_dir, steps, dtype, threads):
+    """One default run through ppo.main in this (fresh) process: "time" returns the phase clock's totals, "count"
+    the matmul calls by phase with each layout's isolated time, measured here after the run."""
+    if threads:
+        torch.set_num_threads(threads)
+    log = _MatmulLog() if mode == "count" else None
+    clock = _PhaseClock(on_phase=(lambda p: setattr(log, "phase", p)) if log else None)
+    clock.install()
+    cfg = ppo.Config(out_dir=out_dir, total_steps=steps, dtype=dtype)
+    if log:
+        with log:
+            ppo.main(cfg)
+    else:
+        ppo.main(cfg)
+    clock.switch("end")
+    if not log:
+        return clock.totals, clock.counts, torch.get_num_threads()
+    pool, seconds, rows = torch.randn(64 << 20), {}, {}  # 256 MiB of operands
+    for (phase, func, meta, kw), n in log.calls.items():
+        name = func.overloadpacket.__name__
+        shapes = [m[0] for m in meta if isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)]
+        if (func, meta, kw) not in seconds:
+            seconds[func, meta, kw] = _isolated_time(func, meta, dict(kw), pool)
+        r = rows.setdefault(phase, [0, 0.0, 0])
+        r[0] += n * _matmul_flops(name, shapes)
+        r[1] += n * seconds[func, meta, kw]
+        r[2] += n
+    print(f"{len(seconds)} matmul layouts timed alone", flush=True)
+    return rows
+
+
+def _gemm_rate(dtype, n=2048):
+    """FLOP/s of one large square GEMM, the machine's practical matmul peak in this dtype."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    return 2 * n**3 / min(_timed(lambda: a @ b, torch.device("cpu"))[0] for _ in range(5))
+
+
+def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_evals=3):
+    """Where the default run's time goes (`python ppo.py`: its first `steps` steps, its evaluations before the first
+    and after the last, and its final checkpoint), per phase: the wall time; the time its matmuls take when each
+    call runs alone on cold operands of the same layout (at the rate this CPU reaches on those shapes, memory-bound
+    ones included); the kernel's share (system over all CPU time, times the wall time: page faults, memory handed
+    back and taken again); and everything else (elementwise ops, the optimizer, FSDP2's copies, Python). Two fresh
+    processes draw the same samples: one timed, one counting the matmuls (then timing each layout alone). Step 1
+    (the heap's first allocations) is apart; later steps are per step. The last line projects the whole default
+    run: load + step 1 + (default_steps - 1) later steps + default_evals evaluations + the checkpoint."""
+    if threads:
+        torch.set_num_threads(threads)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps, load average "
+          f"{os.getloadavg()[0]:.2f}; one 2048^3 GEMM: {_gemm_rate(dt) / 1e9:,.0f} GFLOP/s; copy bandwidth "
+          f"{_copy_bandwidth(torch.device('cpu'), 1 << 30) / 1e9:.1f} GB/s (read + write)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        totals, counts, n_threads = run_isolated_fn(_phases_run, "time", os.path.join(tmp, "t"), steps, dtype, threads)
+        print(f"  timed run: {time.time() - t0:.0f} s", flush=True)
+        t0 = time.time()
+        mm = run_isolated_fn(_phases_run, "count", os.path.join(tmp, "c"), steps, dtype, threads)
+        print(f"  counting run, then each matmul layout timed alone: {time.time() - t0:.0f} s", flush=True)
+    print(f"\n{n_threads} threads. Seconds; rollout, score, train and step rest: per step, steps 2-{steps}; eval: per "
+          "evaluation; matmul GFLOP/s: their FLOPs over their time alone")
+    print("\n| phase | wall s | matmul s | matmul GFLOP | matmul GFLOP/s | kernel s | minor faults | rest s | rest % |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    per = {}
+    for label in ("load", "step 1", "rollout", "score", "train", "step rest", "eval", "checkpoint"):
+        if label not in totals:
+            continue
+        n = max(1, counts.get(label, 1)) if label in ("rollout", "score", "train", "step rest", "eval") else 1
+        wall, user, sys_, faults = (v / n for v in totals[label])
+        flops, mm_s = (v / n for v in mm.get(label, (0, 0.0))[:2])
+        kernel = wall * sys_ / max(user + sys_, 1e-9)
+        rest = wall - mm_s - kernel
+        per[label] = (wall, mm_s, kernel, rest)
+        print(f"| {label} | {wall:.2f} | {mm_s:.2f} | {flops / 1e9:,.0f} | {flops / 1e9 / max(mm_s, 1e-9):,.0f} | "
+              f"{kernel:.2f} | {faults / 1e6:.2f} M | {rest:.2f} | {rest / max(wall, 1e-9):.0%} |")
+    later = [sum(per[k][i] for k in ("rollout", "score", "train", "step rest") if k in per) for i in range(4)]
+    print(f"| later step | {later[0]:.2f} | {later[1]:.2f} | | | {later[2]:.2f} | | {later[3]:.2f} | "
+          f"{later[3] / max(later[0], 1e-9):.0%} |")
+    weights = {"load": 1, "step 1": 1, "eval": default_evals, "checkpoint": 1}
+    whole = [sum(w * per[k][i] for k, w in weights.items() if k in per) + (default_steps - 1) * later[i]
+             for i in range(4)]
+    print(f"| default run ({default_steps} steps, {default_evals} evals), projected | {whole[0]:.0f} | {whole[1]:.0f} "
+          f"| | | {whole[2]:.0f} | | {whole[3]:.0f} | {whole[3] / whole[0]:.0%} |")
 
 
 # -----------------------------------------------------------------------------
@@ -975,6 +1184,7 @@ if __name__ == "__main__":
     import fire
 
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
-               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "generation": generation, "attention": attention, "real_shapes": real_shapes,
+               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "generation": generation,
+               "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})
