@@ -352,8 +352,9 @@ def last_logits(model, hidden, weight=None):
     h = hidden[:, -1]  # (B, H)
     if h.device.type == "cuda":
         return mm_f32(h, W.T)
-    h = h.to(W.dtype)  # float32 operands: bf16 values, and their products, are exact in float32
-    return (W @ h.T).T.contiguous()  # MKL runs the tall (V, H) @ (H, B) faster than (B, H) @ (H, V) at small B
+    # float32 operands: bf16 values, and their products, are exact in float32. (B, H) @ (H, V), as transformers
+    # computes it: MKL (torch 2.13, AVX-512) ran it 1.0x (B = 1) to 2.8x (B = 2, 3) faster than (V, H) @ (H, B)
+    return h.to(W.dtype) @ W.T
 
 
 def prefill(model, idx, mask, pos):
