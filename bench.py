@@ -2,6 +2,8 @@
 Benchmarks that print tables, each comparing two paths side by side in one run (these machines are noisy):
 
     python bench.py ppo_step [--steps=2 --dtype=fp32]    one PPO step on a ragged workload, padded vs padding-free
+    python bench.py vs_commit [--ref=6881525]            the same ragged workload through `python ppo.py` here and in
+                                                         an earlier commit, per response token
     python bench.py async_rollout [--steps=3]            PPO steps with synchronous rollouts against one-step-ahead
                                                          ones (--async_rollout), on the default run and a ragged one
     python bench.py lora_generation                      the generation copy with LoRA's adapters merged, or not
@@ -52,7 +54,10 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -180,6 +185,69 @@ def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
               + f": {sum(t['padded']) / sum(t['default']):.2f}x")
     same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
     print(f"\nsame scores step by step in both variants (the same samples): {same}")
+
+
+# -----------------------------------------------------------------------------
+# vs_commit: the ragged workload through `python ppo.py` here and in an earlier commit
+
+RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=4, max_new_tokens=128,
+                    max_prompt_len=96, sample_every=0, save_every=0, seed=1)  # ppo_step's workload (run, above)
+
+
+def _cli_run(tree, flags, out_dir, log):
+    cmd = [sys.executable, "ppo.py", *(f"--{k}={v}" for k, v in flags.items()), f"--out_dir={out_dir}"]
+    with open(log, "a") as f:
+        subprocess.run(cmd, cwd=tree, check=True, stdout=f, stderr=subprocess.STDOUT)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    shutil.rmtree(out_dir)  # the final checkpoint: gigabytes
+    return rows
+
+
+def vs_commit(ref="6881525", steps=3, rounds=1, dtype="fp32"):
+    """ppo_step's ragged workload (32 prompts of mixed kinds, responses up to 128 tokens) through `python ppo.py` in
+    this checkout and in commit `ref` (git archive into a temporary folder), each run a fresh process, alternating
+    and taking turns to go first. The two draw different samples (sampling changed since), so the comparison is per
+    response token: the median over steps 2..steps of step time / response tokens. ref's own flags only: the
+    current code also decodes in micro-batches of 4 (--inference_micro_batch_size, which ref lacks, uses the
+    micro-batch size there). The log of every run goes to vs_commit.log in the working directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    load = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps a run, {rounds} round(s), "
+          f"load average {load:.2f}; baseline: commit {ref}", flush=True)
+    out = {"baseline": [], "this checkout": []}
+    log = os.path.abspath("vs_commit.log")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        os.makedirs(base)
+        archive = subprocess.run(["git", "archive", ref], cwd=here, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+        prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl"))
+        flags = dict(RAGGED_FLAGS, prompts=prompts, total_steps=steps, dtype=dtype)
+        trees = {"baseline": (base, flags), "this checkout": (here, dict(flags, inference_micro_batch_size=4))}
+        for r in range(rounds):
+            for i, name in enumerate(list(trees)[r % 2:] + list(trees)[: r % 2]):
+                tree, fl = trees[name]
+                t0 = time.time()
+                rows = _cli_run(tree, fl, os.path.join(tmp, f"{name}-{r}"), log)
+                out[name] += rows[1:]
+                print(f"  {name}: {time.time() - t0:.0f} s; steps " + ", ".join(
+                    f"{m['time/step']:.1f} s ({m['val/response_length']:.1f} tokens)" for m in rows), flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
+    print("| code | step s (rollout / score / train) | response tokens a step | s per 1k response tokens "
+          "| padding (attention) | speedup per token |")
+    print("|---|---|---|---|---|---|")
+    per_token = {k: statistics.median(m["time/step"] / (m["val/response_length"] * flags["rollout_batch_size"])
+                                      for m in rows) for k, rows in out.items()}
+    for name, rows in out.items():
+        med = {k: statistics.median(m[k] for m in rows) for k in ("time/step", "time/rollout", "time/score",
+                                                                  "time/train")}
+        pad = f"{statistics.mean(m['perf/padding_frac'] for m in rows):.3f}" if "perf/padding_frac" in rows[0] else \
+            "not logged"
+        tokens = statistics.mean(m["val/response_length"] for m in rows) * flags["rollout_batch_size"]
+        print(f"| {name} | {med['time/step']:.1f} ({med['time/rollout']:.1f} / {med['time/score']:.1f} / "
+              f"{med['time/train']:.1f}) | {tokens:.0f} | {1000 * per_token[name]:.1f} | {pad} | "
+              f"{per_token['baseline'] / per_token[name]:.2f}x |")
 
 
 # -----------------------------------------------------------------------------
@@ -1208,7 +1276,8 @@ if __name__ == "__main__":
     import fire
 
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
-               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "generation": generation,
+               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
+               "generation": generation,
                "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})
