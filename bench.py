@@ -210,13 +210,14 @@ def vs_commit(ref="6881525", steps=3, rounds=1, dtype="fp32"):
     and taking turns to go first. The two draw different samples (sampling changed since), so the comparison is per
     response token: the median over steps 2..steps of step time / response tokens. ref's own flags only: the
     current code also decodes in micro-batches of 4 (--inference_micro_batch_size, which ref lacks, uses the
-    micro-batch size there). The log of every run goes to vs_commit.log in the working directory."""
+    micro-batch size there). The runs' output goes to a log in the temporary folder (its path is printed)."""
     here = os.path.dirname(os.path.abspath(__file__))
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps a run, {rounds} round(s), "
           f"load average {load:.2f}; baseline: commit {ref}", flush=True)
     out = {"baseline": [], "this checkout": []}
-    log = os.path.abspath("vs_commit.log")
+    log = os.path.join(tempfile.gettempdir(), f"vs_commit-{os.getpid()}.log")
+    print(f"the runs' output: {log}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         os.makedirs(base)
