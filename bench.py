@@ -616,6 +616,14 @@ class _MatmulLog(TorchDispatchMode):
             self.calls[key] = self.calls.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
+    def flops(self):
+        """{phase: FLOPs of its matmul calls}."""
+        out = {}
+        for (phase, func, meta, _), n in self.calls.items():
+            shapes = [m[0] for m in meta if isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)]
+            out[phase] = out.get(phase, 0) + n * _matmul_flops(func.overloadpacket.__name__, shapes)
+        return out
+
 
 def _isolated_time(func, meta, kwargs, pool):
     """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
@@ -669,16 +677,11 @@ def _phases_run(mode, out_dir, steps, dtype, threads):
     clock.switch("end")
     if not log:
         return clock.totals, clock.counts, torch.get_num_threads()
-    pool, seconds, rows = torch.randn(64 << 20), {}, {}  # 256 MiB of operands
-    for (phase, func, meta, kw), n in log.calls.items():
-        name = func.overloadpacket.__name__
-        shapes = [m[0] for m in meta if isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)]
+    pool, seconds, rows = torch.randn(64 << 20), {}, {phase: [f, 0.0] for phase, f in log.flops().items()}
+    for (phase, func, meta, kw), n in log.calls.items():  # 256 MiB of operands
         if (func, meta, kw) not in seconds:
             seconds[func, meta, kw] = _isolated_time(func, meta, dict(kw), pool)
-        r = rows.setdefault(phase, [0, 0.0, 0])
-        r[0] += n * _matmul_flops(name, shapes)
-        r[1] += n * seconds[func, meta, kw]
-        r[2] += n
+        rows[phase][1] += n * seconds[func, meta, kw]
     print(f"{len(seconds)} matmul layouts timed alone", flush=True)
     return rows
 

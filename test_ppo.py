@@ -6210,6 +6210,27 @@ def test_offloaded_optimizer_steps_like_the_resident_one(tiny_run, group, tmp_pa
     assert moved and all(after[0][k].abs().sum() > 0 for k in moved)
 
 
+def test_cpu_phases_counts_matmuls():
+    # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
+    # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
+    import bench
+
+    T, H, O = 24, 40, 56
+    lin, x = torch.nn.Linear(H, O), torch.randn(T, H, requires_grad=True)
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 20, 8)
+    log = bench._MatmulLog()
+    with log:
+        log.phase = "linear"
+        lin(x).sum().backward()
+        log.phase = "attention"
+        F.scaled_dot_product_attention(q, k, k)
+        F.scaled_dot_product_attention(q, k, k)
+    assert log.flops() == {"linear": 6 * T * H * O, "attention": 2 * 4 * 2 * 4 * 16 * 20 * 8}
+    (phase, func, meta, kw), n = next(iter(log.calls.items()))
+    assert phase == "linear" and n == 1
+    assert 0 < bench._isolated_time(func, meta, dict(kw), torch.randn(1 << 16)) < 1
+
+
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     # the GPU runbook's `bench.py memory_vs_plan OUT_DIR` (the smoke and lora stages) rebuilds the Config from the
     # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256)
