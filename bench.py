@@ -620,26 +620,28 @@ class _MatmulLog(TorchDispatchMode):
         """{phase: FLOPs of its matmul calls}."""
         out = {}
         for (phase, func, meta, _), n in self.calls.items():
-            shapes = [m[0] for m in meta if isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)]
+            shapes = [m[0] for m in meta if _is_operand(m)]
             out[phase] = out.get(phase, 0) + n * _matmul_flops(func.overloadpacket.__name__, shapes)
         return out
+
+
+def _is_operand(m):
+    """Whether an entry of _MatmulLog's argument record stands for a tensor: (shape, stride, dtype)."""
+    return isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)
 
 
 def _isolated_time(func, meta, kwargs, pool):
     """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
     (views into `pool`, up to 16 copies filling it) so that they come from memory, as the model's weights do, not
     from the cache."""
-    def is_tensor(m):
-        return isinstance(m, tuple) and len(m) == 3 and isinstance(m[2], torch.dtype)
-
-    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if is_tensor(m)]
+    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if _is_operand(m)]
     per_copy = sum(extents) or 1
     copies = max(1, min(16, pool.numel() // per_copy))
 
     def operands(c):  # copy c: its tensors side by side from pool[c * per_copy]
         out, offset = [], c * per_copy
         for m in meta:
-            if not is_tensor(m):
+            if not _is_operand(m):
                 out.append(m)
                 continue
             shape, stride, dtype = m
