@@ -131,12 +131,15 @@ class NoCheckpoints:
         ppo.checkpoint.save, ppo.save_hf = self.saved
 
 
+RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=4, max_new_tokens=128,
+                    max_prompt_len=96, sample_every=0, save_every=0, seed=1)  # the ragged workload (with its prompts)
+
+
 def run(variant, prompts, out_dir, steps, dtype, threads):
     if threads:
         torch.set_num_threads(threads)
-    cfg = ppo.Config(prompts=prompts, out_dir=out_dir, total_steps=steps, rollout_batch_size=32, mini_batch_size=16,
-                     micro_batch_size=4, inference_micro_batch_size=4, max_new_tokens=128, max_prompt_len=96,
-                     dtype=dtype, sample_every=0, save_every=0, seed=1)
+    cfg = ppo.Config(prompts=prompts, out_dir=out_dir, total_steps=steps, inference_micro_batch_size=4, dtype=dtype,
+                     **RAGGED_FLAGS)
     with Variant(variant == "padded"), NoCheckpoints():
         ppo.main(cfg)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -189,10 +192,6 @@ def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
 
 # -----------------------------------------------------------------------------
 # vs_commit: the ragged workload through `python ppo.py` here and in an earlier commit
-
-RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=4, max_new_tokens=128,
-                    max_prompt_len=96, sample_every=0, save_every=0, seed=1)  # ppo_step's workload (run, above)
-
 
 def _cli_run(tree, flags, out_dir, log):
     cmd = [sys.executable, "ppo.py", *(f"--{k}={v}" for k, v in flags.items()), f"--out_dir={out_dir}"]
@@ -554,7 +553,7 @@ class _PhaseClock:
     boundary, the wall clock and the process's CPU times and page faults (all threads), summed by label: "load"
     (everything before the first step), "step 1" (all of it: its first allocations are the heap's), then per
     phase of the later steps ("rollout", "score", "train", "step rest": metrics and logging), "eval" and
-    "checkpoint". on_phase(label) is told of each switch."""
+    "checkpoint" (counts: how many of each). on_phase(label) is told of each switch."""
 
     def __init__(self, on_phase=None):
         import resource
@@ -581,9 +580,7 @@ class _PhaseClock:
 
         def timed_phase_end(device, peaks, phase):
             self.step += phase is None
-            label = "step 1" if self.step == 1 else following[phase]
-            self.counts[label] = self.counts.get(label, 0) + (phase is None or label != "step 1")
-            self.switch(label)
+            self.switch("step 1" if self.step == 1 else following[phase])
             return phase_end(device, peaks, phase)
 
         def timed(label, fn, count=True):
@@ -725,7 +722,7 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
     for label in ("load", "step 1", "rollout", "score", "train", "step rest", "eval", "checkpoint"):
         if label not in totals:
             continue
-        n = max(1, counts.get(label, 1)) if label in ("rollout", "score", "train", "step rest", "eval") else 1
+        n = {"eval": counts.get("eval", 1), "load": 1, "step 1": 1, "checkpoint": 1}.get(label, steps - 1)
         wall, user, sys_, faults = (v / n for v in totals[label])
         flops, mm_s = (v / n for v in mm.get(label, (0, 0.0))[:2])
         kernel = wall * sys_ / max(user + sys_, 1e-9)
