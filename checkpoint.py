@@ -5,7 +5,8 @@ optimizers (add_optimizers), and its training checkpoints (save, find, resume).
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
 other rank holds the full weights in host memory (an 8B model in float32 is 32 GB; a copy per rank would be 256 GB
-on an 8-GPU node). hf.py reads the files, model.py checks them against the architecture.
+on an 8-GPU node). hf.py reads the files, model.py checks them against the architecture. One rank on a CPU in
+float32 keeps plain models (place): FSDP2 would have nothing to shard, cast or offload, only copies to make.
 
 Training checkpoints:
     out_dir/checkpoints/step-000040/   .metadata + *.distcp  actor, critic and both optimizers (DCP, sharded; under
@@ -100,6 +101,17 @@ def shard(model, mesh, dtype, frozen=False, offload=False):
     return model
 
 
+def place(model, mesh, dtype, frozen=False, offload=False):
+    """shard(), except where FSDP2 has nothing to do: one rank on a CPU, nothing offloaded, and no mixed
+    precision (a frozen model, or compute in float32). There FSDP2 would still copy every unit's weights in for
+    each forward (again for the backward) and every gradient out, a fifth of a default update's time on a 2-core
+    CPU; the plain model computes the same numbers (test_place_plain_equals_fsdp) and checkpoints alike (DCP
+    reshards a plain tensor as it does a sharded one)."""
+    if mesh.size() == 1 and mesh.device_type == "cpu" and not offload and (frozen or dtype == torch.float32):
+        return model.to(dtype).requires_grad_(False) if frozen else model
+    return shard(model, mesh, dtype, frozen, offload)
+
+
 def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, reward_head=False, checkpoint=None):
     """A model built on the meta device, sharded, then filled from the one copy rank 0 reads (a float32 state for
     a trained model, the compute dtype for a frozen one): set_model_state_dict broadcasts it a tensor at a time
@@ -117,7 +129,7 @@ def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, r
             model.reward_head = torch.nn.Linear(model.config.hidden_size, 1, bias=False, device="meta")
             model.reward_head.requires_grad_(False)
     offload = run.offload_frozen if frozen else run.offload_optimizer
-    shard(model, mesh, run.dtype, frozen, offload)
+    place(model, mesh, run.dtype, frozen, offload)
     model.to_empty(device="cpu" if offload else run.device)
     state = {}
     if run.rank == 0:
@@ -135,16 +147,21 @@ def load_sharded(path, mesh, run, head=None, frozen=False, bias=False, seed=0, r
     return model
 
 
+def local(t):
+    """This rank's part of a parameter: a DTensor's shard, a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def frozen_like(actor, mesh, run):
     """The reference: the actor's initial weights in the compute dtype, sharded like it (a local copy per rank)."""
     with torch.device("meta"):
         ref = Transformer(actor.config, head=actor.head)
-    shard(ref, mesh, run.dtype, frozen=True, offload=run.offload_frozen)
+    place(ref, mesh, run.dtype, frozen=True, offload=run.offload_frozen)
     ref.to_empty(device="cpu" if run.offload_frozen else run.device)
     with torch.no_grad():
         for (name, p), (name_a, q) in zip(ref.named_parameters(), actor.named_parameters(), strict=True):
             assert name == name_a, (name, name_a)
-            p.to_local().copy_(q.to_local())
+            local(p).copy_(local(q))
     ref.hf_config = actor.hf_config
     return ref
 
@@ -369,7 +386,7 @@ def _local_bytes(state):
     if isinstance(state, dict):
         return sum(_local_bytes(v) for v in state.values())
     if torch.is_tensor(state):
-        t = state.to_local() if hasattr(state, "to_local") else state
+        t = local(state)
         return t.numel() * t.element_size()
     return 0
 

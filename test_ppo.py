@@ -4524,6 +4524,50 @@ def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
         assert any(not torch.allclose(g1[k], other[k], rtol=1e-4, atol=1e-7) for k in g1 if k.startswith("actor."))
 
 
+def test_place_plain_equals_fsdp(tiny_run, group):
+    # one rank on a CPU in float32: checkpoint.place leaves the models plain, and two AdamW updates (the PPO,
+    # KL and ptx terms, ragged rows) give FSDP2's losses and weights bit for bit
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import ppo
+
+    mesh = init_device_mesh("cpu", (1,))
+    cfg, pairs = ppo.Config(**LOSS_CFG), fake_ptx_pairs(64)
+    ptx = (pairs, sum(len(r) for _, r in pairs))
+
+    def full(m):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in m.named_parameters()}
+
+    runs = []
+    for shard in (True, False):
+        actor, critic, ref = build_models(tiny_run["policy"], shard=shard)
+        if not shard:
+            assert C.place(actor, mesh, torch.float32) is actor and C.place(critic, mesh, torch.float32) is critic
+        assert any(isinstance(p, DTensor) for p in actor.parameters()) == shard
+        before = full(actor)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (actor, critic)]
+        losses = []
+        for step in range(2):
+            batch = fake_batch(64, seed=step)
+            n_tokens = batch["response_mask"].sum().item()
+            for _, mb in ppo.micro_batches(batch, torch.arange(batch["tokens"].size(0)), 4):
+                a, c, _ = ppo.ppo_losses(actor, critic, mb, cfg, n_tokens, 1, ref)
+                (a + c).backward()
+                losses.append((a + c).item())
+            (cfg.ptx_coef * ppo.ptx_loss(actor, pairs, ptx[1], 1, "cpu")).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs.append((losses, full(actor), full(critic)))
+        assert any(not torch.equal(before[k], v) for k, v in runs[-1][1].items())
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1:], runs[1][1:]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # FSDP2 where it has work: mixed precision (and more than one rank: test_two_ranks_equal_one_and_resume_on_one)
+    actor, _, _ = build_models(tiny_run["policy"], shard=False)
+    assert C.place(actor, mesh, torch.bfloat16) is actor and all(isinstance(p, DTensor) for p in actor.parameters())
+
+
 def test_activation_checkpointing_same_loss_and_gradients(tiny_run, group):
     # FSDP2-sharded actor and critic, KL and ptx terms on: recomputing each block in the backward
     # gives the gradients of the stored activations
@@ -6085,7 +6129,7 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
 
 
 def randomize_adapters(model, seed=0):
-    """Random B (and A) on every adapter of an FSDP2 model (each rank's shard drawn from the full tensor)."""
+    """Random B (and A) on every adapter of a model, plain or FSDP2 (each rank's shard drawn from the full tensor)."""
     import lora
 
     g = torch.Generator().manual_seed(seed)
@@ -6094,7 +6138,7 @@ def randomize_adapters(model, seed=0):
             if isinstance(mod, lora.LoRALinear):
                 for p in (mod.lora_A.weight, mod.lora_B.weight):
                     full = torch.randn(p.shape, generator=g) * 0.2
-                    local = p.to_local()
+                    local = C.local(p)
                     local.copy_(full.view(-1)[: local.numel()].view(local.shape))  # one rank: the whole tensor
 
 
@@ -6125,7 +6169,7 @@ def test_lora_reference_and_reward_model_are_the_bases_with_adapters_off(tiny_ru
             assert p.requires_grad == trained and (p.dtype == torch.float32 if trained else p.dtype == dt), (name, k)
     randomize_adapters(m["actor"], 1), randomize_adapters(m["critic"], 2)
     with torch.no_grad():
-        m["critic"].score.weight.to_local().add_(1.0)
+        C.local(m["critic"].score.weight).add_(1.0)
     tokens, mask, pos = ppo_style_batch(0, 3, 60, seed=4)
     labels = torch.where(mask.bool(), tokens.roll(-1, 1), -100)
     labels[:, -1] = -100
@@ -6194,15 +6238,17 @@ def test_offloaded_optimizer_steps_like_the_resident_one(tiny_run, group, tmp_pa
         assert not run.offload_optimizer  # not on a CPU
         run.offload_optimizer = offload
         m = C.add_optimizers(C.build_models(cfg, run, init_device_mesh("cpu", (1,))), cfg, run)
-        policy = m["actor"].model.layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+        block = m["actor"].model.layers[0]  # resident at one rank: plain (checkpoint.place); offloaded: FSDP2
+        policy = block._get_fsdp_state()._fsdp_param_group.offload_policy if offload else None
         assert isinstance(policy, torch.distributed.fsdp.CPUOffloadPolicy) == offload
+        assert hasattr(block, "_get_fsdp_state") == offload
         for _ in range(2):
             loss = -m["actor"](tokens, mask, pos, labels=labels)["logp"].sum() + m["critic"](tokens, mask, pos).square().sum()
             loss.backward()
             for name in ("actor", "critic"):
                 ppo.grad_norm(m[name], 1.0)
                 m[name + "_opt"].step(), m[name + "_opt"].zero_grad()
-        after.append({f"{name}.{k}": v.full_tensor().clone() for name in ("actor", "critic")
+        after.append({f"{name}.{k}": H._gather(v).clone() for name in ("actor", "critic")
                       for k, v in m[name].state_dict().items()})
     assert after[0].keys() == after[1].keys()
     assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
@@ -6540,7 +6586,7 @@ def test_dry_run_without_a_critic_plans_no_critic(tiny_run, group):
     m = C.build_models(cfg, ppo.derive(cfg, 0, 1, torch.device("cpu")), init_device_mesh("cpu", (1,)))
     assert "critic" not in m
     planned = dict(p.persistent)
-    assert planned["actor weights, fp32 shard"] == sum(4 * q.to_local().numel() for q in m["actor"].parameters())
+    assert planned["actor weights, fp32 shard"] == sum(4 * C.local(q).numel() for q in m["actor"].parameters())
     assert planned["actor weights, fp32 shard"] == 4 * f["actor"].numel()
 
 
@@ -6656,7 +6702,6 @@ def lora_bytes_after_update(policy, rm):
     being the critic with its adapters off), as build_models and AdamW allocate them: per model the local shards
     (padding included) of the frozen base, of the trained parameters, of their grads, and AdamW's two states."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     import ppo
 
@@ -6669,7 +6714,7 @@ def lora_bytes_after_update(policy, rm):
     for _, mb in ppo.micro_batches(batch, rows, run.local_micro):  # the KL loss runs the reference: actor, adapters off
         actor_loss, critic_loss, _ = ppo.ppo_losses(m["actor"], m["critic"], mb, cfg, n_tokens, W, m["ref"])
         (actor_loss + critic_loss).backward()
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    local = C.local
     out = dict(models={k: type(v).__name__ for k, v in m.items() if k in ("ref", "reward_model")})
     for name in ("actor", "critic"):
         ps = list(m[name].parameters())
