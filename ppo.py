@@ -65,7 +65,7 @@ from data import PromptSampler, check_reward_head, left_pad, load_inputs, micro_
 from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, masked_sum, shape_rewards)
-from hf import save_hf
+from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
@@ -445,18 +445,19 @@ def main(cfg: Config, reward_fn=None):
         return dict(fits=fits)
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
-    tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
-    evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None
-    ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
-    release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite)  # out_dir is this run's, or a clear refusal
-    print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
-           f"micro-batch {run.local_micro}")
+    with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
+        tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
+        evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None
+        ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
+        release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite)  # out_dir is this run's, or a clear refusal
+        print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
+               f"micro-batch {run.local_micro}")
 
-    # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
-    m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
+        # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
+        m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
     if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
         keep_freed_memory()
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]

