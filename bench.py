@@ -697,7 +697,7 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
     and after the last, and its final checkpoint), per phase: the wall time; the time its matmuls take when each
     call runs alone on cold operands of the same layout (at the rate this CPU reaches on those shapes, memory-bound
     ones included); the kernel's share (system over all CPU time, times the wall time: page faults, memory handed
-    back and taken again); and everything else (elementwise ops, the optimizer, FSDP2's copies, Python). Two fresh
+    back and taken again); and everything else (elementwise ops, the optimizer, copies, Python). Two fresh
     processes draw the same samples: one timed, one counting the matmuls (then timing each layout alone). Step 1
     (the heap's first allocations) is apart; later steps are per step. The last line projects the whole default
     run: load + step 1 + (default_steps - 1) later steps + default_evals evaluations + the checkpoint."""
