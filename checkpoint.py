@@ -73,6 +73,9 @@ STEP_DIR = re.compile(r"step-\d+")
 MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint
 HASH_BELOW = 64 * 2**20  # files under this size are checksummed in the manifest (all but the model shards)
 LOCK = ".lock"  # out_dir/.lock: the PID and host of the run that owns the folder
+# files each rank's shards are written to at once: the default run's 3.2 GB checkpoint took 4.7-5.9 s with one and
+# 3.3-3.6 s with 2 or 4 on a 2-core CPU (the writes wait on the page cache and the final fsync, not on Python)
+WRITE_THREADS = 2
 
 
 # -----------------------------------------------------------------------------
@@ -361,7 +364,7 @@ def save(folder, modules, trainer, cfg):
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=WRITE_THREADS))
     torch.save(rng_state(), os.path.join(tmp, f"rng-rank{rank}.pt"))
     if rank == 0:
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
