@@ -4614,7 +4614,7 @@ def test_place_plain_equals_fsdp(tiny_run, group):
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1:], runs[1][1:]):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    # FSDP2 where it has work: mixed precision (and more than one rank: test_two_ranks_equal_one_and_resume_on_one)
+    # FSDP2 where it has work: mixed precision, and more than one rank (test_two_ranks_equal_one_and_resume_across_rank_counts)
     actor, _, _ = build_models(tiny_run["policy"], shard=False)
     assert C.place(actor, mesh, torch.bfloat16) is actor and all(isinstance(p, DTensor) for p in actor.parameters())
 
@@ -5202,7 +5202,7 @@ def assert_close_runs(a_rows, b_rows, a_dir=None, b_dir=None, rel=1e-4, abs_=1e-
 
 
 @slow
-def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
+def test_two_ranks_equal_one_and_resume_across_rank_counts(tiny_run, tmp_path):
     # default micro-batch size (capped per rank, never written into the saved config) and a ptx batch
     sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
     # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run; and so do the
@@ -5222,6 +5222,12 @@ def test_two_ranks_equal_one_and_resume_on_one(tiny_run, tmp_path):
     p, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)
     assert "resumed from" in p.stdout and cont[:4] == two  # the history comes back as it was written
     assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
+    # and the other way: a 1-rank checkpoint (plain models, checkpoint.place) continued on 2 ranks (FSDP2)
+    _, part = run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+    assert_close_runs(one[:4], part)
+    p, cont = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", nproc=2, **kw)
+    assert "resumed from" in p.stdout
+    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "part")
 
 
 @slow
