@@ -5,8 +5,8 @@ optimizers (add_optimizers), and its training checkpoints (save, find, resume).
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
 other rank holds the full weights in host memory (an 8B model in float32 is 32 GB; a copy per rank would be 256 GB
-on an 8-GPU node). hf.py reads the files, model.py checks them against the architecture. One rank on a CPU in
-float32 keeps plain models (place): FSDP2 would have nothing to shard, cast or offload, only copies to make.
+on an 8-GPU node). hf.py reads the files, model.py checks them against the architecture. One rank on a CPU keeps
+plain models where nothing is cast (float32, or a frozen model) or offloaded (place): FSDP2 would only make copies.
 
 Training checkpoints:
     out_dir/checkpoints/step-000040/   .metadata + *.distcp  actor, critic and both optimizers (DCP, sharded; under
