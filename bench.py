@@ -13,7 +13,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
     python bench.py cpu_phases [--steps=3]               where the default run's time goes, phase by phase: its
                                                          matmuls timed alone, the kernel's share, everything else
     python bench.py generation [--device=cuda]           rollout.generate against transformers' generate and the
-                                                         bandwidth roof; finished rows dropped from the decode
+                                                         bandwidth roof (CPU float32: on MKL's and oneDNN's
+                                                         products); finished rows dropped from the decode
                                                          batch or not
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
     python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
@@ -790,27 +791,45 @@ def _warm_compiled(model, prompts, new_tokens):
 
 
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
-    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled); and our
-    eager decode against the memory-bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens)
-    - time(1 token)), the roof = batch / ((every weight + the filled KV cache, on average) / the bandwidth measured
-    in this run: on a CPU the rate one GEMV streams 2 GiB of float32 at, on a GPU a device-to-device copy's)."""
+    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU in
+    float32 eager with each of model.DECODE_MATMUL's kernels, MKL and oneDNN); and our eager decode (with the
+    kernel model.decode_matmul() picks) against the memory-bandwidth roof: decode tokens/s = batch * (new tokens -
+    1) / (time(new tokens) - time(1 token)), the roof = batch / ((every weight + the filled KV cache, on average) /
+    the bandwidth measured in this run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device
+    copy's)."""
+    import model as M
+
     device = model.lm_head_weight.device
     cfg = model.config
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
-    bw = _gemv_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
-    how = "one float32 GEMV reading 2 GiB" if device.type == "cpu" else "a 2 GiB copy, read + write"
+    bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
+    how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
+    picked = M.decode_matmul()
+    kernels = ("mkl", "onednn") if device.type == "cpu" and model.lm_head_weight.dtype == torch.float32 else (picked,)
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
-          f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how})")
-    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} {'ours':>8} {'ours+compile':>12} {'speedup':>7} "
-          f"{'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}", flush=True)
+          f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); CPU vendor {M.cpu_vendor()}: "
+          f"model.decode_matmul() picks {picked}, the kernel of 'agree' and 'ours decode'")
+    names = {k: f"ours {k}" if len(kernels) > 1 else "ours" for k in kernels}
+    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} " + " ".join(f"{n:>11}" for n in names.values())
+          + f" {'ours+compile':>12} {'speedup':>7} {'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}",
+          flush=True)
     for B in batches:
         batch = [prompts[i % len(prompts)] for i in range(B)]
         P = max(len(p) for p in batch)
+
+        def ours(kernel, n):
+            def run():
+                before, M.DECODE_MATMUL = M.DECODE_MATMUL, kernel
+                try:
+                    return generate(model, batch, n, temperature=0, compile=False).tokens
+                finally:
+                    M.DECODE_MATMUL = before
+            return run
+
         runs = {"transformers": lambda: _hf_generate(hf, batch, new_tokens, pad_id),
-                "ours": lambda: generate(model, batch, new_tokens, temperature=0, compile=False).tokens,
-                "ours, 1 token": lambda: generate(model, batch, 1, temperature=0, compile=False).tokens}
+                **{names[k]: ours(k, new_tokens) for k in kernels}, "ours, 1 token": ours(picked, 1)}
         best, outs = {k: float("inf") for k in runs}, {}
         for _ in range(rounds):
             for k, fn in runs.items():
@@ -821,16 +840,16 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
             fn = lambda: generate(model, batch, new_tokens, temperature=0, compile=True).tokens
             best["ours+compile"] = min(_timed(fn, device)[0] for _ in range(rounds))
             model.clear_kv_cache()
-        decode = B * (new_tokens - 1) / (best["ours"] - best.pop("ours, 1 token"))
+        decode = B * (new_tokens - 1) / (best[names[picked]] - best.pop("ours, 1 token"))
         kv_bytes = B * (sum(len(p) for p in batch) / B + new_tokens / 2) * kv_per_slot  # filled slots, on average
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}
-        differ = (outs["ours"] != outs["transformers"])[:, P:]  # (B, new_tokens)
+        differ = (outs[names[picked]] != outs["transformers"])[:, P:]  # (B, new_tokens)
         same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
         comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
         speedup = max(v for k, v in tps.items() if k != "transformers") / tps["transformers"]
-        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} {tps['ours']:8.1f} {comp} {speedup:6.2f}x {same:6.0%} "
-              f"{decode:11.1f} {roof:6.1f} {decode / roof:9.0%}", flush=True)
+        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:11.1f}" for n in names.values())
+              + f" {comp} {speedup:6.2f}x {same:6.0%} {decode:11.1f} {roof:6.1f} {decode / roof:9.0%}", flush=True)
 
 
 def _bench_smollm2(device, runs, new_tokens, rounds, compile):
@@ -915,12 +934,20 @@ def _copy_bandwidth(device, nbytes=2 << 30):
     return 2 * nbytes / dt
 
 
-def _gemv_bandwidth(device, nbytes=2 << 30):
-    """Bytes read per second by one float32 matrix-vector product over nbytes (more than a CPU's caches hold): the
-    rate a decode step at batch 1, a chain of such products, streams its weights at best."""
-    W, x = torch.randn(nbytes // 4 // 4096, 4096, device=device), torch.randn(4096, device=device)
-    W @ x
-    return W.numel() * 4 / min(_timed(lambda: W @ x, device)[0] for _ in range(5))
+def _read_bandwidth(device, nbytes=2 << 30):
+    """Bytes read per second from a float32 matrix of nbytes (more than a CPU's caches hold), by the fastest of
+    three kernels that read it once: MKL's GEMV, oneDNN's GEMV and a sum. The rate a decode step at batch 1, a
+    chain of such products, streams its weights at best; MKL's GEMV alone would understate it on CPUs MKL runs
+    its generic code on (model.decode_matmul)."""
+    W, x = torch.randn(nbytes // 4 // 4096, 4096, device=device), torch.randn(1, 4096, device=device)
+    reads = [lambda: W @ x[0], lambda: W.sum()]
+    if torch.backends.mkldnn.is_available():
+        reads.append(lambda: torch.ops.mkldnn._linear_pointwise(x, W, None, "none", [], ""))
+    best = float("inf")
+    for fn in reads:
+        fn()
+        best = min([best] + [_timed(fn, device)[0] for _ in range(5)])
+    return W.numel() * 4 / best
 
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -982,12 +1009,18 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
 
 
 def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None,
-               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged")):
+               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), decode_matmul=None):
     """"compare": SmolLM2-135M-Instruct at each batch size, ours vs transformers, and our decode against the
     memory-bandwidth roof; CPU: float32 (and bfloat16 at batch 1), CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
     and 64, decode against the bandwidth roof and transformers.
     "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
-    in one batch and in micro-batches of 8)."""
+    in one batch and in micro-batches of 8). decode_matmul: model.DECODE_MATMUL for this run ("mkl", "onednn";
+    None: as it is, "auto")."""
+    import model as M
+
+    if decode_matmul is not None:
+        M.DECODE_MATMUL = decode_matmul
+        M.decode_matmul()  # a bad name fails here
     dev = torch.device(device)
     batches = (batches,) if isinstance(batches, int) else tuple(batches)
     cases = (cases,) if isinstance(cases, str) else tuple(cases)

@@ -62,8 +62,11 @@ than the math kernel's, its backward 1.1-1.5x and a decode step 10-15x.
     python model.py --path=smollm2     # loads the embedded model and prints a short greedy answer
     python bench.py attention [--device=cuda]         # attention, fused against the math kernel
 """
+import contextlib
 import functools
 import math
+import platform
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -338,15 +341,65 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+# -----------------------------------------------------------------------------
+# linear layers: a CPU generation may run its float32 products on oneDNN's kernels
+
+DECODE_MATMUL = "auto"  # float32 products of a CPU generation: "mkl" (F.linear), "onednn", "auto" (decode_matmul)
+_generating = threading.local()  # .onednn: this thread is generating, with oneDNN's products (decode_products)
+
+
+def decode_matmul():
+    """The kernel of a CPU generation's float32 products (DECODE_MATMUL; "auto": oneDNN on x86 CPUs not made by
+    Intel, MKL elsewhere). PyTorch's x86 build runs F.linear on MKL, which picks its code by the CPU's vendor: on
+    other vendors' CPUs its float32 GEMV, a decode step's product at small batch, takes a generic path on one
+    thread. oneDNN's kernels (the ones PyTorch runs bf16 products on) dispatch on the instruction set alone. On
+    Intel CPUs MKL's GEMV is the faster. `python bench.py generation` times both."""
+    if DECODE_MATMUL not in ("auto", "mkl", "onednn"):
+        raise ValueError(f"model.DECODE_MATMUL must be 'auto', 'mkl' or 'onednn', got {DECODE_MATMUL!r}")
+    if DECODE_MATMUL != "auto":
+        return DECODE_MATMUL
+    onednn = cpu_vendor() not in (None, "GenuineIntel") and torch.backends.mkldnn.is_available()
+    return "onednn" if onednn else "mkl"
+
+
+@contextlib.contextmanager
+def decode_products(device, compiled=False):
+    """Within it, this thread's float32 products of `linear` (and Linear layers) run on decode_matmul()'s kernel,
+    on a CPU and not under torch.compile. rollout.generate runs in it; training and scoring never do."""
+    before = getattr(_generating, "onednn", False)
+    _generating.onednn = torch.device(device).type == "cpu" and not compiled and decode_matmul() == "onednn"
+    try:
+        yield
+    finally:
+        _generating.onednn = before
+
+
+def linear(x, weight, bias=None):
+    """F.linear, or inside decode_products with oneDNN picked, oneDNN's float32 product (no autograd: it runs only
+    with gradients off, on plain CPU tensors)."""
+    if (getattr(_generating, "onednn", False) and x.dtype == weight.dtype == torch.float32
+            and weight.device.type == "cpu" and type(weight) in (torch.Tensor, nn.Parameter)
+            and not torch.is_grad_enabled()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`: a plain nn.Linear everywhere but in a CPU generation with oneDNN picked."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv_bias = cfg.qkv_bias or cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hs, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hs, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hs, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hs, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hs, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hs, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hs, bias=qkv_bias)
+        self.o_proj = Linear(self.nh * self.hs, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hs, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hs, cfg.rms_norm_eps)
@@ -372,9 +425,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -411,7 +464,7 @@ class Transformer(nn.Module):
         if head == "value":
             self.score = nn.Linear(cfg.hidden_size, 1, bias=value_bias)
         elif not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.hf_config = None  # the transformers config it was loaded from, written back on save
         self.activation_checkpointing = False  # recompute each block in the backward (memory for compute)
         self.attn_impl = None  # "flex", "sdpa" or "reference" (ATTN_IMPLS); None: default_attn_impl
@@ -630,6 +683,18 @@ def reward_at_last_token(values, tokens, pad_token_id):
 
 # -----------------------------------------------------------------------------
 # the compute dtype
+
+
+@functools.cache
+def cpu_vendor():
+    """An x86 CPU's vendor string (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ...); None elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
 
 
 def cpu_has_bf16():

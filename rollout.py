@@ -106,6 +106,7 @@ import torch.nn.functional as F
 
 from data import left_pad
 from kernels.utils import gemm_operand, mm_f32
+from model import decode_products, linear
 
 CUDA_CHECK_EVERY = 16  # decode steps between "has every row finished?" checks on CUDA (one sync each)
 CACHE_MULTIPLE = 64  # compiled decoding rounds the cache width up to this, so prompt widths share graphs
@@ -354,7 +355,7 @@ def last_logits(model, hidden, weight=None):
         return mm_f32(h, W.T)
     # float32 operands: bf16 values, and their products, are exact in float32. (B, H) @ (H, V), as transformers
     # computes it: MKL (torch 2.13, AVX-512) ran it 1.0x (B = 1) to 2.8x (B = 2, 3) faster than (V, H) @ (H, B)
-    return h.to(W.dtype) @ W.T
+    return linear(h.to(W.dtype), W)  # = h @ W.T, on oneDNN inside generate where model.decode_matmul() picks it
 
 
 def prefill(model, idx, mask, pos):
@@ -547,13 +548,14 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
            torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device))  # logprobs
     alive = torch.zeros(B, dtype=torch.bool, device=device)  # (B,): never sampled an EOS
     try:
-        for lo in (progress or iter)(range(0, B, m)):
-            hi = min(lo + m, B)
-            Pm = max(lengths[lo:hi])  # this micro-batch's prompt width: its prefill skips the others' padding
-            alive[lo:hi] = _sample_micro_batch(
-                model, step, caches, idx[lo:hi, P - Pm:], prompt_mask[lo:hi, P - Pm:], seeds[lo:hi],
-                [o[lo:hi] for o in out], (temperature, top_k, top_p), eos_ids, pad, W, compile, compact,
-                CUDA_CHECK_EVERY if cuda else 1, static)
+        with decode_products(device, compiled=compile):  # a CPU's float32 products on MKL or oneDNN (model.py)
+            for lo in (progress or iter)(range(0, B, m)):
+                hi = min(lo + m, B)
+                Pm = max(lengths[lo:hi])  # this micro-batch's prompt width: its prefill skips the others' padding
+                alive[lo:hi] = _sample_micro_batch(
+                    model, step, caches, idx[lo:hi, P - Pm:], prompt_mask[lo:hi, P - Pm:], seeds[lo:hi],
+                    [o[lo:hi] for o in out], (temperature, top_k, top_p), eos_ids, pad, W, compile, compact,
+                    CUDA_CHECK_EVERY if cuda else 1, static)
     finally:
         if compile:
             _use_rows(caches, m, static)  # the whole buffers again, for the next call

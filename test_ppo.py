@@ -3553,6 +3553,90 @@ def test_cuda_sampler_logits_are_the_fp32_output_gemm():
     assert ((z.double() - exact).abs() <= (h[:, -1].double().abs() @ W.double().abs().T) * 2**-20).all()
 
 
+# -- a CPU generation's float32 products on MKL or oneDNN (model.decode_matmul) ------------------------
+
+
+@pytest.mark.parametrize("shape,out,bias,scale", [
+    ((1, 32), 48, False, 1.0),  # a decode step at batch 1: a GEMV
+    ((5, 1, 37), 19, True, 1.0),  # (B, 1, H) decode rows, odd sizes, a bias
+    ((3, 13, 64), 1000, False, 1.0),  # a prefill's (B, P, H) into a head
+    ((2, 37), 7, True, 1e15),  # products near float32's largest
+    ((4, 9), 11, True, 1e-20),  # and underflowing ones
+])
+def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias, scale):
+    g = torch.Generator().manual_seed(sum(shape) + out)
+    x = torch.randn(*shape, generator=g) * scale
+    x.view(-1, shape[-1])[0, ::3] = 0  # exact zeros among the operands
+    W = torch.randn(out, shape[-1], generator=g) * scale
+    b = torch.randn(out, generator=g) * scale if bias else None
+    strided = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2] * scale  # a non-contiguous view
+    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")
+    with torch.no_grad():
+        with M.decode_products("cpu"), profile(activities=[ProfilerActivity.CPU]) as prof:
+            z, zs = M.linear(x, W, b), M.linear(strided, W, b)
+        assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [2]
+        with M.decode_products("cpu"):
+            assert torch.equal(M.linear(x.bfloat16(), W.bfloat16()), F.linear(x.bfloat16(), W.bfloat16()))  # bf16
+            with torch.enable_grad():  # no autograd on oneDNN's op: F.linear whenever gradients are on
+                assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))
+        assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))  # outside the context, F.linear itself
+    for a, y in [(x, z), (strided, zs)]:
+        exact = a.double() @ W.double().T + (0 if b is None else b.double())
+        bound = (a.double().abs() @ W.double().abs().T + (0 if b is None else b.double().abs())) * shape[-1] * 2**-23
+        assert y.shape == exact.shape and y.dtype == torch.float32 and torch.isfinite(y).all()
+        assert ((y.double() - exact).abs() <= bound).all()
+
+
+def test_decode_matmul_picks_onednn_on_x86_cpus_not_made_by_intel(monkeypatch):
+    real = M.cpu_vendor
+    monkeypatch.setattr(M, "DECODE_MATMUL", "auto")
+    for vendor, want in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn"),
+                         (None, "mkl")]:  # None: not x86, or no /proc/cpuinfo
+        monkeypatch.setattr(M, "cpu_vendor", lambda v=vendor: v)
+        assert M.decode_matmul() == want, vendor
+    for fixed in ("mkl", "onednn"):
+        monkeypatch.setattr(M, "DECODE_MATMUL", fixed)
+        assert M.decode_matmul() == fixed
+    monkeypatch.setattr(M, "DECODE_MATMUL", "openblas")
+    with pytest.raises(ValueError, match="DECODE_MATMUL.*'openblas'"):
+        M.decode_matmul()
+    real.cache_clear()
+    with open("/proc/cpuinfo") as f:
+        ids = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+    assert real() in (ids or {None})
+
+
+def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_tiny, monkeypatch):
+    model = rollout_tiny["llama"][0]
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda mod, args: seen.append(getattr(M._generating, "onednn", False)))
+    prompts = random_prompts([4, 9, 6, 1, 7], seed=5)
+    out = {}
+    try:
+        for kernel in ("mkl", "onednn"):
+            monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+            seen.clear()
+            out[kernel] = generate(model, prompts, 12, temperature=1.0, seeds=[3, 1, 4, 1, 5], micro_batch_size=2)
+            assert seen and all(s == (kernel == "onednn") for s in seen)  # prefill and every decode step
+            assert not getattr(M._generating, "onednn", False)  # off again after the call
+    finally:
+        hook.remove()
+    assert_same_rollout(out["mkl"], out["onednn"], atol=1e-5)
+    # the switch is per thread: an async rollout's generation thread does not turn it on for training
+    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")
+    other = []
+    with M.decode_products("cpu"):
+        assert M._generating.onednn
+        t = __import__("threading").Thread(target=lambda: other.append(getattr(M._generating, "onednn", False)))
+        t.start()
+        t.join()
+        with M.decode_products("cpu", compiled=True):  # torch.compile traces F.linear
+            assert not M._generating.onednn
+        assert M._generating.onednn
+    assert other == [False] and not M._generating.onednn
+
+
 # -- rollout micro-batches, one fixed cache, finished rows dropped ------------------------------
 
 
