@@ -791,12 +791,12 @@ def _warm_compiled(model, prompts, new_tokens):
 
 
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
-    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU in
-    float32 eager with each of model.DECODE_MATMUL's kernels, MKL and oneDNN); and our eager decode (with the
-    kernel model.decode_matmul() picks) against the memory-bandwidth roof: decode tokens/s = batch * (new tokens -
-    1) / (time(new tokens) - time(1 token)), the roof = batch / ((every weight + the filled KV cache, on average) /
-    the bandwidth measured in this run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device
-    copy's)."""
+    """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
+    eager with each of model.DECODE_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
+    takes it, bf16); and our eager decode (with the kernel model.decode_matmul() picks) against the memory-bandwidth
+    roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1 token)), the roof = batch /
+    ((every weight + the filled KV cache, on average) / the bandwidth measured in this run: on a CPU the fastest
+    read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
     import model as M
 
     device = model.lm_head_weight.device
@@ -806,7 +806,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
     picked = M.decode_matmul()
-    kernels = ("mkl", "onednn") if device.type == "cpu" and model.lm_head_weight.dtype == torch.float32 else (picked,)
+    kernels = ("mkl", "onednn") if device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes() else (picked,)
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
           f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); CPU vendor {M.cpu_vendor()}: "
@@ -1009,9 +1009,9 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
 
 
 def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None,
-               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), decode_matmul=None):
+               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), decode_matmul=None, bf16_batches=(1,)):
     """"compare": SmolLM2-135M-Instruct at each batch size, ours vs transformers, and our decode against the
-    memory-bandwidth roof; CPU: float32 (and bfloat16 at batch 1), CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
+    memory-bandwidth roof; CPU: float32 (and bfloat16 at bf16_batches), CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
     and 64, decode against the bandwidth roof and transformers.
     "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
     in one batch and in micro-batches of 8). decode_matmul: model.DECODE_MATMUL for this run ("mkl", "onednn";
@@ -1029,7 +1029,8 @@ def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, 
     if "compare" in cases and dev.type == "cuda":
         _bench_smollm2(dev, [(torch.bfloat16, (1, 8, 32, 64))], new_tokens, rounds, compile)
     elif "compare" in cases:
-        runs = [(torch.float32, batches)] + ([(torch.bfloat16, (1,))] if bf16 else [])
+        bf16_batches = (bf16_batches,) if isinstance(bf16_batches, int) else tuple(bf16_batches)
+        runs = [(torch.float32, batches)] + ([(torch.bfloat16, bf16_batches)] if bf16 else [])
         _bench_smollm2(dev, runs, new_tokens, rounds, compile)
     if "roof" in cases:
         _bench_roof(dev, LLAMA3_8B, (1, 8, 64), 128, new_tokens, rounds, compile)

@@ -548,7 +548,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
            torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device))  # logprobs
     alive = torch.zeros(B, dtype=torch.bool, device=device)  # (B,): never sampled an EOS
     try:
-        with decode_products(device, compiled=compile):  # a CPU's float32 products on MKL or oneDNN (model.py)
+        with decode_products(device, compiled=compile):  # a CPU's products on F.linear or oneDNN (model.py)
             for lo in (progress or iter)(range(0, B, m)):
                 hi = min(lo + m, B)
                 Pm = max(lengths[lo:hi])  # this micro-batch's prompt width: its prefill skips the others' padding

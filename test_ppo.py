@@ -729,6 +729,38 @@ def test_padding_query_sees_only_its_own_slot():
 # -- fused (CPU: SDPA flash) against the reference (SDPA math) ---------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,nh,nkv,S", [(5, 9, 3, 13), (2, 12, 2, 1), (3, 32, 8, 70), (4, 6, 6, 9)])
+def test_sdpa_decode_folds_query_heads(monkeypatch, dtype, B, nh, nkv, S):
+    # a decode step (one query) with GQA runs SDPA on the g = nh / nkv query heads of each key/value head as g rows
+    # of that head (no enable_gqa); MHA (nh = nkv) as it was. Either way the float64 softmax over the allowed slots
+    g = torch.Generator().manual_seed(B * nh + S)
+    hs, slot = 16, S - 1  # the query sits in the last filled slot
+    q = torch.randn(B, 1, nh, hs, generator=g).to(dtype).transpose(1, 2)  # (B, nh, 1, hs), as Attention makes it
+    cache = torch.randn(2, B, nkv, S + 5, hs, generator=g).to(dtype) * 3  # slots past S: unfilled, not read
+    k, v = cache[0], cache[1]
+    real = torch.rand(B, S, generator=g) < 0.6
+    real[0], real[-1, :-1] = True, False  # a full row, and a row (a padding query) that sees only its own slot
+    mask = M.attention_mask_4d(real.long(), torch.tensor([slot]))  # (B, 1, 1, S)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, *args, **kw):
+        calls.append((q.shape, kw))
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    y = M.attend(q, k, v, mask, "sdpa")
+    fold = nh // nkv
+    assert calls == ([((B, nkv, fold, hs), {"attn_mask": mask})] if fold > 1
+                     else [((B, nh, 1, hs), {"attn_mask": mask, "enable_gqa": False})])
+    kk, vv = (t[:, :, :S].double().repeat_interleave(fold, 1) for t in (k, v))  # head h reads key head h // fold
+    scores = (q.double() @ kk.transpose(-1, -2) / hs**0.5).masked_fill(~mask, float("-inf"))
+    exact = scores.softmax(-1) @ vv
+    assert y.shape == exact.shape == (B, nh, 1, hs) and y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert (y.double() - exact).abs().max() <= tol * vv.abs().max()
+
+
 @pytest.mark.parametrize("family,gqa", [(f, True) for f in FAMILIES] + [("llama2", False), ("qwen3", False)])
 def test_fused_forward_matches_reference(tmp_path, family, gqa):
     model = tiny(tmp_path, family, gqa)
@@ -3553,7 +3585,7 @@ def test_cuda_sampler_logits_are_the_fp32_output_gemm():
     assert ((z.double() - exact).abs() <= (h[:, -1].double().abs() @ W.double().abs().T) * 2**-20).all()
 
 
-# -- a CPU generation's float32 products on MKL or oneDNN (model.decode_matmul) ------------------------
+# -- a CPU generation's products on MKL or oneDNN (model.decode_matmul) ------------------------
 
 
 @pytest.mark.parametrize("shape,out,bias,scale", [
@@ -3570,20 +3602,24 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
     W = torch.randn(out, shape[-1], generator=g) * scale
     b = torch.randn(out, generator=g) * scale if bias else None
     strided = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2] * scale  # a non-contiguous view
+    bf = [t if t is None else t.bfloat16() for t in (x, W, b)]  # bf16 operands: oneDNN's where it takes bf16
     monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")
     with torch.no_grad():
         with M.decode_products("cpu"), profile(activities=[ProfilerActivity.CPU]) as prof:
-            z, zs = M.linear(x, W, b), M.linear(strided, W, b)
-        assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [2]
+            z, zs, zb = M.linear(x, W, b), M.linear(strided, W, b), M.linear(*bf)
+        calls = 3 if torch.bfloat16 in M.onednn_dtypes() else 2
+        assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [calls]
         with M.decode_products("cpu"):
-            assert torch.equal(M.linear(x.bfloat16(), W.bfloat16()), F.linear(x.bfloat16(), W.bfloat16()))  # bf16
             with torch.enable_grad():  # no autograd on oneDNN's op: F.linear whenever gradients are on
                 assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))
+            monkeypatch.setattr(M, "onednn_dtypes", lambda: (torch.float32,))  # a CPU without oneDNN's bf16
+            assert torch.equal(M.linear(*bf), F.linear(*bf))
         assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))  # outside the context, F.linear itself
-    for a, y in [(x, z), (strided, zs)]:
-        exact = a.double() @ W.double().T + (0 if b is None else b.double())
-        bound = (a.double().abs() @ W.double().abs().T + (0 if b is None else b.double().abs())) * shape[-1] * 2**-23
-        assert y.shape == exact.shape and y.dtype == torch.float32 and torch.isfinite(y).all()
+    for a, w, c, y, out_ulp in [(x, W, b, z, 0), (strided, W, b, zs, 0), (*bf, zb, 2**-8)]:
+        exact = a.double() @ w.double().T + (0 if c is None else c.double())
+        bound = (a.double().abs() @ w.double().abs().T + (0 if c is None else c.double().abs())) * shape[-1] * 2**-23
+        bound += exact.abs() * out_ulp + (2**-133 if out_ulp else 0)  # bf16: the result rounded to 8 bits
+        assert y.shape == exact.shape and y.dtype == a.dtype and torch.isfinite(y).all()
         assert ((y.double() - exact).abs() <= bound).all()
 
 
