@@ -806,7 +806,8 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
     picked = M.decode_matmul()
-    kernels = ("mkl", "onednn") if device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes() else (picked,)
+    both = device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes()
+    kernels = ("mkl", "onednn") if both else (picked,)
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
           f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); CPU vendor {M.cpu_vendor()}: "

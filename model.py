@@ -295,10 +295,11 @@ def attend(q, k, v, mask, impl):
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :T]
     S = mask.size(-1)
     k, v = k[:, :, :S], v[:, :, :S]
-    if impl == "sdpa" and gqa and q.size(2) == 1:  # decode: (B, nh, 1, hs) -> (B, nkv, g, hs), one mask row
-        (B, nh, _, hs), nkv = q.shape, k.size(1)
-        return F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hs), k, v, attn_mask=mask).reshape(q.shape)
     if impl == "sdpa":
+        if gqa and q.size(2) == 1:  # decode: (B, nh, 1, hs) -> (B, nkv, g, hs), one mask row for all g
+            (B, nh, _, hs), nkv = q.shape, k.size(1)
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hs), k, v, attn_mask=mask)
+            return y.reshape(q.shape)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     assert impl == "reference", f"attn_impl must be one of {ATTN_IMPLS}, got {impl!r}"
     with sdpa_kernel(SDPBackend.MATH):
@@ -357,9 +358,9 @@ def decode_matmul():
     """The kernel of a CPU generation's products (DECODE_MATMUL; "auto": oneDNN on x86 CPUs not made by Intel,
     F.linear elsewhere). PyTorch's x86 build runs a float32 F.linear on MKL, which picks its code by the CPU's
     vendor: on other vendors' CPUs its float32 GEMV, a decode step's product at small batch, takes a generic path
-    on one thread. oneDNN's kernels dispatch on the instruction set alone, and called directly they also skip
-    F.linear's way to them in bf16 (the same bf16 results, measured bitwise equal, 1.2-1.3x faster generation on
-    an AMD Zen 5). On Intel CPUs MKL's float32 GEMV is the faster. `python bench.py generation` times both."""
+    on one thread. oneDNN's kernels dispatch on the instruction set alone; called directly in bf16 they gave
+    F.linear's results bitwise and a 1.25-1.85x faster generation at batch 1-16 on an AMD Zen 5. On Intel CPUs
+    MKL's float32 GEMV is the faster. `python bench.py generation` times both."""
     if DECODE_MATMUL not in ("auto", "mkl", "onednn"):
         raise ValueError(f"model.DECODE_MATMUL must be 'auto', 'mkl' or 'onednn', got {DECODE_MATMUL!r}")
     if DECODE_MATMUL != "auto":

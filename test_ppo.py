@@ -3585,7 +3585,7 @@ def test_cuda_sampler_logits_are_the_fp32_output_gemm():
     assert ((z.double() - exact).abs() <= (h[:, -1].double().abs() @ W.double().abs().T) * 2**-20).all()
 
 
-# -- a CPU generation's products on MKL or oneDNN (model.decode_matmul) ------------------------
+# -- a CPU generation's products on F.linear or oneDNN (model.decode_matmul) -------------------
 
 
 @pytest.mark.parametrize("shape,out,bias,scale", [
