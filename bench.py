@@ -808,10 +808,12 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     picked = M.decode_matmul()
     both = device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes()
     kernels = ("mkl", "onednn") if both else (picked,)
+    which = (f"CPU vendor {M.cpu_vendor()}: model.decode_matmul() picks {picked}, the kernel of 'agree' and 'ours "
+             "decode'" if device.type == "cpu" else "'ours decode' is the compiled step's (CUDA graphs)"
+             if compile else "'ours decode' is the eager step's")
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
-          f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); CPU vendor {M.cpu_vendor()}: "
-          f"model.decode_matmul() picks {picked}, the kernel of 'agree' and 'ours decode'")
+          f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); {which}")
     names = {k: f"ours {k}" if len(kernels) > 1 else "ours" for k in kernels}
     print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} " + " ".join(f"{n:>11}" for n in names.values())
           + f" {'ours+compile':>12} {'speedup':>7} {'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}",
@@ -841,7 +843,10 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
             fn = lambda: generate(model, batch, new_tokens, temperature=0, compile=True).tokens
             best["ours+compile"] = min(_timed(fn, device)[0] for _ in range(rounds))
             model.clear_kv_cache()
-        decode = B * (new_tokens - 1) / (best[names[picked]] - best.pop("ours, 1 token"))
+        # the decode rate of the step a run uses: eager on a CPU, the compiled one (CUDA graphs) on a GPU; one new
+        # token is the prefill and one sample, eager either way
+        timed = "ours+compile" if compile and device.type == "cuda" else names[picked]
+        decode = B * (new_tokens - 1) / (best[timed] - best.pop("ours, 1 token"))
         kv_bytes = B * (sum(len(p) for p in batch) / B + new_tokens / 2) * kv_per_slot  # filled slots, on average
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}

