@@ -1182,29 +1182,55 @@ def word_prompts(path, n, length, seed=0):
     return path
 
 
-class StepTable:
-    """One row per step: time per phase, tokens/s, response length, sampler logprob diff and each phase's peak
-    memory (CUDA), beside --dry_run's plan of cfg for `gpus` GPUs. As a context manager it prints the row of
-    every step that ppo.main logs (runtime.Logger.log) when it is logged, so a run cut short still reports."""
+def model_flops(cfg, seq_lens, head_tokens, causal=True):
+    """Forward matmul FLOPs of one decoder (config.json fields) over rows of seq_lens tokens: the blocks'
+    projections (2 x their weights a token), attention's two products (4 x heads x head_dim a query and key;
+    causal: the query at t sees t + 1 keys) and a vocabulary head over head_tokens tokens (PPO's fused head
+    computes the response tokens' only). A backward costs twice its forward."""
+    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nh
+    per_token = 2 * L * (H * hd * (2 * nh + 2 * nkv) + 3 * H * I)  # q, o; k, v; gate, up, down
+    keys = sum(T * (T + 1) / 2 if causal else T * T for T in seq_lens)
+    return per_token * sum(seq_lens) + 4 * L * nh * hd * keys + 2 * H * cfg["vocab_size"] * head_tokens
 
-    def __init__(self, cfg, gpus):
+
+def ppo_train_flops(policy_cfg, critic_cfg, seq_lens, response_tokens):
+    """Model FLOPs of one pass of PPO's training over the rows (one epoch): the actor's and the critic's forward
+    and backward (3 x forward), the actor's LM head over the response tokens, the critic's value head (2H a token)
+    over every token. Activation checkpointing's recomputed forwards are not counted (MFU's convention)."""
+    actor = model_flops(policy_cfg, seq_lens, response_tokens)
+    critic = model_flops(critic_cfg, seq_lens, 0) + 2 * critic_cfg["hidden_size"] * sum(seq_lens)
+    return 3 * (actor + critic)
+
+
+class StepTable:
+    """One row per step: time per phase, tokens/s, response length, sampler logprob diff, perf/padding_frac, the
+    training phase's model TFLOP/s (where train_flops(metrics) gives its FLOPs) and each phase's peak memory
+    (CUDA), beside --dry_run's plan of cfg for `gpus` GPUs. As a context manager it prints the row of every step
+    that ppo.main logs (runtime.Logger.log) when it is logged, so a run cut short still reports."""
+
+    def __init__(self, cfg, gpus, train_flops=None):
         import plan
 
         p, _ = plan.build(cfg, ppo.derive(cfg, 0, gpus, torch.device("cuda")))  # sizes as on GPUs
         self.planned, self.rows = [p.peak(phase) / plan.GiB for phase in p.phases], []  # rollout, scoring, training
+        self.train_flops, self.gpus = train_flops, gpus
         print(f"plan (--dry_run={gpus}), peak GiB rollout / score / train: "
               + " / ".join(f"{x:.2f}" for x in self.planned))
         print("| step | rollout s | score s | train s | step s | response tokens/s | response length | "
-              "sampler logprob diff | peak GiB rollout / score / train |")
-        print("|---|---|---|---|---|---|---|---|---|", flush=True)
+              "sampler logprob diff | padding frac | train TFLOP/s per GPU | peak GiB rollout / score / train |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
     def row(self, m):
         self.rows.append(m)
         peaks = " / ".join(f"{m[f'mem/{k}_peak_gib']:.2f}" if f"mem/{k}_peak_gib" in m else "-"
                            for k in ("rollout", "score", "train"))
+        rate = (f"{self.train_flops(m) / m['time/train'] / self.gpus / 1e12:.1f}" if self.train_flops
+                and m["time/train"] > 0 else "-")
         print(f"| {m['step']} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | "
               f"{m['time/step']:.1f} | {m['time/tokens_per_sec']:.0f} | {m['val/response_length']:.0f} | "
-              f"{m['val/sampler_logprob_diff']:.2e} | {peaks} |", flush=True)
+              f"{m['val/sampler_logprob_diff']:.2e} | {m['perf/padding_frac']:.3f} | {rate} | {peaks} |", flush=True)
 
     def summary(self):
         if self.rows and "mem/train_peak_gib" in self.rows[-1]:
@@ -1232,8 +1258,9 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
                 inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
                 dtype="auto"):
     """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
-    time per phase, response tokens/s, val/sampler_logprob_diff and, on CUDA, each phase's peak allocated memory
-    beside --dry_run's plan for one GPU, a row per step as it ends. No checkpoint is written. Random weights
+    time per phase, response tokens/s, val/sampler_logprob_diff, perf/padding_frac, the training phase's model
+    TFLOP/s (ppo_train_flops) and, on CUDA, each phase's peak allocated memory beside --dry_run's plan for one GPU,
+    a row per step as it ends. No checkpoint is written. Random weights
     rarely sample EOS, so responses run to max_new_tokens."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
@@ -1250,7 +1277,14 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
         print(f"\n{shape}, random weights, {device}, torch {torch.__version__}: {rollout_batch_size} prompts a step, "
               f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
               f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}")
-        with NoCheckpoints(), StepTable(cfg, 1) as table:
+        P, shape_cfg = max_prompt_len - 1, SHAPES[shape]  # word_prompts' length; the critic has the policy's shape
+
+        def train_flops(m):  # every response taken at the step's mean length: exact but for attention's T^2 term
+            R = m["val/response_length"]
+            return cfg.ppo_epochs * ppo_train_flops(shape_cfg, shape_cfg, [P + R] * rollout_batch_size,
+                                                    R * rollout_batch_size)
+
+        with NoCheckpoints(), StepTable(cfg, 1, train_flops) as table:
             ppo.main(cfg)
     table.summary()
 

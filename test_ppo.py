@@ -6459,6 +6459,30 @@ def test_offloaded_optimizer_steps_like_the_resident_one(tiny_run, group, tmp_pa
     assert moved and all(after[0][k].abs().sum() > 0 for k in moved)
 
 
+def test_model_flops_match_torchs_count():
+    # bench.model_flops, behind real_shapes' training TFLOP/s (its MFU), against torch's FlopCounterMode on a
+    # transformers decoder: eager attention multiplies every query with every key (causal=False), logits at every
+    # position; a head_dim that is not hidden / heads; the backward twice the forward; the causal count in between
+    import bench
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=16, vocab_size=101)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attn_implementation="eager"))
+    lens = [7, 13]
+    with FlopCounterMode(display=False) as fwd:
+        outs = [model(torch.randint(0, 101, (1, T))).logits for T in lens]
+    with FlopCounterMode(display=False) as bwd:
+        sum(o.square().sum() for o in outs).backward()
+    full = bench.model_flops(cfg, lens, sum(lens), causal=False)
+    assert fwd.get_total_flops() == full and bwd.get_total_flops() == 2 * full
+    causal = bench.model_flops(cfg, lens, sum(lens))
+    assert causal == full - 4 * 2 * 6 * 16 * sum(T * (T - 1) / 2 for T in lens)  # keys past each query, not seen
+    critic = dict(cfg, vocab_size=1)
+    assert bench.ppo_train_flops(cfg, critic, lens, 5) == 3 * (bench.model_flops(cfg, lens, 5)
+                                                             + bench.model_flops(critic, lens, sum(lens)))
+
+
 def test_cpu_phases_counts_matmuls():
     # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
     # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
