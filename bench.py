@@ -132,6 +132,44 @@ class NoCheckpoints:
         ppo.checkpoint.save, ppo.save_hf = self.saved
 
 
+class ProfileUpdate:
+    """ppo.main with its nth call of ppo.update (one minibatch's micro-batches, backward and optimizer steps;
+    1-based, over the run) under torch.profiler: prints the wall time of that call and the ops and kernels that
+    took the most time of their own (the device's on CUDA, the host's elsewhere). 0: nothing profiled."""
+
+    def __init__(self, nth, rows=30):
+        self.nth, self.rows = nth, rows
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.saved, calls = ppo.update, [0]
+        cuda = torch.cuda.is_available()
+
+        def update(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] != self.nth:
+                return self.saved(*args, **kwargs)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                out = self.saved(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            key = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(f"\nppo.update call {self.nth}, profiled: {wall:.2f} s wall; the {self.rows} ops and kernels with "
+                  f"the most {'device' if cuda else 'host'} time of their own", flush=True)
+            print(prof.key_averages().table(sort_by=key, row_limit=self.rows), flush=True)
+            return out
+
+        ppo.update = update
+        return self
+
+    def __exit__(self, *exc):
+        ppo.update = self.saved
+
+
 RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=4, max_new_tokens=128,
                     max_prompt_len=96, sample_every=0, save_every=0, seed=1)  # the ragged workload (with its prompts)
 
@@ -1256,11 +1294,12 @@ class StepTable:
 
 def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch_size=32, micro_batch_size=2,
                 inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
-                dtype="auto"):
+                dtype="auto", profile_update=0):
     """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
     time per phase, response tokens/s, val/sampler_logprob_diff, perf/padding_frac, the training phase's model
     TFLOP/s (ppo_train_flops) and, on CUDA, each phase's peak allocated memory beside --dry_run's plan for one GPU,
-    a row per step as it ends. No checkpoint is written. Random weights
+    a row per step as it ends. profile_update=n: the run's nth minibatch update under torch.profiler
+    (ProfileUpdate; with 2 minibatches a step, 3 is step 2's first). No checkpoint is written. Random weights
     rarely sample EOS, so responses run to max_new_tokens."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
@@ -1284,7 +1323,7 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
             return cfg.ppo_epochs * ppo_train_flops(shape_cfg, shape_cfg, [P + R] * rollout_batch_size,
                                                     R * rollout_batch_size)
 
-        with NoCheckpoints(), StepTable(cfg, 1, train_flops) as table:
+        with NoCheckpoints(), ProfileUpdate(profile_update), StepTable(cfg, 1, train_flops) as table:
             ppo.main(cfg)
     table.summary()
 

@@ -6483,6 +6483,21 @@ def test_model_flops_match_torchs_count():
                                                              + bench.model_flops(critic, lens, sum(lens)))
 
 
+def test_profile_update_profiles_the_nth_call_only(monkeypatch, capsys):
+    # bench.py real_shapes --profile_update=n (the GPU runbook's profile stage): the run's nth ppo.update runs under
+    # torch.profiler and its table is printed; the others run as they are; ppo.update is restored after
+    import bench
+
+    calls = []
+    monkeypatch.setattr(bench.ppo, "update", lambda i: calls.append(i) or torch.ones(64, 64) @ torch.ones(64, 64))
+    original = bench.ppo.update
+    with bench.ProfileUpdate(2):
+        outs = [bench.ppo.update(i) for i in range(3)]
+    assert bench.ppo.update is original and calls == [0, 1, 2] and all(torch.equal(o, outs[0]) for o in outs)
+    out = capsys.readouterr().out
+    assert out.count("ppo.update call 2, profiled") == 1 and "aten::mm" in out
+
+
 def test_cpu_phases_counts_matmuls():
     # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
     # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
