@@ -16,6 +16,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
                                                          bandwidth roof (CPU float32: on MKL's and oneDNN's
                                                          products); finished rows dropped from the decode
                                                          batch or not
+    python bench.py decode_layout                        a CPU decode step's oneDNN products with the weights stored
+                                                         (out, in) or (in, out), per shape and row count
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
     python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
                                                          time per phase, tokens/s, peak memory beside the plan
@@ -49,6 +51,7 @@ layout, 0 in the padding-free one), and the step's speedup; then each step's tim
     python bench.py ppo_step                         # about 22 minutes on 2 CPU cores (4 runs of 2 steps)
     python bench.py ppo_step --steps=1 --rounds=1    # quicker, noisier
 """
+import copy
 import functools
 import importlib.util
 import json
@@ -69,7 +72,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo
 import rollout
-from model import FLEX_BLOCK, Transformer, attend, attention_block_mask, attention_mask_4d, default_attn_impl
+from model import (FLEX_BLOCK, Transformer, attend, attention_block_mask, attention_mask_4d, decodes_transposed,
+                   default_attn_impl, store_transposed)
 from rollout import CACHE_MULTIPLE, generate, pad_prompts
 
 SHORT = ["What is {a} times {b}? Reply with the number only.", "Name the capital of {c}. One word.",
@@ -409,8 +413,6 @@ def lora_generation(ranks=(16, 64), batch=16, new_tokens=24, rounds=3, dtypes=("
     W + (alpha / r) B A (model.copy_weights_from) and generates with it; "unmerged" refills a copy that keeps the
     adapters (the base weights and A, B copied) and generates through them, two more small matmuls per projection
     and token. B is random (a trained adapter). Each cell is the best of `rounds`, the two ways interleaved."""
-    import copy
-
     import lora
     from data import load_prompts
 
@@ -441,6 +443,8 @@ def lora_generation(ranks=(16, 64), batch=16, new_tokens=24, rounds=3, dtypes=("
                 if isinstance(mod, lora.LoRALinear):
                     mod.lora_A.float(), mod.lora_B.float()  # the adapters in float32, as they train
             merged = copy.deepcopy(base).to(dt).requires_grad_(False)
+            if decodes_transposed("cpu", dt):
+                store_transposed(merged)  # as build_models lays out the rollout's copy
             unmerged = copy.deepcopy(actor).requires_grad_(False)
             refill = {"merged": lambda: merged.copy_weights_from(actor),
                       "unmerged": lambda: unmerged.load_state_dict(actor.state_dict())}
@@ -831,10 +835,11 @@ def _warm_compiled(model, prompts, new_tokens):
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
     eager with each of model.DECODE_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
-    takes it, bf16); and our eager decode (with the kernel model.decode_matmul() picks) against the memory-bandwidth
-    roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1 token)), the roof = batch /
-    ((every weight + the filled KV cache, on average) / the bandwidth measured in this run: on a CPU the fastest
-    read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
+    takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed,
+    as the rollout's copy has them); and our eager decode (the kernel model.decode_matmul() picks, the rollout's
+    layout) against the bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1
+    token)), the roof = batch / ((every weight + the filled KV cache, on average) / the bandwidth measured in this
+    run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
     import model as M
 
     device = model.lm_head_weight.device
@@ -847,30 +852,38 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     both = device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes()
     kernels = ("mkl", "onednn") if both else (picked,)
     which = (f"CPU vendor {M.cpu_vendor()}: model.decode_matmul() picks {picked}, the kernel of 'agree' and 'ours "
-             "decode'" if device.type == "cpu" else "'ours decode' is the compiled step's (CUDA graphs)"
-             if compile else "'ours decode' is the eager step's")
+             "decode', in the rollout's layout" if device.type == "cpu"
+             else "'ours decode' is the compiled step's (CUDA graphs)" if compile else "'ours decode' is the eager step's")
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
           f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); {which}")
-    names = {k: f"ours {k}" if len(kernels) > 1 else "ours" for k in kernels}
-    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} " + " ".join(f"{n:>11}" for n in names.values())
+    # label -> (kernel, model): each kernel with the layout the rollout's copy takes for it (model.decodes_transposed);
+    # oneDNN in float32 also with the (out, in) layout, side by side
+    variants = {(f"ours {k}" if len(kernels) > 1 else "ours"): (k, model) for k in kernels}
+    if device.type == "cpu" and model.lm_head_weight.dtype == torch.float32 and "onednn" in kernels:
+        variants = {"ours mkl": ("mkl", model), "onednn (out,in)": ("onednn", model),
+                    "ours onednn": ("onednn", M.store_transposed(copy.deepcopy(model)))}
+    rollouts = next(n for n, (k, _) in variants.items() if k == picked and n != "onednn (out,in)")  # the rollout's
+    print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} " + " ".join(f"{n:>15}" for n in variants)
           + f" {'ours+compile':>12} {'speedup':>7} {'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}",
           flush=True)
     for B in batches:
         batch = [prompts[i % len(prompts)] for i in range(B)]
         P = max(len(p) for p in batch)
 
-        def ours(kernel, n):
+        def ours(variant, n):
+            kernel, laid_out = variants[variant]
+
             def run():
                 before, M.DECODE_MATMUL = M.DECODE_MATMUL, kernel
                 try:
-                    return generate(model, batch, n, temperature=0, compile=False).tokens
+                    return generate(laid_out, batch, n, temperature=0, compile=False).tokens
                 finally:
                     M.DECODE_MATMUL = before
             return run
 
         runs = {"transformers": lambda: _hf_generate(hf, batch, new_tokens, pad_id),
-                **{names[k]: ours(k, new_tokens) for k in kernels}, "ours, 1 token": ours(picked, 1)}
+                **{n: ours(n, new_tokens) for n in variants}, "ours, 1 token": ours(rollouts, 1)}
         best, outs = {k: float("inf") for k in runs}, {}
         for _ in range(rounds):
             for k, fn in runs.items():
@@ -883,16 +896,16 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
             model.clear_kv_cache()
         # the decode rate of the step a run uses: eager on a CPU, the compiled one (CUDA graphs) on a GPU; one new
         # token is the prefill and one sample, eager either way
-        timed = "ours+compile" if compile and device.type == "cuda" else names[picked]
+        timed = "ours+compile" if compile and device.type == "cuda" else rollouts
         decode = B * (new_tokens - 1) / (best[timed] - best.pop("ours, 1 token"))
         kv_bytes = B * (sum(len(p) for p in batch) / B + new_tokens / 2) * kv_per_slot  # filled slots, on average
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}
-        differ = (outs[names[picked]] != outs["transformers"])[:, P:]  # (B, new_tokens)
+        differ = (outs[rollouts] != outs["transformers"])[:, P:]  # (B, new_tokens)
         same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
         comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
         speedup = max(v for k, v in tps.items() if k != "transformers") / tps["transformers"]
-        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:11.1f}" for n in names.values())
+        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:15.1f}" for n in variants)
               + f" {comp} {speedup:6.2f}x {same:6.0%} {decode:11.1f} {roof:6.1f} {decode / roof:9.0%}", flush=True)
 
 
@@ -941,6 +954,8 @@ def _bench_ragged(device, batch, micros, new_tokens, rounds, dtype=torch.float32
         return
     tok = load_tokenizer("smollm2")
     model = Transformer.from_pretrained("smollm2", device=device).to(dtype).eval()
+    if decodes_transposed(device, dtype):
+        store_transposed(model)  # the rollout's layout
     ids = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 128).ids
     short = [tok.apply_chat_template([{"role": "user", "content": f"{q} Answer in a few words."}],
                                      add_generation_prompt=True, return_dict=False) for q in SHORT_QUESTIONS]
@@ -1081,6 +1096,62 @@ def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, 
     if "ragged" in cases:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         _bench_ragged(dev, 32, (None, 8), new_tokens, rounds, dtype)
+
+
+def decode_layout(rows=(1, 2, 4, 16), dtypes=("fp32", "bf16"), layers=30, reps=15, H=576, I=1536, KV=192, V=49152):
+    """oneDNN's product of a decode step (model.linear inside a CPU generation) with each weight of a block stored
+    (out, in), as it loads, against (in, out) (model.store_transposed): SmolLM2-135M's shapes, `layers` distinct
+    matrices of each shape read in turn, as a decode step streams them, and the LM head (V, H); the best of `reps`
+    passes. Which layout model.decodes_transposed picks for the rollout's copy rests on this table."""
+    import model as M
+
+    shapes = {"q_proj, o_proj": (H, H), "k_proj, v_proj": (KV, H), "gate_proj, up_proj": (I, H),
+              "down_proj": (H, I), "LM head": (V, H)}
+    rows = (rows,) if isinstance(rows, int) else tuple(rows)
+    dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
+    print(f"torch {torch.__version__}, {_machine()}; {layers} matrices of each block shape, 1 LM head; "
+          f"microseconds a product, best of {reps}")
+    print("| dtype | weight | out x in | rows | (out, in) us | (in, out) us | (in, out) speedup | same bits |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for name in dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+        if dtype not in M.onednn_dtypes():
+            print(f"| {name} | oneDNN takes no {name} products on this CPU | | | | | | |", flush=True)
+            continue
+        for what, (o, i) in shapes.items():
+            g = torch.Generator().manual_seed(o + i)
+            plain = [torch.randn(o, i, generator=g).to(dtype) for _ in range(1 if what == "LM head" else layers)]
+            transposed = [w.T.contiguous().T for w in plain]
+            for m in rows:
+                x = torch.randn(m, i, generator=g).to(dtype)
+                best = {}
+                for key, ws in (("plain", plain), ("transposed", transposed)):
+                    def one_pass():
+                        for w in ws:
+                            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    one_pass()
+                    best[key] = min(_timed(one_pass, torch.device("cpu"))[0] for _ in range(reps)) / len(ws)
+                same = all(torch.equal(torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], ""),
+                                       torch.ops.mkldnn._linear_pointwise(x, b, None, "none", [], ""))
+                           for a, b in zip(plain, transposed))
+                print(f"| {name} | {what} | {o} x {i} | {m} | {best['plain'] * 1e6:.1f} | "
+                      f"{best['transposed'] * 1e6:.1f} | {best['plain'] / best['transposed']:.2f}x | "
+                      f"{'yes' if same else 'no'} |", flush=True)
+        # what the layout costs once a step: the refill (copy_weights_from) of every block weight
+        block = [shapes["q_proj, o_proj"]] * 2 + [shapes["k_proj, v_proj"]] * 2 + [shapes["gate_proj, up_proj"]] * 2 \
+            + [shapes["down_proj"]]
+        src = [torch.randn(o, i).to(dtype) for _ in range(layers) for o, i in block]
+        t = {}
+        for key, dst in (("plain", [torch.empty_like(w) for w in src]),
+                         ("transposed", [torch.empty(w.shape[::-1], dtype=dtype).T for w in src])):
+            def refill():
+                for d, w in zip(dst, src):
+                    d.copy_(w)
+            refill()
+            t[key] = min(_timed(refill, torch.device("cpu"))[0] for _ in range(5))
+        mb = sum(w.numel() for w in src) * src[0].element_size() / 1e6
+        print(f"| {name} | refill: every block weight copied in | {mb:.0f} MB | | {t['plain'] * 1e3:.1f} ms | "
+              f"{t['transposed'] * 1e3:.1f} ms | {t['plain'] / t['transposed']:.2f}x | |", flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -1393,7 +1464,7 @@ if __name__ == "__main__":
 
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
                "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
-               "generation": generation,
+               "generation": generation, "decode_layout": decode_layout,
                "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from hf import read_checkpoint
 from lora import AdaptersOff, adapter_state, add_adapters
-from model import Transformer
+from model import Transformer, decodes_transposed, store_transposed
 from runtime import UsageError, check_space, print0
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
@@ -172,9 +172,10 @@ def frozen_like(actor, mesh, run):
 def build_models(cfg, run, mesh):
     """The run's models: the actor, and the critic when the advantage estimator has one (run.critic), FSDP2 with
     fp32 master weights; the reference and the reward model (FSDP2, frozen, compute dtype); the generation copy
-    (whole on every rank, compute dtype; refilled from the actor before each rollout). Built on the meta device and
-    read once, by rank 0. The critic starts from the reward model (which may learn a bias), or from the policy's
-    backbone with a fresh head drawn on rank 0 from the seeded global RNG. The inputs were checked before
+    (whole on every rank, compute dtype, in the layout its decode reads fastest: model.decodes_transposed; refilled
+    from the actor before each rollout). Built on the meta device and read once, by rank 0. The critic starts from
+    the reward model (which may learn a bias), or from the policy's backbone with a fresh head drawn on rank 0
+    from the seeded global RNG. The inputs were checked before
     (ppo.load_inputs: files, context length, the reward model's tokenizer, vocabulary and score head).
     Under LoRA (--lora_rank) the actor and the critic train adapters on frozen bases (lora.py): the reference is
     the actor with its adapters off, and a critic that starts from the reward model is the reward model with its
@@ -186,6 +187,8 @@ def build_models(cfg, run, mesh):
     with torch.device("meta"):
         gen = Transformer(actor.config).to(run.dtype)
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
+    if decodes_transposed(run.device, run.dtype):
+        store_transposed(gen)  # the layout oneDNN's float32 decode reads fastest
     m = dict(actor=actor, ref=AdaptersOff(actor) if run.lora else frozen_like(actor, mesh, run), gen=gen,
              reward_model=None)
     shared = bool(run.lora and run.critic and cfg.reward_model)  # the critic's base is the reward model

@@ -3699,6 +3699,39 @@ def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_
     assert other == [False] and not M._generating.onednn
 
 
+def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls_out_the_same(rollout_tiny,
+                                                                                               monkeypatch):
+    # store_transposed: the same values in the other layout, kept by copy_weights_from; the rollouts drawn from it
+    # equal the plain model's (tokens exactly, logprobs to float32 rounding) on either kernel, ragged prompts,
+    # batch 1 (oneDNN's GEMV) and micro-batches of 2 with finished rows dropped
+    for kernel, want in [("onednn", True), ("mkl", False)]:
+        monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+        assert M.decodes_transposed("cpu", torch.float32) is want
+        assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
+    model = rollout_tiny["qwen2"][0]  # q/k/v biases
+    gen = M.store_transposed(copy.deepcopy(model))
+    src = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in src.parameters():  # other weights, as after an update
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    for refill in (False, True):
+        if refill:
+            gen.copy_weights_from(src)
+        plain = src if refill else model
+        for (k, p), (k0, p0) in zip(gen.named_parameters(), plain.named_parameters(), strict=True):
+            assert k == k0 and torch.equal(p, p0), k
+            if ".layers." in k and k.endswith("proj.weight"):
+                assert p.T.is_contiguous() and not p.is_contiguous(), k
+            else:
+                assert p.is_contiguous(), k
+        for kernel in ("onednn", "mkl"):
+            monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+            for prompts, micro in [(random_prompts([6], seed=2), None), (random_prompts([4, 9, 6, 1, 7], seed=5), 2)]:
+                kw = dict(temperature=1.0, seeds=list(range(3, 3 + len(prompts))), micro_batch_size=micro)
+                assert_same_rollout(generate(plain, prompts, 12, **kw), generate(gen, prompts, 12, **kw), atol=1e-5)
+
+
 # -- rollout micro-batches, one fixed cache, finished rows dropped ------------------------------
 
 
@@ -6296,7 +6329,7 @@ def make_reward_model(folder, seed=0):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, tmp_path, dtype):
+def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, tmp_path, dtype, monkeypatch):
     # build_models: every model on the meta device, sharded, filled from rank 0's read; the weights are
     # bitwise those of Transformer.from_pretrained (the reference and reward model in the compute dtype)
     import ppo
@@ -6304,11 +6337,22 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
 
     from model import Transformer
 
+    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")  # the generation copy transposed in float32 on any CPU
     rm = make_reward_model(tmp_path / "rm")
     cfg = ppo.Config(model=tiny_run["policy"], reward_model=rm, dtype=dtype)
     run = ppo.derive(cfg, 0, 1, torch.device("cpu"))
     m = C.build_models(cfg, run, init_device_mesh("cpu", (1,)))
     dt = run.dtype
+    # the generation copy, refilled: the actor's weights in the compute dtype, its blocks' projections stored
+    # (in, out) in float32 (model.decodes_transposed), every other tensor as it comes
+    m["gen"].copy_weights_from(m["actor"])
+    want = {k: v.to(dt) for k, v in Transformer.from_pretrained(tiny_run["policy"]).state_dict().items()}
+    laid = dict(m["gen"].named_parameters())
+    assert laid.keys() == want.keys()
+    for k, p in laid.items():
+        assert torch.equal(p, want[k]), k
+        transposed = dtype == "fp32" and ".layers." in k and k.endswith("proj.weight")
+        assert (p.T.is_contiguous() and not p.is_contiguous()) if transposed else p.is_contiguous(), k
 
     def full(model):
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
