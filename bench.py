@@ -834,9 +834,9 @@ def _warm_compiled(model, prompts, new_tokens):
 
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
-    eager with each of model.DECODE_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
+    eager with each of model.CPU_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
     takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed,
-    as the rollout's copy has them); and our eager decode (the kernel model.decode_matmul() picks, the rollout's
+    as the rollout's copy has them); and our eager decode (the kernel model.cpu_matmul() picks, the rollout's
     layout) against the bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1
     token)), the roof = batch / ((every weight + the filled KV cache, on average) / the bandwidth measured in this
     run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
@@ -848,10 +848,10 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
-    picked = M.decode_matmul()
+    picked = M.cpu_matmul()
     both = device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes()
     kernels = ("mkl", "onednn") if both else (picked,)
-    which = (f"CPU vendor {M.cpu_vendor()}: model.decode_matmul() picks {picked}, the kernel of 'agree' and 'ours "
+    which = (f"CPU vendor {M.cpu_vendor()}: model.cpu_matmul() picks {picked}, the kernel of 'agree' and 'ours "
              "decode', in the rollout's layout" if device.type == "cpu"
              else "'ours decode' is the compiled step's (CUDA graphs)" if compile else "'ours decode' is the eager step's")
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
@@ -875,11 +875,11 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
             kernel, laid_out = variants[variant]
 
             def run():
-                before, M.DECODE_MATMUL = M.DECODE_MATMUL, kernel
+                before, M.CPU_MATMUL = M.CPU_MATMUL, kernel
                 try:
                     return generate(laid_out, batch, n, temperature=0, compile=False).tokens
                 finally:
-                    M.DECODE_MATMUL = before
+                    M.CPU_MATMUL = before
             return run
 
         runs = {"transformers": lambda: _hf_generate(hf, batch, new_tokens, pad_id),
@@ -997,7 +997,7 @@ def _read_bandwidth(device, nbytes=2 << 30):
     """Bytes read per second from a float32 matrix of nbytes (more than a CPU's caches hold), by the fastest of
     three kernels that read it once: MKL's GEMV, oneDNN's GEMV and a sum. The rate a decode step at batch 1, a
     chain of such products, streams its weights at best; MKL's GEMV alone would understate it on CPUs MKL runs
-    its generic code on (model.decode_matmul)."""
+    its generic code on (model.cpu_matmul)."""
     W, x = torch.randn(nbytes // 4 // 4096, 4096, device=device), torch.randn(1, 4096, device=device)
     reads = [lambda: W @ x[0], lambda: W.sum()]
     if torch.backends.mkldnn.is_available():
@@ -1068,18 +1068,18 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
 
 
 def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None,
-               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), decode_matmul=None, bf16_batches=(1,)):
+               batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), cpu_matmul=None, bf16_batches=(1,)):
     """"compare": SmolLM2-135M-Instruct at each batch size, ours vs transformers, and our decode against the
     memory-bandwidth roof; CPU: float32 (and bfloat16 at bf16_batches), CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
     and 64, decode against the bandwidth roof and transformers.
     "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
-    in one batch and in micro-batches of 8). decode_matmul: model.DECODE_MATMUL for this run ("mkl", "onednn";
+    in one batch and in micro-batches of 8). cpu_matmul: model.CPU_MATMUL for this run ("mkl", "onednn";
     None: as it is, "auto")."""
     import model as M
 
-    if decode_matmul is not None:
-        M.DECODE_MATMUL = decode_matmul
-        M.decode_matmul()  # a bad name fails here
+    if cpu_matmul is not None:
+        M.CPU_MATMUL = cpu_matmul
+        M.cpu_matmul()  # a bad name fails here
     dev = torch.device(device)
     batches = (batches,) if isinstance(batches, int) else tuple(batches)
     cases = (cases,) if isinstance(cases, str) else tuple(cases)

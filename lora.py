@@ -57,6 +57,9 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        # the base layer's own product, as a function of this module (model.Linear's: F.linear, or oneDNN's where
+        # model.cpu_matmul() picks it), so that adapters at B = 0 give the base model's outputs bit for bit
+        self.base_product = type(linear).forward
         dev = linear.weight.device
         self.lora_A = nn.Linear(self.in_features, cfg.rank, bias=False, device=dev, dtype=torch.float32)
         self.lora_B = nn.Linear(cfg.rank, self.out_features, bias=False, device=dev, dtype=torch.float32)
@@ -67,7 +70,7 @@ class LoRALinear(nn.Linear):
             self.lora_B.weight.data.zero_()
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = self.base_product(self, x)
         if not self.adapters_on:
             return y
         # the adapters in the input's dtype (FSDP2's mixed precision has already cast them; a plain model has not)

@@ -348,33 +348,35 @@ class KVCache(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# linear layers: a CPU generation may run its products on oneDNN's kernels
+# linear layers: a CPU's float32 products (and a generation's bf16 ones) may run on oneDNN's kernels
 
-DECODE_MATMUL = "auto"  # products of a CPU generation: "mkl" (F.linear), "onednn", "auto" (decode_matmul)
-_generating = threading.local()  # .onednn: this thread is generating, with oneDNN's products (decode_products)
+CPU_MATMUL = "auto"  # a CPU's float32 products: "mkl" (F.linear), "onednn", "auto" (cpu_matmul)
+_generating = threading.local()  # .onednn: this thread is generating, with oneDNN's bf16 products (decode_products)
 
 
-def decode_matmul():
-    """The kernel of a CPU generation's products (DECODE_MATMUL; "auto": oneDNN on x86 CPUs not made by Intel,
-    F.linear elsewhere). PyTorch's x86 build runs a float32 F.linear on MKL, which picks its code by the CPU's
-    vendor: on other vendors' CPUs its float32 GEMV, a decode step's product at small batch, takes a generic path
-    on one thread. oneDNN's kernels dispatch on the instruction set alone; called directly in bf16 they gave
-    F.linear's results bitwise and a 1.25-1.85x faster generation at batch 1-16 on an AMD Zen 5. On Intel CPUs
-    MKL's float32 GEMV is the faster. `python bench.py generation` times both."""
-    if DECODE_MATMUL not in ("auto", "mkl", "onednn"):
-        raise ValueError(f"model.DECODE_MATMUL must be 'auto', 'mkl' or 'onednn', got {DECODE_MATMUL!r}")
-    if DECODE_MATMUL != "auto":
-        return DECODE_MATMUL
+def cpu_matmul():
+    """The kernel of a CPU's float32 products (CPU_MATMUL; "auto": oneDNN on x86 CPUs not made by Intel, F.linear
+    elsewhere). PyTorch's x86 build runs a float32 F.linear on MKL, which picks its code by the CPU's vendor: on
+    other vendors' CPUs its GEMV, a decode step's product at small batch, takes a generic path on one thread, and
+    its GEMMs run AVX2 code even where the CPU has AVX-512. oneDNN's kernels dispatch on the instruction set alone:
+    on an AMD Zen 5 a 1.5-2.6x faster float32 generation at batch 1-16, and for scoring's and training's products
+    1.06-1.2x (AVX2 code) to 2-2.4x (AVX-512) forward and for the input's gradient. On Intel CPUs MKL's float32
+    GEMV is the faster. `python bench.py generation` times both kernels in a generation."""
+    if CPU_MATMUL not in ("auto", "mkl", "onednn"):
+        raise ValueError(f"model.CPU_MATMUL must be 'auto', 'mkl' or 'onednn', got {CPU_MATMUL!r}")
+    if CPU_MATMUL != "auto":
+        return CPU_MATMUL
     onednn = cpu_vendor() not in (None, "GenuineIntel") and torch.backends.mkldnn.is_available()
     return "onednn" if onednn else "mkl"
 
 
 @contextlib.contextmanager
 def decode_products(device, compiled=False):
-    """Within it, this thread's float32 and bf16 products of `linear` (and Linear layers) run on decode_matmul()'s
-    kernel, on a CPU and not under torch.compile. rollout.generate runs in it; training and scoring never do."""
+    """Within it, this thread's bf16 products of `linear` (and Linear layers) run on oneDNN where cpu_matmul()
+    picks it, on a CPU and not under torch.compile (called directly, they gave F.linear's bf16 results bitwise,
+    faster). rollout.generate runs in it; training and scoring, whose bf16 F.linear is oneDNN's already, never do."""
     before = getattr(_generating, "onednn", False)
-    _generating.onednn = torch.device(device).type == "cpu" and not compiled and decode_matmul() == "onednn"
+    _generating.onednn = torch.device(device).type == "cpu" and not compiled and cpu_matmul() == "onednn"
     try:
         yield
     finally:
@@ -387,13 +389,47 @@ def onednn_dtypes():
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
+def onednn_linear(x, weight, bias=None):
+    """x @ weight.T + bias on oneDNN's kernels (no autograd of its own)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """F.linear with the forward and the input's gradient on oneDNN; the weight's and the bias's gradients as
+    F.linear's backward computes them (oneDNN was no faster there). A row's output rounds the same whatever rows
+    share the product (tested), so scoring and training, which group rows differently, agree bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        # what each gradient needs, as F.linear saves it: x for the weight's, the weight for x's (a frozen base
+        # layer under LoRA keeps no copy of its input)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.has_bias = bias is not None
+        return onednn_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        g2 = gy.reshape(-1, gy.size(-1))  # (rows, out)
+        dx = onednn_linear(gy, weight.T) if ctx.needs_input_grad[0] else None  # gy @ weight
+        dw = g2.T.mm(x.reshape(-1, x.size(-1))) if ctx.needs_input_grad[1] else None
+        db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
 def linear(x, weight, bias=None):
-    """F.linear, or inside decode_products with oneDNN picked, oneDNN's product in float32 or bf16 (no autograd:
-    it runs only with gradients off, on plain CPU tensors)."""
-    if (getattr(_generating, "onednn", False) and x.dtype == weight.dtype and x.dtype in onednn_dtypes()
-            and weight.device.type == "cpu" and type(weight) in (torch.Tensor, nn.Parameter)
+    """F.linear, or oneDNN's product where cpu_matmul() picks it: in float32 on plain CPU tensors (OneDNNLinear when
+    gradients flow), and in bf16 inside decode_products (no gradients there). Not under torch.compile."""
+    plain = (x.dtype == weight.dtype and weight.device.type == "cpu" and type(weight) in (torch.Tensor, nn.Parameter)
+             and x.device.type == "cpu" and not torch.compiler.is_compiling())
+    if plain and x.dtype == torch.float32 and cpu_matmul() == "onednn":
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return OneDNNLinear.apply(x, weight, bias)
+        return onednn_linear(x, weight, bias)
+    if (plain and getattr(_generating, "onednn", False) and x.dtype in onednn_dtypes()
             and not torch.is_grad_enabled()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -406,13 +442,13 @@ class Linear(nn.Linear):
 
 def decodes_transposed(device, dtype):
     """Whether a model that only generates (the rollout's copy) keeps its blocks' weights transposed in memory
-    (store_transposed): on a CPU whose float32 generation runs on oneDNN (decode_matmul()). oneDNN's float32
+    (store_transposed): on a CPU whose float32 products run on oneDNN (cpu_matmul()). oneDNN's float32
     product of a few rows reads an (in, out) weight faster than an (out, in) one (`python bench.py decode_layout`,
     SmolLM2's shapes, an AMD Zen 5 with AVX-512 code and held to AVX2 code): 1.1-1.8x for every block weight at
     2-16 rows; at one row 1.3-2.1x for q_proj, o_proj and down_proj, about 1.0x for k_proj and v_proj, 0.85-0.96x
     for gate_proj and up_proj. SmolLM2's generation: 1.10-1.12x at batch 1, 1.07-1.29x at 2-16 (`python bench.py
     generation`). Not in bf16, where (out, in) reads faster (0.4-1.1x), nor for the LM head (0.6-1.2x at one row)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and decode_matmul() == "onednn"
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_matmul() == "onednn"
 
 
 @torch.no_grad()

@@ -355,7 +355,7 @@ def last_logits(model, hidden, weight=None):
         return mm_f32(h, W.T)
     # float32 operands: bf16 values, and their products, are exact in float32. (B, H) @ (H, V), as transformers
     # computes it: MKL (torch 2.13, AVX-512) ran it 1.0x (B = 1) to 2.8x (B = 2, 3) faster than (V, H) @ (H, B)
-    return linear(h.to(W.dtype), W)  # = h @ W.T, on oneDNN inside generate where model.decode_matmul() picks it
+    return linear(h.to(W.dtype), W)  # = h @ W.T, on oneDNN where model.cpu_matmul() picks it
 
 
 def prefill(model, idx, mask, pos):

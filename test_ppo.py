@@ -419,18 +419,22 @@ def smollm2():
 
 
 @slow
-def test_smollm2_gguf_matches_transformers(smollm2):
-    # the reference here is transformers' own GGUF reader, not our weights copied into its model
+def test_smollm2_gguf_matches_transformers(smollm2, monkeypatch):
+    # the reference here is transformers' own GGUF reader, not our weights copied into its model; with our float32
+    # products on F.linear, as transformers' are, to 1e-5; on oneDNN (model.cpu_matmul) to its own rounding of 30
+    # blocks' sums (logits of up to ~20: 1e-4 measured on an AMD Zen 5)
     model = smollm2[0]
     folder, fname = os.path.split(H.resolve("smollm2"))
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings and model.config.vocab_size == 49152
     idx, mask, pos = left_padded_batch(49152, B=3, T=17)
-    with torch.no_grad():
-        a = model(idx, attention_mask=mask, position_ids=pos)
-        b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
-        assert (a - b).abs()[mask.bool()].max() < 1e-5
-        assert (model(idx[:1]) - hf(input_ids=idx[:1]).logits).abs().max() < 1e-5
+    for kernel, tol in [("mkl", 1e-5), ("onednn", 5e-4)]:
+        monkeypatch.setattr(M, "CPU_MATMUL", kernel)
+        with torch.no_grad():
+            a = model(idx, attention_mask=mask, position_ids=pos)
+            b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+            assert (a - b).abs()[mask.bool()].max() < tol, kernel
+            assert (model(idx[:1]) - hf(input_ids=idx[:1]).logits).abs().max() < tol, kernel
 
 
 # -- the value head in float32 ----------------------------------------------------------------
@@ -3611,7 +3615,7 @@ def test_cuda_sampler_logits_are_the_fp32_output_gemm():
     assert ((z.double() - exact).abs() <= (h[:, -1].double().abs() @ W.double().abs().T) * 2**-20).all()
 
 
-# -- a CPU generation's products on F.linear or oneDNN (model.decode_matmul) -------------------
+# -- a CPU's float32 products (and a generation's bf16 ones) on F.linear or oneDNN (model.cpu_matmul) --
 
 
 @pytest.mark.parametrize("shape,out,bias,scale", [
@@ -3629,18 +3633,26 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
     b = torch.randn(out, generator=g) * scale if bias else None
     strided = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2] * scale  # a non-contiguous view
     bf = [t if t is None else t.bfloat16() for t in (x, W, b)]  # bf16 operands: oneDNN's where it takes bf16
-    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")
+    monkeypatch.setattr(M, "CPU_MATMUL", "onednn")
     with torch.no_grad():
         with M.decode_products("cpu"), profile(activities=[ProfilerActivity.CPU]) as prof:
             z, zs, zb = M.linear(x, W, b), M.linear(strided, W, b), M.linear(*bf)
         calls = 3 if torch.bfloat16 in M.onednn_dtypes() else 2
         assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [calls]
         with M.decode_products("cpu"):
-            with torch.enable_grad():  # no autograd on oneDNN's op: F.linear whenever gradients are on
-                assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))
+            with torch.enable_grad():  # bf16: no autograd on oneDNN's op, F.linear whenever gradients are on
+                assert torch.equal(M.linear(*bf), F.linear(*bf))
             monkeypatch.setattr(M, "onednn_dtypes", lambda: (torch.float32,))  # a CPU without oneDNN's bf16
             assert torch.equal(M.linear(*bf), F.linear(*bf))
-        assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))  # outside the context, F.linear itself
+        # float32 takes oneDNN outside a generation too (scoring), and with gradients on (training), the same bits
+        assert torch.equal(M.linear(x, W, b), z)
+        with torch.enable_grad():
+            assert torch.equal(M.linear(x, W.requires_grad_(), b), z)
+        W.requires_grad_(False)
+        monkeypatch.setattr(M, "CPU_MATMUL", "mkl")
+        assert torch.equal(M.linear(x, W, b), F.linear(x, W, b))  # "mkl": F.linear itself
+        with M.decode_products("cpu"):
+            assert torch.equal(M.linear(*bf), F.linear(*bf))
     for a, w, c, y, out_ulp in [(x, W, b, z, 0), (strided, W, b, zs, 0), (*bf, zb, 2**-8)]:
         exact = a.double() @ w.double().T + (0 if c is None else c.double())
         bound = (a.double().abs() @ w.double().abs().T + (0 if c is None else c.double().abs())) * shape[-1] * 2**-23
@@ -3649,19 +3661,80 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
         assert ((y.double() - exact).abs() <= bound).all()
 
 
-def test_decode_matmul_picks_onednn_on_x86_cpus_not_made_by_intel(monkeypatch):
+@pytest.mark.parametrize("shape,out,bias,scale", [
+    ((5, 37), 19, True, 1.0),  # odd sizes, a bias
+    ((3, 13, 64), 200, False, 1.0),  # (B, T, H) rows of a forward
+    ((2, 37), 7, True, 1e15),  # products and sums near float32's largest
+    ((4, 9), 11, True, 1e-20),  # and underflowing ones
+])
+def test_onednn_linear_gradients_match_the_float64_ones(monkeypatch, shape, out, bias, scale):
+    # OneDNNLinear (float32 products with gradients on, where cpu_matmul() picks oneDNN): the output and the input's,
+    # weight's and bias's gradients within float32's rounding of the float64 ones, and of F.linear's
+    g = torch.Generator().manual_seed(sum(shape) * out)
+    x = (torch.randn(*shape, generator=g) * scale).requires_grad_()
+    W = (torch.randn(out, shape[-1], generator=g) * scale).requires_grad_()
+    b = (torch.randn(out, generator=g) * scale).requires_grad_() if bias else None
+    gy = torch.randn(*shape[:-1], out, generator=g)
+    gy.view(-1, out)[0] = 0  # a row with no gradient
+    monkeypatch.setattr(M, "CPU_MATMUL", "onednn")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = M.linear(x, W, b)
+        grads = torch.autograd.grad(y, [t for t in (x, W, b) if t is not None], gy)
+    assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [2]  # forward and dx
+    xd, Wd, gd = x.detach().double(), W.detach().double(), gy.double()
+    exact = [xd @ Wd.T + (0 if b is None else b.detach().double()), gd @ Wd,
+             gd.reshape(-1, out).T @ xd.reshape(-1, shape[-1]), gd.reshape(-1, out).sum(0)]
+    ab = [xd.abs() @ Wd.abs().T + (0 if b is None else b.detach().double().abs()), gd.abs() @ Wd.abs(),
+          gd.abs().reshape(-1, out).T @ xd.abs().reshape(-1, shape[-1]), gd.abs().reshape(-1, out).sum(0)]
+    k = [shape[-1], out, x.numel() // shape[-1], x.numel() // shape[-1]]  # the length of each sum
+    for got, want, mag, n in zip([y, *grads], exact, ab, k):
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert ((got.double() - want).abs() <= mag * n * 2**-23 + 2**-149).all()
+    monkeypatch.setattr(M, "CPU_MATMUL", "mkl")  # F.linear's: the same up to rounding
+    ref = torch.autograd.grad(F.linear(x, W, b), [t for t in (x, W, b) if t is not None], gy)
+    for got, want, mag, n in zip(grads, ref, ab[1:], k[1:]):
+        assert ((got.double() - want.double()).abs() <= 2 * mag * n * 2**-23 + 2**-149).all()
+
+
+def test_onednn_rows_round_the_same_whatever_rows_share_the_product(monkeypatch):
+    # what the first minibatch's ratio of exactly 1 rests on where cpu_matmul() picks oneDNN: a row's output, and
+    # its input gradient, do not depend on the other rows of the product, at the padding-free row counts
+    # (multiples of model.ROW_MULTIPLE), the row placed anywhere among them. (The tiny models' products, sums of
+    # 32-64 terms, come out of MKL and oneDNN alike, so the PPO runs of the tests cannot show this.)
+    monkeypatch.setattr(M, "CPU_MATMUL", "onednn")
+    g = torch.Generator().manual_seed(11)
+    for out, inp in [(576, 576), (1536, 576), (576, 1536)]:  # SmolLM2's: sums long enough to round differently
+        W = torch.randn(out, inp, generator=g) * 0.05
+        X, GY = torch.randn(160, inp, generator=g), torch.randn(160, out, generator=g)
+        rows = M.ROW_MULTIPLE
+
+        def y_and_dx(x, gy):
+            x = x.clone().requires_grad_()
+            y = M.linear(x, W)
+            return y.detach(), torch.autograd.grad(y, x, gy)[0]
+
+        ref_y, ref_dx = y_and_dx(X[:rows], GY[:rows])
+        for n in (2 * rows, 3 * rows, 10 * rows):
+            at = torch.randperm(n, generator=g)[:rows]
+            x, gy = torch.randn(n, inp, generator=g), torch.randn(n, out, generator=g)
+            x[at], gy[at] = X[:rows], GY[:rows]
+            y, dx = y_and_dx(x, gy)
+            assert torch.equal(y[at], ref_y) and torch.equal(dx[at], ref_dx), (out, inp, n)
+
+
+def test_cpu_matmul_picks_onednn_on_x86_cpus_not_made_by_intel(monkeypatch):
     real = M.cpu_vendor
-    monkeypatch.setattr(M, "DECODE_MATMUL", "auto")
+    monkeypatch.setattr(M, "CPU_MATMUL", "auto")
     for vendor, want in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn"),
                          (None, "mkl")]:  # None: not x86, or no /proc/cpuinfo
         monkeypatch.setattr(M, "cpu_vendor", lambda v=vendor: v)
-        assert M.decode_matmul() == want, vendor
+        assert M.cpu_matmul() == want, vendor
     for fixed in ("mkl", "onednn"):
-        monkeypatch.setattr(M, "DECODE_MATMUL", fixed)
-        assert M.decode_matmul() == fixed
-    monkeypatch.setattr(M, "DECODE_MATMUL", "openblas")
-    with pytest.raises(ValueError, match="DECODE_MATMUL.*'openblas'"):
-        M.decode_matmul()
+        monkeypatch.setattr(M, "CPU_MATMUL", fixed)
+        assert M.cpu_matmul() == fixed
+    monkeypatch.setattr(M, "CPU_MATMUL", "openblas")
+    with pytest.raises(ValueError, match="CPU_MATMUL.*'openblas'"):
+        M.cpu_matmul()
     real.cache_clear()
     with open("/proc/cpuinfo") as f:
         ids = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
@@ -3677,7 +3750,7 @@ def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_
     out = {}
     try:
         for kernel in ("mkl", "onednn"):
-            monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+            monkeypatch.setattr(M, "CPU_MATMUL", kernel)
             seen.clear()
             out[kernel] = generate(model, prompts, 12, temperature=1.0, seeds=[3, 1, 4, 1, 5], micro_batch_size=2)
             assert seen and all(s == (kernel == "onednn") for s in seen)  # prefill and every decode step
@@ -3686,7 +3759,7 @@ def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_
         hook.remove()
     assert_same_rollout(out["mkl"], out["onednn"], atol=1e-5)
     # the switch is per thread: an async rollout's generation thread does not turn it on for training
-    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")
+    monkeypatch.setattr(M, "CPU_MATMUL", "onednn")
     other = []
     with M.decode_products("cpu"):
         assert M._generating.onednn
@@ -3705,7 +3778,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
     # equal the plain model's (tokens exactly, logprobs to float32 rounding) on either kernel, ragged prompts,
     # batch 1 (oneDNN's GEMV) and micro-batches of 2 with finished rows dropped
     for kernel, want in [("onednn", True), ("mkl", False)]:
-        monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+        monkeypatch.setattr(M, "CPU_MATMUL", kernel)
         assert M.decodes_transposed("cpu", torch.float32) is want
         assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
     model = rollout_tiny["qwen2"][0]  # q/k/v biases
@@ -3726,7 +3799,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
             else:
                 assert p.is_contiguous(), k
         for kernel in ("onednn", "mkl"):
-            monkeypatch.setattr(M, "DECODE_MATMUL", kernel)
+            monkeypatch.setattr(M, "CPU_MATMUL", kernel)
             for prompts, micro in [(random_prompts([6], seed=2), None), (random_prompts([4, 9, 6, 1, 7], seed=5), 2)]:
                 kw = dict(temperature=1.0, seeds=list(range(3, 3 + len(prompts))), micro_batch_size=micro)
                 assert_same_rollout(generate(plain, prompts, 12, **kw), generate(gen, prompts, 12, **kw), atol=1e-5)
@@ -4582,14 +4655,18 @@ def without_measured(rows):
 
 
 @slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,kernel", [("fp32", "mkl"), ("fp32", "onednn"), ("bf16", "auto")])
+def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype, kernel):
     # one minibatch in one epoch: the update sees exactly the weights that scored the rollout,
     # through the same code path (micro-batches in another order), and the actor still equals the reference
-    # (scoring and training micro-batches of the same size: the same rows grouped alike, the same crops)
-    _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, dtype=dtype,
-                      inference_micro_batch_size=4, reward_fn="sentiment")  # the flag is the Config field
-    m = rows[0]
+    # (scoring and training micro-batches of the same size: the same rows grouped alike, the same crops);
+    # float32 with its products on F.linear (MKL) and on oneDNN (model.cpu_matmul), whichever this CPU picks
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path),
+            "total_steps": 1, "ppo_epochs": 1, "mini_batch_size": 8, "micro_batch_size": 4, "dtype": dtype,
+            "inference_micro_batch_size": 4, "reward_fn": "sentiment"}
+    p = run_script(ppo_script(args, f"import model\nmodel.CPU_MATMUL = {kernel!r}"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = read_metrics(tmp_path)[0]
     assert m["val/ratio"] == 1.0 and m["val/ratio_var"] == 0.0
     assert m["policy/clipfrac_avg"] == 0.0 and m["policy/approxkl_avg"] == 0.0
     for k in ("objective/kl", "objective/kl_k1", "objective/kl_k2", "objective/kl_k3", "objective/kl_exact"):
@@ -6337,7 +6414,7 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
 
     from model import Transformer
 
-    monkeypatch.setattr(M, "DECODE_MATMUL", "onednn")  # the generation copy transposed in float32 on any CPU
+    monkeypatch.setattr(M, "CPU_MATMUL", "onednn")  # the generation copy transposed in float32 on any CPU
     rm = make_reward_model(tmp_path / "rm")
     cfg = ppo.Config(model=tiny_run["policy"], reward_model=rm, dtype=dtype)
     run = ppo.derive(cfg, 0, 1, torch.device("cpu"))
