@@ -18,6 +18,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
                                                          batch or not
     python bench.py decode_layout                        a CPU decode step's oneDNN products with the weights stored
                                                          (out, in) or (in, out), per shape and row count
+    python bench.py train_products                       a CPU's float32 products at training's sizes: F.linear against
+                                                         oneDNN's (model.OneDNNLinear), forward and gradients
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
     python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
                                                          time per phase, tokens/s, peak memory beside the plan
@@ -1154,6 +1156,33 @@ def decode_layout(rows=(1, 2, 4, 16), dtypes=("fp32", "bf16"), layers=30, reps=1
               f"{t['transposed'] * 1e3:.1f} ms | {t['plain'] / t['transposed']:.2f}x | |", flush=True)
 
 
+
+def train_products(rows=(256, 560, 1024), reps=10, H=576, I=1536, KV=192):
+    """A CPU's float32 products at scoring's and training's sizes, F.linear (MKL on x86) against oneDNN's (what
+    model.OneDNNLinear runs where model.cpu_matmul() picks oneDNN): the forward x W^T, the input's gradient
+    gy W and the weight's gy^T x (torch.mm in both: oneDNN was no faster there), SmolLM2-135M's block shapes;
+    milliseconds, the best of `reps`."""
+    import torch.nn.functional as F
+
+    from model import onednn_linear
+
+    rows = (rows,) if isinstance(rows, int) else tuple(rows)
+    print(f"torch {torch.__version__}, {_machine()}; float32, milliseconds a product, best of {reps}")
+    print("| weight (out x in) | rows | forward: F.linear | forward: oneDNN | speedup | dx: gy @ W | dx: oneDNN "
+          "| speedup | dW: gy^T @ x |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    cpu = torch.device("cpu")
+    for o, i in [(H, H), (KV, H), (I, H), (H, I)]:
+        g = torch.Generator().manual_seed(o * i)
+        W = torch.randn(o, i, generator=g) * 0.05
+        for m in rows:
+            x, gy = torch.randn(m, i, generator=g), torch.randn(m, o, generator=g)
+            t = {name: min(_timed(fn, cpu)[0] for _ in range(reps)) * 1e3 for name, fn in [
+                ("f", lambda: F.linear(x, W)), ("f1", lambda: onednn_linear(x, W)), ("d", lambda: gy @ W),
+                ("d1", lambda: onednn_linear(gy, W.T)), ("w", lambda: gy.T @ x)]}
+            print(f"| {o} x {i} | {m} | {t['f']:.2f} | {t['f1']:.2f} | {t['f'] / t['f1']:.2f}x | {t['d']:.2f} | "
+                  f"{t['d1']:.2f} | {t['d'] / t['d1']:.2f}x | {t['w']:.2f} |", flush=True)
+
 # -----------------------------------------------------------------------------
 # attention: model.py's fused default against the math kernel
 
@@ -1464,7 +1493,7 @@ if __name__ == "__main__":
 
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
                "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
-               "generation": generation, "decode_layout": decode_layout,
+               "generation": generation, "decode_layout": decode_layout, "train_products": train_products,
                "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})

@@ -360,8 +360,8 @@ def cpu_matmul():
     other vendors' CPUs its GEMV, a decode step's product at small batch, takes a generic path on one thread, and
     its GEMMs run AVX2 code even where the CPU has AVX-512. oneDNN's kernels dispatch on the instruction set alone:
     on an AMD Zen 5 a 1.5-2.6x faster float32 generation at batch 1-16, and for scoring's and training's products
-    1.06-1.2x (AVX2 code) to 2-2.4x (AVX-512) forward and for the input's gradient. On Intel CPUs MKL's float32
-    GEMV is the faster. `python bench.py generation` times both kernels in a generation."""
+    1.0-1.2x (AVX2 code) to 1.9-2.4x (AVX-512) forward and for the input's gradient. On Intel CPUs MKL's float32
+    GEMV is the faster. `python bench.py generation` and `python bench.py train_products` time both kernels."""
     if CPU_MATMUL not in ("auto", "mkl", "onednn"):
         raise ValueError(f"model.CPU_MATMUL must be 'auto', 'mkl' or 'onednn', got {CPU_MATMUL!r}")
     if CPU_MATMUL != "auto":
