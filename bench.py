@@ -577,8 +577,8 @@ def cpu_malloc(steps=6, rounds=2, dtype="fp32"):
 # -----------------------------------------------------------------------------
 # cpu_phases: where the default run's time goes, phase by phase: matmuls, the kernel, everything else
 
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_flash_attention_for_cpu_backward")
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_linear_pointwise",  # the last: model.onednn_linear
+              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def _matmul_flops(name, shapes):
@@ -586,6 +586,8 @@ def _matmul_flops(name, shapes):
     if name in ("mm", "mv", "addmm", "addmv"):
         a, b = shapes[-2:]
         return 2 * math.prod(a) * (b[1] if len(b) == 2 else 1)
+    if name == "_linear_pointwise":  # x (..., in), weight (out, in)
+        return 2 * math.prod(shapes[0]) * shapes[1][0]
     if name in ("bmm", "baddbmm"):
         a, b = shapes[-2:]
         return 2 * math.prod(a) * b[2]
@@ -653,7 +655,8 @@ class _MatmulLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMUL_OPS:
-            meta = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            meta = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else
+                         ("list", tuple(a)) if isinstance(a, list) else a for a in args)  # hashable
             key = (self.phase, func, meta, tuple(sorted((kwargs or {}).items())))
             self.calls[key] = self.calls.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
@@ -684,7 +687,7 @@ def _isolated_time(func, meta, kwargs, pool):
         out, offset = [], c * per_copy
         for m in meta:
             if not _is_operand(m):
-                out.append(m)
+                out.append(list(m[1]) if isinstance(m, tuple) and m[:1] == ("list",) else m)
                 continue
             shape, stride, dtype = m
             n = 1 + sum((k - 1) * s for k, s in zip(shape, stride))
@@ -704,15 +707,19 @@ def _isolated_time(func, meta, kwargs, pool):
     return (time.perf_counter() - t) / reps
 
 
-def _phases_run(mode, out_dir, steps, dtype, threads):
-    """One default run through ppo.main in this (fresh) process: "time" returns the phase clock's totals, "count"
-    the matmul calls by phase with each layout's isolated time, measured here after the run."""
+def _phases_run(mode, out_dir, steps, dtype, threads, prompts=None):
+    """One default run through ppo.main in this (fresh) process (with `prompts`: the ragged workload's): "time"
+    returns the phase clock's totals, "count" the matmul calls by phase with each layout's isolated time, measured
+    here after the run."""
     if threads:
         torch.set_num_threads(threads)
     log = _MatmulLog() if mode == "count" else None
     clock = _PhaseClock(on_phase=(lambda p: setattr(log, "phase", p)) if log else None)
     clock.install()
     cfg = ppo.Config(out_dir=out_dir, total_steps=steps, dtype=dtype)
+    if prompts:  # as vs_commit runs it
+        cfg = ppo.Config(out_dir=out_dir, total_steps=steps, dtype=dtype, prompts=prompts, inference_micro_batch_size=4,
+                         **RAGGED_FLAGS)
     if log:
         with log:
             ppo.main(cfg)
@@ -737,7 +744,7 @@ def _gemm_rate(dtype, n=2048):
     return 2 * n**3 / min(_timed(lambda: a @ b, torch.device("cpu"))[0] for _ in range(5))
 
 
-def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_evals=3):
+def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_evals=3, workload="default"):
     """Where the default run's time goes (`python ppo.py`: its first `steps` steps, its evaluations before the first
     and after the last, and its final checkpoint), per phase: the wall time; the time its matmuls take when each
     call runs alone on cold operands of the same layout (at the rate this CPU reaches on those shapes, memory-bound
@@ -745,19 +752,25 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
     back and taken again); and everything else (elementwise ops, the optimizer, copies, Python). Two fresh
     processes draw the same samples: one timed, one counting the matmuls (then timing each layout alone). Step 1
     (the heap's first allocations) is apart; later steps are per step. The last line projects the whole default
-    run: load + step 1 + (default_steps - 1) later steps + default_evals evaluations + the checkpoint."""
+    run: load + step 1 + (default_steps - 1) later steps + default_evals evaluations + the checkpoint.
+    workload="ragged": the same table for vs_commit's ragged workload (no evaluations, no projection)."""
     if threads:
         torch.set_num_threads(threads)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps, load average "
+    print(f"torch {torch.__version__}, {_machine()}, {workload} workload, {dtype}, {steps} steps, load average "
           f"{os.getloadavg()[0]:.2f}; one 2048^3 GEMM: {_gemm_rate(dt) / 1e9:,.0f} GFLOP/s; copy bandwidth "
           f"{_copy_bandwidth(torch.device('cpu'), 1 << 30) / 1e9:.1f} GB/s (read + write)", flush=True)
+    if workload not in ("default", "ragged"):
+        raise ValueError(f"workload: default or ragged, not {workload!r}")
     with tempfile.TemporaryDirectory() as tmp:
+        prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl")) if workload == "ragged" else None
         t0 = time.time()
-        totals, counts, n_threads = run_isolated_fn(_phases_run, "time", os.path.join(tmp, "t"), steps, dtype, threads)
+        totals, counts, n_threads = run_isolated_fn(_phases_run, "time", os.path.join(tmp, "t"), steps, dtype, threads,
+                                                    prompts)
         print(f"  timed run: {time.time() - t0:.0f} s", flush=True)
+        shutil.rmtree(os.path.join(tmp, "t"))  # its 3.6 GB checkpoint: the counting run writes its own
         t0 = time.time()
-        mm = run_isolated_fn(_phases_run, "count", os.path.join(tmp, "c"), steps, dtype, threads)
+        mm = run_isolated_fn(_phases_run, "count", os.path.join(tmp, "c"), steps, dtype, threads, prompts)
         print(f"  counting run, then each matmul layout timed alone: {time.time() - t0:.0f} s", flush=True)
     print(f"\n{n_threads} threads. Seconds; rollout, score, train and step rest: per step, steps 2-{steps}; eval: per "
           "evaluation; matmul GFLOP/s: their FLOPs over their time alone")
@@ -778,6 +791,8 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
     later = [sum(per[k][i] for k in ("rollout", "score", "train", "step rest") if k in per) for i in range(4)]
     print(f"| later step | {later[0]:.2f} | {later[1]:.2f} | | | {later[2]:.2f} | | {later[3]:.2f} | "
           f"{later[3] / max(later[0], 1e-9):.0%} |")
+    if workload != "default":
+        return
     weights = {"load": 1, "step 1": 1, "eval": default_evals, "checkpoint": 1}
     whole = [sum(w * per[k][i] for k, w in weights.items() if k in per) + (default_steps - 1) * later[i]
              for i in range(4)]
