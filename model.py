@@ -574,7 +574,8 @@ class Transformer(nn.Module):
         returns `logp` and `entropy` (B, T) of softmax(logits / temperature), float32, 0 where
         ignored, from the fused kernels (no (B, T, V) logits), and with ref_hidden (N, H) (the
         reference model's hidden states at the N scored positions, row-major order) and
-        ref_weight (V, H) also the exact per-token `kl` to the reference. Computing these inside
+        ref_weight (V, H) also the reference's `ref_logp` (no gradient) and the exact per-token `kl` to
+        it (under no_grad the four from one pass over both heads). Computing these inside
         forward keeps FSDP's gathered LM head in scope for the backward."""
         B, T = idx.shape
         if attention_mask is None:
@@ -637,17 +638,21 @@ class Transformer(nn.Module):
         return F.linear(x, self.lm_head_weight)  # (B, T, V)
 
     def _fused_head(self, x, labels, temperature, ref_hidden, ref_weight):
-        from kernels import linear_kl, linear_logprob_entropy
+        from kernels import linear_kl, linear_logprob_entropy, linear_logprob_entropy_kl
 
         sel = labels != -100  # (B, T)
-        h = x[sel]  # (N, H)
-        logp, ent = linear_logprob_entropy(h, self.lm_head_weight, labels[sel], temperature)
-        out = {"logp": x.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, logp),
-               "entropy": x.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, ent)}
-        if ref_hidden is not None:
-            kl = linear_kl(h, self.lm_head_weight, ref_hidden, ref_weight, temperature)
-            out["kl"] = x.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, kl)
-        return out
+        h, y, w = x[sel], labels[sel], self.lm_head_weight  # (N, H), (N,), (V, H)
+        if ref_hidden is None:
+            out = dict(zip(("logp", "entropy"), linear_logprob_entropy(h, w, y, temperature)))
+        elif not torch.is_grad_enabled():  # scoring: both models' logits once for all four
+            out = dict(zip(("logp", "entropy", "ref_logp", "kl"),
+                           linear_logprob_entropy_kl(h, w, y, ref_hidden, ref_weight, temperature)))
+        else:  # training with the KL loss: the reference's logprob without a gradient
+            out = dict(zip(("logp", "entropy"), linear_logprob_entropy(h, w, y, temperature)))
+            with torch.no_grad():
+                out["ref_logp"] = linear_logprob_entropy(ref_hidden, ref_weight, y, temperature)[0]
+            out["kl"] = linear_kl(h, w, ref_hidden, ref_weight, temperature)
+        return {k: x.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, v) for k, v in out.items()}
 
     # -- loading and saving ----------------------------------------------------
 

@@ -289,20 +289,14 @@ def response_labels(mb):
 def policy_forward(actor, mb, temperature, ref=None):
     """logp and entropy (B, R) of the actor; with `ref` also ref_logp and the exact kl to it.
     float32, 0 off the response. The reference is frozen: no gradient flows into it."""
-    from kernels import linear_logprob_entropy
-
     P = mb["P"]
     labels = response_labels(mb)
-    kw, out = {}, {}
+    kw = {}
     if ref is not None:
-        sel = labels != -100
         with torch.no_grad():
-            ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)[sel]  # (N, H)
-            ref_lp, _ = linear_logprob_entropy(ref_h, ref.lm_head_weight, labels[sel], temperature)
-        out["ref_logp"] = torch.zeros(labels.shape, device=ref_lp.device).masked_scatter(sel, ref_lp)
-        kw = dict(ref_hidden=ref_h, ref_weight=ref.lm_head_weight)
-    out.update(actor(mb["tokens"], mb["attention_mask"], mb["position_ids"], labels=labels,
-                     temperature=temperature, **kw))
+            ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)  # (B, T, H)
+        kw = dict(ref_hidden=ref_h[labels != -100], ref_weight=ref.lm_head_weight)  # (N, H) at the scored tokens
+    out = actor(mb["tokens"], mb["attention_mask"], mb["position_ids"], labels=labels, temperature=temperature, **kw)
     return {k: v[:, P - 1 : -1] for k, v in out.items()}
 
 

@@ -51,7 +51,7 @@ import plan
 from data import PromptSampler, check_jsonl, left_pad, load_prompts, load_sft
 from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_gae_reference, final_score, kl_estimate,
                  masked_mean, masked_sum, masked_var, masked_whiten, random_prefix_mask, shape_rewards)
-from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy,
+from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_kl,
                      linear_logprob_entropy_reference)
 from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import DEFAULT_CONFIG, aligned_rows, check_labels, chunk_shape
@@ -2462,6 +2462,75 @@ def test_kl_is_zero_when_actor_is_reference(backend):
     kl, dh, dw = run_kl(hidden, weight, hidden, weight, 1.0, backend, TILES, per_token(N, 23))
     assert kl.abs().max() < 1e-6
     assert dh.abs().max() < 1e-6 and dw.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("N,H,V,T,scale,offset,cfg", [
+    (1, 16, 97, 1.0, 1.0, 0.0, TILES),  # one row; the last vocab chunk of 97 = 2 * 40 + 17 is short
+    (37, 40, 257, 0.7, 20.0, 0.0, TILES),  # confident, 8 row chunks of 5 (the last of 2)
+    (7, 16, 130, 1.3, 3.0, -1e4, TILES),  # every actor logit ~ -1e4, the reference's ~ +1e4
+    (33, 40, 3001, 1.0, 0.05, 0.0, None),  # flat, the default chunks (2048 columns: two)
+])
+def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch, dtype, N, H, V, T, scale, offset,
+                                                                     cfg):
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)  # bf16: one rounding, as in test_logprob_entropy_bf16
+    # scoring's fused head: logprob and entropy bit for bit as linear_logprob_entropy gives them (the first
+    # minibatch's ratio of 1 compares them with training's), ref_logprob as it gives the reference's, and the KL
+    # against the float64 reference; labels at both ends of the vocabulary
+    hidden, weight, labels = make(N, H, V, scale, seed=N + V + 3, offset=offset, dtype=dtype)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=N + 4)
+    if offset:
+        ref_weight[:, 0] = 1e4
+    labels[0], labels[-1] = 0, V - 1
+    with torch.no_grad():
+        lp, ent, ref_lp, kl = linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, T, config=cfg)
+        assert all(x.shape == (N,) for x in (lp, ent, ref_lp, kl))
+        want = dict(zip(("logprob", "entropy"), linear_logprob_entropy(hidden, weight, labels, T, config=cfg)))
+        want["ref_logprob"] = linear_logprob_entropy(ref_hidden, ref_weight, labels, T, config=cfg)[0]
+        for name, got in (("logprob", lp), ("entropy", ent), ("ref_logprob", ref_lp)):
+            assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
+        r_lp, r_ent = linear_logprob_entropy_reference(hidden.double(), weight.double(), labels, T)
+        r_ref_lp, _ = linear_logprob_entropy_reference(ref_hidden.double(), ref_weight.double(), labels, T)
+        r_kl = linear_kl_reference(hidden.double(), weight.double(), ref_hidden.double(), ref_weight.double(), T)
+    tol = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-4, 1e-6), torch.bfloat16: (1e-4, 1e-6)}[dtype]
+    if offset:  # float32 spacing at 1e4 is ~1e-3
+        tol = (0, 5e-3) if dtype != torch.float64 else (1e-8, 1e-10)
+    close(lp, r_lp, *tol, "logprob")
+    close(ent, r_ent, *tol, "entropy")
+    close(ref_lp, r_ref_lp, *tol, "ref_logprob")
+    close(kl, r_kl, *tol, "kl")
+
+
+def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradients():
+    N, H, V = 13, 16, 130
+    hidden, weight, labels = make(N, H, V, 2.0, seed=5)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=6)
+
+    class Products(torch.utils._python_dispatch.TorchDispatchMode):  # counts the head products: (rows, H) x (H, vocab chunk)
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Products.n += func.overloadpacket.__name__ in ("mm", "addmm") and args[1].shape[0] == H
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Products():
+        linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, 0.9, config=TILES)
+    fused, Products.n = Products.n, 0
+    with torch.no_grad(), Products():
+        linear_logprob_entropy(hidden, weight, labels, 0.9, config=TILES)
+        linear_logprob_entropy(ref_hidden, ref_weight, labels, 0.9, config=TILES)
+        linear_kl(hidden, weight, ref_hidden, ref_weight, 0.9, config=TILES)
+    chunks = -(-N // TILES.chunk_rows) * -(-V // TILES.chunk_vocab)
+    assert fused == 2 * chunks and Products.n == 4 * chunks
+    with pytest.raises(ValueError, match="no backward"):
+        linear_logprob_entropy_kl(hidden.requires_grad_(), weight, labels, ref_hidden, ref_weight)
+    with torch.no_grad(), pytest.raises(ValueError, match="vocabulary must agree"):
+        linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight[:-1])
+    with torch.no_grad(), pytest.raises(ValueError, match="labels must lie in"):
+        linear_logprob_entropy_kl(hidden, weight, labels + V, ref_hidden, ref_weight)
+    with torch.no_grad():  # no rows: four empty vectors
+        assert [x.shape for x in linear_logprob_entropy_kl(hidden[:0], weight, labels[:0], ref_hidden[:0],
+                                                           ref_weight)] == [(0,)] * 4
 
 
 # -----------------------------------------------------------------------------

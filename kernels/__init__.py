@@ -9,7 +9,7 @@ input dtype before the dh and dW GEMMs, as on CUDA, where the CPU otherwise keep
 TRITON_INTERPRET=1 and backend="triton" a CPU run then computes what the CUDA kernels compute, up to the
 order of float32 additions (GEMM blocking, the forward's split count)."""
 
-from kernels.kl import linear_kl, linear_kl_reference
+from kernels.kl import linear_kl, linear_kl_reference, linear_logprob_entropy_kl
 from kernels.logprob_entropy import linear_logprob_entropy, linear_logprob_entropy_reference
 from kernels.utils import TileConfig
 
@@ -18,5 +18,6 @@ __all__ = [
     "linear_logprob_entropy_reference",
     "linear_kl",
     "linear_kl_reference",
+    "linear_logprob_entropy_kl",
     "TileConfig",
 ]

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.logprob_entropy import linear_logprob_entropy, merge_stats, shift_and_pick
 from kernels.utils import (
     TileConfig,
     accum_dtype,
@@ -50,6 +51,7 @@ from kernels.utils import (
     aligned_rows,
     cdiv,
     check_config,
+    check_labels,
     check_linear,
     check_temperature,
     chunk_logits,
@@ -414,3 +416,86 @@ def linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, backend="
         dt = torch.float64 if backend == "torch" and hidden.dtype == torch.float64 else torch.float32
         return (hidden.sum() + weight.sum()).to(dt).mul(0).expand(0)  # keeps the graph connected
     return LinearKL.apply(hidden, weight, ref_hidden, ref_weight, temperature, backend, cfg)
+
+
+# -----------------------------------------------------------------------------
+# scoring: both heads' logprobs, the actor's entropy and the exact KL from one pass over the two logit sets
+
+
+def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: TileConfig):
+    """The chunk loop of logprob_entropy._forward_torch run on both models at once, with this module's KL
+    statistics folded in. Its chunks (logprob_entropy's, not linear_kl's narrower ones) and its operations on the
+    actor's logits are that function's, op for op, so logprob and entropy come out bit for bit as
+    linear_logprob_entropy gives them, and ref_logprob as linear_logprob_entropy gives the reference's: the
+    first minibatch's ratio of 1 rests on that."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dt = accum_dtype(hidden.dtype)
+    logprob, entropy, ref_logprob, kl = (torch.empty(N, device=hidden.device, dtype=dt) for _ in range(4))
+    R, C = chunk_shape(cfg, N, V, n_models=1)
+    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
+    for r0 in range(0, N, R):
+        r1 = min(r0 + R, N)
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
+        y = labels[r0:r1]
+        z_label, zr_label = torch.zeros(n, device=hidden.device, dtype=dt), torch.zeros(n, device=hidden.device, dtype=dt)
+        for v0 in range(0, V, C):
+            v1 = min(v0 + C, V)
+            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, gemm_operand(weight[v0:v1]), scale)[:n]
+            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
+            mc, picked = shift_and_pick(z, y, v0, v1)
+            z_label += picked
+            mrc, picked = shift_and_pick(zr, y, v0, v1)
+            zr_label += picked
+            src = torch.exp(zr, out=chunk_view(ebuf, n, v1 - v0)).sum(1)
+            e = torch.exp(z, out=chunk_view(ebuf, n, v1 - v0))
+            sc = e.sum(1)
+            bc = zr.neg_().add_(z).mul_(e).sum(1)  # sum exp(z - m) ((z - m) - (zr - mr)), in place over zr
+            ac = e.mul_(z).sum(1)  # sum exp(z - m)(z - m)
+            if v0 == 0:
+                m, s, a, mr, sr, b = mc, sc, ac, mrc, src, bc
+            else:  # fold this chunk into the running statistics: the actor's as logprob_entropy does, then the KL's
+                pairs = [torch.stack(p) for p in ((m, mc), (s, sc), (a, ac), (mr, mrc), (sr, src), (b, bc))]
+                (m, s, a), (_, _, mr, sr, b) = merge_stats(*pairs[:3]), merge_kl_stats(*pairs[:2], *pairs[3:])
+        log_s, log_sr = torch.log(s), torch.log(sr)
+        logprob[r0:r1] = (z_label - m) - log_s
+        entropy[r0:r1] = log_s - a / s
+        ref_logprob[r0:r1] = (zr_label - mr) - log_sr
+        kl[r0:r1] = b / s - log_s + log_sr
+    return logprob, entropy, ref_logprob, kl
+
+
+def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, temperature=1.0, backend="auto",
+                              config=None):
+    """Scoring's four per-token numbers at once, without gradients: (logprob, entropy, ref_logprob, kl), each (N,),
+    the first two as linear_logprob_entropy(hidden, weight, labels) gives them, ref_logprob as it gives the
+    reference's, kl as linear_kl. The torch path computes each vocab chunk of both models' logits once (2 head
+    products a token instead of the 4 of the three calls: linear_kl recomputes both models' logits) and gives the
+    first two bit for bit as linear_logprob_entropy does with the same config. The Triton path, and models of
+    different dtypes, make the three calls. For scoring under torch.no_grad(); training takes the separate ops."""
+    where = "linear_logprob_entropy_kl"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, weight, ref_hidden, ref_weight)):
+        raise ValueError(f"{where} has no backward: call it under torch.no_grad(), or take linear_logprob_entropy "
+                         "and linear_kl for gradients")
+    check_linear(where, "hidden", hidden, "weight", weight)
+    check_linear(where, "ref_hidden", ref_hidden, "ref_weight", ref_weight)
+    if ref_hidden.shape[0] != hidden.shape[0] or ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"{where}: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} against "
+                         f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}: the rows "
+                         "and the vocabulary must agree")
+    temperature = check_temperature(where, temperature)
+    cfg = config if config is not None else default_config(hidden.dtype)
+    check_config(cfg, where)
+    N = hidden.shape[0]
+    if not isinstance(labels, torch.Tensor) or labels.shape != (N,) or labels.is_floating_point() \
+            or labels.device != hidden.device:
+        got = f"{labels.dtype} {tuple(labels.shape)} on {labels.device}" if isinstance(labels, torch.Tensor) else \
+            type(labels).__name__
+        raise ValueError(f"{where}: labels must be an integer tensor of shape ({N},) on {hidden.device}, got {got}")
+    check_labels(where, labels, weight.shape[0])
+    backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _kl_fwd_kernel)
+    if backend == "triton" or hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
+        logprob, entropy = linear_logprob_entropy(hidden, weight, labels, temperature, backend, cfg)
+        ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend)
+        return logprob, entropy, ref_logprob, linear_kl(hidden, weight, ref_hidden, ref_weight, temperature, backend)
+    return _score_torch(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight, 1.0 / temperature, cfg)

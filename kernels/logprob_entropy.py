@@ -278,6 +278,16 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
 # the exp over it)
 
 
+def shift_and_pick(z, labels, v0, v1):
+    """For a chunk z (n, C) of logits over vocab columns [v0, v1): subtracts each row's max from z in place and
+    returns (max (n,), the label's logit where the label lies in the chunk, else 0 (n,))."""
+    mc = z.amax(1)
+    z -= mc[:, None]
+    inside = (labels >= v0) & (labels < v1)
+    picked = z.gather(1, (labels - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1) + mc
+    return mc, torch.where(inside, picked, 0.0)
+
+
 def _forward_torch(hidden, weight, labels, scale, cfg: TileConfig):
     N, V = hidden.shape[0], weight.shape[0]
     dt = accum_dtype(hidden.dtype)
@@ -294,11 +304,8 @@ def _forward_torch(hidden, weight, labels, scale, cfg: TileConfig):
             v1 = min(v0 + C, V)
             w_op = gemm_operand(weight[v0:v1])
             z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
-            mc = z.amax(1)
-            z -= mc[:, None]  # z - max, in place
-            inside = (y >= v0) & (y < v1)
-            picked = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1) + mc
-            z_label += torch.where(inside, picked, 0.0)
+            mc, picked = shift_and_pick(z, y, v0, v1)
+            z_label += picked
             e = torch.exp(z, out=chunk_view(ebuf, n, v1 - v0))
             sc = e.sum(1)
             ac = e.mul_(z).sum(1)  # sum exp(z - m)(z - m)
