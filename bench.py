@@ -804,44 +804,47 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
 # scoring_head: scoring's four per-token numbers from three fused-head calls against one pass
 
 
-def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), rounds=5, threads=None):
+def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), rounds=5, threads=None, device="cpu",
+                 backend="auto"):
     """What scoring's LM heads cost (SmolLM2's shape by default; tokens: the default run's 16 x 24 response tokens
     and the ragged workload's ~2560 a step): linear_logprob_entropy on the actor and on the reference plus linear_kl
-    (4 head products a token), against linear_logprob_entropy_kl (2), on the chunked torch path, under no_grad. The
-    two alternate, `rounds` times; min and median seconds. Also checks that the logprobs and entropies agree bit for
-    bit."""
+    (4 head products a token, on `device`'s default backend), against linear_logprob_entropy_kl on `backend` (the
+    chunked torch path's one pass: 2; "auto" on CUDA makes the same three Triton calls, so compare backend="torch"
+    there). Under no_grad, the two alternating, `rounds` times; min and median seconds; whether the logprobs,
+    entropies and reference logprobs agree bit for bit, and the largest logprob difference."""
     from kernels import linear_kl, linear_logprob_entropy, linear_logprob_entropy_kl
 
     if threads:
         torch.set_num_threads(threads)
-    print(f"torch {torch.__version__}, {_machine()}, {torch.get_num_threads()} threads, H={H}, V={V}, "
+    dev = torch.device(device)
+    print(f"torch {torch.__version__}, {_machine() if dev.type == 'cpu' else torch.cuda.get_device_name(dev)}, "
+          f"{torch.get_num_threads()} threads, H={H}, V={V}, one pass on backend={backend}, "
           f"load average {os.getloadavg()[0]:.2f}\n")
-    print("| dtype | tokens | three calls s (min / median) | one pass s (min / median) | speedup (min) | same bits |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | tokens | three calls s (min / median) | one pass s (min / median) | speedup (min) | same bits "
+          "| max logprob diff |")
+    print("|---|---|---|---|---|---|---|")
     for name in dtypes:
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         for n in tokens:
             g = torch.Generator().manual_seed(n)
-            h, w = torch.randn(n, H, generator=g).to(dt), (torch.randn(V, H, generator=g) * 2 / H**0.5).to(dt)
-            rh, rw = (h + 0.1 * torch.randn(n, H, generator=g)).to(dt), (w + 0.01 * torch.randn(V, H, generator=g)).to(dt)
-            y = torch.randint(0, V, (n,), generator=g)
-
-            def three():
-                lp, ent = linear_logprob_entropy(h, w, y, 0.7)
-                return lp, ent, linear_logprob_entropy(rh, rw, y, 0.7)[0], linear_kl(h, w, rh, rw, 0.7)
-
-            times = {"three": [], "one": []}
+            h, w = torch.randn(n, H, generator=g), torch.randn(V, H, generator=g) * 2 / H**0.5
+            rh, rw = h + 0.1 * torch.randn(n, H, generator=g), w + 0.01 * torch.randn(V, H, generator=g)
+            h, w, rh, rw = (t.to(device=dev, dtype=dt) for t in (h, w, rh, rw))
+            y = torch.randint(0, V, (n,), generator=g).to(dev)
+            fns = {"three": lambda: (*linear_logprob_entropy(h, w, y, 0.7), linear_logprob_entropy(rh, rw, y, 0.7)[0],
+                                     linear_kl(h, w, rh, rw, 0.7)),
+                   "one": lambda: linear_logprob_entropy_kl(h, w, y, rh, rw, 0.7, backend=backend)}
+            times = {k: [] for k in fns}
             with torch.no_grad():
-                outs = {"three": three(), "one": linear_logprob_entropy_kl(h, w, y, rh, rw, 0.7)}
+                outs = {k: fn() for k, fn in fns.items()}
                 for _ in range(rounds):
-                    for k, fn in (("three", three), ("one", lambda: linear_logprob_entropy_kl(h, w, y, rh, rw, 0.7))):
-                        t = time.perf_counter()
-                        fn()
-                        times[k].append(time.perf_counter() - t)
+                    for k, fn in fns.items():
+                        times[k].append(_timed(fn, dev)[0])
             same = all(torch.equal(a, b) for a, b in zip(outs["three"][:3], outs["one"][:3]))
+            diff = (outs["three"][0] - outs["one"][0]).abs().max().item()
             a, b = times["three"], times["one"]
             print(f"| {name} | {n} | {min(a):.3f} / {statistics.median(a):.3f} | {min(b):.3f} / "
-                  f"{statistics.median(b):.3f} | {min(a) / min(b):.2f}x | {same} |", flush=True)
+                  f"{statistics.median(b):.3f} | {min(a) / min(b):.2f}x | {same} | {diff:.1e} |", flush=True)
 
 
 # -----------------------------------------------------------------------------
