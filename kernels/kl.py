@@ -51,7 +51,7 @@ from kernels.utils import (
     aligned_rows,
     cdiv,
     check_config,
-    check_labels,
+    check_label_vector,
     check_linear,
     check_temperature,
     chunk_logits,
@@ -487,15 +487,11 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
     cfg = config if config is not None else default_config(hidden.dtype)
     check_config(cfg, where)
     N = hidden.shape[0]
-    if not isinstance(labels, torch.Tensor) or labels.shape != (N,) or labels.is_floating_point() \
-            or labels.device != hidden.device:
-        got = f"{labels.dtype} {tuple(labels.shape)} on {labels.device}" if isinstance(labels, torch.Tensor) else \
-            type(labels).__name__
-        raise ValueError(f"{where}: labels must be an integer tensor of shape ({N},) on {hidden.device}, got {got}")
-    check_labels(where, labels, weight.shape[0])
+    check_label_vector(where, labels, hidden, weight.shape[0])
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _kl_fwd_kernel)
     if backend == "triton" or hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
         logprob, entropy = linear_logprob_entropy(hidden, weight, labels, temperature, backend, cfg)
-        ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend)
-        return logprob, entropy, ref_logprob, linear_kl(hidden, weight, ref_hidden, ref_weight, temperature, backend)
+        ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend, config)
+        return logprob, entropy, ref_logprob, linear_kl(hidden, weight, ref_hidden, ref_weight, temperature, backend,
+                                                        config)
     return _score_torch(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight, 1.0 / temperature, cfg)

@@ -69,7 +69,7 @@ from kernels.utils import (
     aligned_rows,
     cdiv,
     check_config,
-    check_labels,
+    check_label_vector,
     check_linear,
     check_temperature,
     chunk_logits,
@@ -410,12 +410,7 @@ def linear_logprob_entropy(hidden, weight, labels, temperature=1.0, backend="aut
     cfg = config if config is not None else default_config(hidden.dtype)
     check_config(cfg, where)
     N, V = hidden.shape[0], weight.shape[0]
-    if not isinstance(labels, torch.Tensor) or labels.shape != (N,) or labels.is_floating_point():
-        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"{where}: labels must be an integer tensor of shape ({N},), got {got}")
-    if labels.device != hidden.device:
-        raise ValueError(f"{where}: labels are on {labels.device} but hidden is on {hidden.device}")
-    check_labels(where, labels, V)  # no host sync on CUDA
+    check_label_vector(where, labels, hidden, V)
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype,), _logprob_entropy_fwd_kernel)
     if N == 0:
         dt = accum_dtype(hidden.dtype) if backend == "torch" else torch.float32

@@ -135,6 +135,17 @@ def check_temperature(where: str, temperature: float) -> float:
     return t
 
 
+def check_label_vector(where: str, labels, hidden: torch.Tensor, vocab: int) -> None:
+    """labels: an integer (N,) tensor on hidden's device, N = hidden's rows, all in [0, vocab) (check_labels)."""
+    N = hidden.shape[0]
+    if not isinstance(labels, torch.Tensor) or labels.shape != (N,) or labels.is_floating_point():
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"{where}: labels must be an integer tensor of shape ({N},), got {got}")
+    if labels.device != hidden.device:
+        raise ValueError(f"{where}: labels are on {labels.device} but hidden is on {hidden.device}")
+    check_labels(where, labels, vocab)  # no host sync on CUDA
+
+
 def check_labels(where: str, labels: torch.Tensor, vocab: int, sync=None) -> None:
     """labels (N,) integer, all in [0, vocab). On CUDA (sync=None) the check runs on the device: reading
     min/max back would stall the host every micro-batch. A failure there is a device-side assert, raised at
