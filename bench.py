@@ -808,10 +808,10 @@ def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), ro
                  backend="auto"):
     """What scoring's LM heads cost (SmolLM2's shape by default; tokens: the default run's 16 x 24 response tokens
     and the ragged workload's ~2560 a step): linear_logprob_entropy on the actor and on the reference plus linear_kl
-    (4 head products a token, on `device`'s default backend), against linear_logprob_entropy_kl on `backend` (the
-    chunked torch path's one pass: 2; "auto" on CUDA makes the same three Triton calls, so compare backend="torch"
-    there). Under no_grad, the two alternating, `rounds` times; min and median seconds; whether the logprobs,
-    entropies and reference logprobs agree bit for bit, and the largest logprob difference."""
+    (4 head products a token, on `device`'s default backend), against linear_logprob_entropy_kl's one pass (2) on
+    `backend` ("auto": the Triton kernel on CUDA, the chunked torch path elsewhere). Under no_grad, the two
+    alternating, `rounds` times; min and median seconds; whether the logprobs, entropies and reference logprobs
+    agree bit for bit (on the same backend they should), and the largest logprob difference."""
     from kernels import linear_kl, linear_logprob_entropy, linear_logprob_entropy_kl
 
     if threads:

@@ -2464,29 +2464,34 @@ def test_kl_is_zero_when_actor_is_reference(backend):
     assert dh.abs().max() < 1e-6 and dw.abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("torch", torch.float64),
+                                           ("triton", torch.float32), ("triton", torch.bfloat16)])
 @pytest.mark.parametrize("N,H,V,T,scale,offset,cfg", [
-    (1, 16, 97, 1.0, 1.0, 0.0, TILES),  # one row; the last vocab chunk of 97 = 2 * 40 + 17 is short
-    (37, 40, 257, 0.7, 20.0, 0.0, TILES),  # confident, 8 row chunks of 5 (the last of 2)
+    (1, 16, 97, 1.0, 1.0, 0.0, TILES),  # one row; the last vocab chunk of 97 = 2 * 40 + 17 is short; 3 splits
+    (37, 40, 257, 0.7, 20.0, 0.0, TILES),  # confident, 8 row chunks of 5 (the last of 2); 3 row blocks of 16
     (7, 16, 130, 1.3, 3.0, -1e4, TILES),  # every actor logit ~ -1e4, the reference's ~ +1e4
-    (33, 40, 3001, 1.0, 0.05, 0.0, None),  # flat, the default chunks (2048 columns: two)
+    (33, 40, 3001, 1.0, 0.05, 0.0, None),  # flat, the default chunks (2048 columns: two), tiles and one split
 ])
-def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch, dtype, N, H, V, T, scale, offset,
-                                                                     cfg):
+def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch, backend, dtype, N, H, V, T, scale,
+                                                                     offset, cfg):
+    interpreter_or_skip(backend, "cpu")
     monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)  # bf16: one rounding, as in test_logprob_entropy_bf16
-    # scoring's fused head: logprob and entropy bit for bit as linear_logprob_entropy gives them (the first
-    # minibatch's ratio of 1 compares them with training's), ref_logprob as it gives the reference's, and the KL
-    # against the float64 reference; labels at both ends of the vocabulary
+    # scoring's fused head: logprob and entropy bit for bit as linear_logprob_entropy gives them on the same backend
+    # (the first minibatch's ratio of 1 compares them with training's), ref_logprob as it gives the reference's, and
+    # the KL against the float64 reference; labels at both ends of the vocabulary
     hidden, weight, labels = make(N, H, V, scale, seed=N + V + 3, offset=offset, dtype=dtype)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=N + 4)
     if offset:
         ref_weight[:, 0] = 1e4
     labels[0], labels[-1] = 0, V - 1
     with torch.no_grad():
-        lp, ent, ref_lp, kl = linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, T, config=cfg)
+        lp, ent, ref_lp, kl = linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, T,
+                                                        backend=backend, config=cfg)
         assert all(x.shape == (N,) for x in (lp, ent, ref_lp, kl))
-        want = dict(zip(("logprob", "entropy"), linear_logprob_entropy(hidden, weight, labels, T, config=cfg)))
-        want["ref_logprob"] = linear_logprob_entropy(ref_hidden, ref_weight, labels, T, config=cfg)[0]
+        want = dict(zip(("logprob", "entropy"), linear_logprob_entropy(hidden, weight, labels, T, backend=backend,
+                                                                       config=cfg)))
+        want["ref_logprob"] = linear_logprob_entropy(ref_hidden, ref_weight, labels, T, backend=backend,
+                                                     config=cfg)[0]
         for name, got in (("logprob", lp), ("entropy", ent), ("ref_logprob", ref_lp)):
             assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
         r_lp, r_ent = linear_logprob_entropy_reference(hidden.double(), weight.double(), labels, T)
@@ -2501,7 +2506,7 @@ def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch,
     close(kl, r_kl, *tol, "kl")
 
 
-def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradients():
+def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradients(monkeypatch):
     N, H, V = 13, 16, 130
     hidden, weight, labels = make(N, H, V, 2.0, seed=5)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=6)
@@ -2522,6 +2527,16 @@ def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradien
         linear_kl(hidden, weight, ref_hidden, ref_weight, 0.9, config=TILES)
     chunks = -(-N // TILES.chunk_rows) * -(-V // TILES.chunk_vocab)
     assert fused == 2 * chunks and Products.n == 4 * chunks
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton path: its own one launch, none of the three ops'
+        launches = []
+        for where in ("kernels.logprob_entropy._forward_triton", "kernels.kl._forward_triton", "kernels.kl._score_triton"):
+            module, name = where.rsplit(".", 1)
+            fn = getattr(importlib.import_module(module), name)
+            monkeypatch.setattr(where, lambda *a, fn=fn, where=where: launches.append(where) or fn(*a))
+        with torch.no_grad():
+            linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, 0.9, backend="triton",
+                                      config=TILES)
+        assert launches == ["kernels.kl._score_triton"]
     with pytest.raises(ValueError, match="no backward"):
         linear_logprob_entropy_kl(hidden.requires_grad_(), weight, labels, ref_hidden, ref_weight)
     with torch.no_grad(), pytest.raises(ValueError, match="vocabulary must agree"):
@@ -2808,7 +2823,8 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
             wide = aot.tiles(128, 256, 64, 8, 3) if name == "wide" else None
             rows = aot.compile_report(aot.TRITON_DTYPES.get(name, torch.bfloat16), 16383, 4096, 128256, wide, wide,
                                       only="logprob+entropy fwd" if wide else None)
-            return [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "shared", "stages", "problems")}
+            return [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "local_in_inner", "shared",
+                                       "stages", "problems")}
                     for r in rows]
 
         assert aot.available(), "this Triton has no JIT binder in triton.runtime.jit"
@@ -2820,11 +2836,14 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in rows["bf16"]] == ["logprob+entropy fwd", "logprob+entropy bwd", "kl fwd", "kl bwd"]
+    assert [r["kernel"] for r in rows["bf16"]] == ["logprob+entropy fwd", "logprob+entropy bwd", "kl fwd", "kl bwd",
+                                                   "score fwd"]
     for dt in ("bf16", "fp32"):
         for r in rows[dt]:
             assert r["problems"] == [], (dt, r)
-            assert r["local_in_loops"] == 0 and r["shared"] <= 227 * 1024 and r["stages"] >= 2, (dt, r)
+            assert r["local_in_inner"] == 0 and r["shared"] <= 227 * 1024 and r["stages"] >= 2, (dt, r)
+            # no spill in a loop, but for the bf16 scoring pass's few reloads a vocab tile (two logit tiles live)
+            assert r["local_in_loops"] <= (16 if (dt, r["kernel"]) == ("bf16", "score fwd") else 0), (dt, r)
             assert r["ldgsts"] > 0, (dt, r)  # the operand loads are asynchronous copies: pipelined
             assert (r["hgmma"] > 0) == (dt == "bf16"), (dt, r)  # bf16: wgmma; fp32: exact FMAs ("ieee")
     assert rows["wide"][0]["local_in_loops"] > 0 and "spill accesses in loops" in rows["wide"][0]["problems"][0]
@@ -2914,7 +2933,8 @@ def naive_grads(hidden, weight, labels, ref_hidden, ref_weight, T, g_lp, g_ent, 
 
 def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend="triton"):
     """Both ops' outputs and gradients on `device` against float64 autograd through the materialised
-    references, on the same rounded inputs: (output, float64 reference, name, naive) with naive the
+    references, on the same rounded inputs, and scoring's one pass (linear_logprob_entropy_kl) beside them:
+    (output, float64 reference, name, naive) with naive the
     gradient of naive_grads for half inputs (None otherwise). hidden is a transposed view (strides (1, N)),
     the actor's weight a stride-2 view; a third of the rows are masked (zero upstream gradient)."""
     interpreter_or_skip(backend, device)
@@ -2936,12 +2956,18 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend
     kl = linear_kl(h, w, dev[1], dev[2], 0.8, backend=backend, config=cfg)
     kdh, kdw = torch.autograd.grad((dev[5].float() * kl).sum(), [h, w])
     r_kl, r_kdh, r_kdw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, 0.8, g_kl)
+    with torch.no_grad():  # scoring's one pass: the actor's numbers are linear_logprob_entropy's, bit for bit
+        s_lp, s_ent, s_ref_lp, s_kl = linear_logprob_entropy_kl(h, w, dev[0], dev[1], dev[2], 0.8, backend=backend,
+                                                                config=cfg)
+    assert torch.equal(s_lp, lp) and torch.equal(s_ent, ent), "scoring's one pass against linear_logprob_entropy"
+    r_ref_lp, _ = linear_logprob_entropy_reference(ref_hidden.double(), ref_weight.double(), labels, 0.8)
     naive = [None] * 4
     if dtype != torch.float32:
         naive = [t.cpu() for t in naive_grads(h, w, *dev[:3], 0.8, *(g.float() for g in dev[3:]))]
     out = [(lp, r_lp, "logprob", None), (ent, r_ent, "entropy", None), (dh, r_dh, "d hidden", naive[0]),
            (dw, r_dw, "d weight", naive[1]), (kl, r_kl, "kl", None), (kdh, r_kdh, "kl d hidden", naive[2]),
-           (kdw, r_kdw, "kl d weight", naive[3])]
+           (kdw, r_kdw, "kl d weight", naive[3]), (s_ref_lp, r_ref_lp, "scoring ref_logprob", None),
+           (s_kl, r_kl, "scoring kl", None)]
     for t, _, what, _ in out:
         assert torch.isfinite(t).all(), what
     assert lp.dtype == ent.dtype == kl.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
@@ -3006,7 +3032,7 @@ def test_bf16_gradients_with_and_without_the_cuda_casts(monkeypatch, backend, em
 
 
 def test_compile_report_counts_spills_inside_loops_only():
-    from kernels.aot import loop_local_accesses
+    from kernels.aot import loop_local_accesses, problems
     sass = """
         /*0000*/                   STL [R1], R8 ;
         /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
@@ -3019,7 +3045,24 @@ def test_compile_report_counts_spills_inside_loops_only():
         /*0080*/                   EXIT ;
     """
     # loops: 0x10-0x30 (holds the LDL at 0x20) and 0x60-0x70 (the STL at 0x60); the forward branch at 0x50 is none
-    assert loop_local_accesses(sass) == 2
+    assert loop_local_accesses(sass) == dict(loops=2, inner=2, instructions=5)
+    nested = """
+        /*0000*/                   MOV R0, RZ ;
+        /*0010*/                   LDL R2, [R1+0x4] ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0030*/              @!P6 BRA 0x20 ;
+        /*0040*/                   FADD R3, R3, R24 ;
+        /*0050*/                   STL [R1+0x8], R3 ;
+        /*0060*/              @!P5 BRA 0x10 ;
+        /*0070*/                   EXIT ;
+    """
+    # the K loop 0x20-0x30 inside the tile loop 0x10-0x60: its two spill accesses are once a tile, not a K step
+    assert loop_local_accesses(nested) == dict(loops=2, inner=0, instructions=6)
+    report = dict(local_in_loops=2, local_in_inner=0, loop_instructions=6, shared=0, hgmma=1, ldgsts=1)
+    assert problems(report, torch.bfloat16, 2) == ["2 spill accesses in loops (33.3% of their instructions)"]
+    assert problems({**report, "loop_instructions": 200}, torch.bfloat16, 2) == []
+    assert problems({**report, "local_in_inner": 1, "loop_instructions": 200}, torch.bfloat16, 2) == [
+        "1 spill accesses in innermost loops"]
 
 
 # -----------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def tiles(n, v, h, warps, stages, base=DEFAULT_CONFIG) -> TileConfig:
 
 
 def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None, kl_cfg: TileConfig = None):
-    """(name, kernel, args, kwargs) of every Triton launch of both ops on CUDA, with the ops' default tiles
+    """(name, kernel, args, kwargs) of every Triton launch of the three ops on CUDA (scoring's one pass takes cfg), with the ops' default tiles
     for `dtype` unless cfg / kl_cfg are given. The tensors are tiny stand-ins: the binder reads only
     their dtype and alignment; sizes and strides are the integers."""
     def ptr(dt):
@@ -96,6 +96,13 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
                    (h, w, h, w, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
             yield (f"{op} bwd", kl._kl_bwd_kernel,
                    (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0), flags)
+    # scoring's one pass over both heads: linear_logprob_entropy's tiles and splits, two operand pairs in flight
+    BN, BV = cfg.block_n, cfg.block_v
+    splits = num_splits(cfg, torch.device("cuda"), cdiv(N, BN), cdiv(V, BV), sms=H100_SMS)
+    yield ("score fwd", kl._score_fwd_kernel,
+           (h, w, h, w, labels, f32, N, V, H, H, cdiv(cdiv(V, splits), BV) * BV, *strides, *strides, 1.0),
+           dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
+                num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2)))
 
 
 def compile_sm90(kernel, args, kwargs):
@@ -113,17 +120,30 @@ def compile_sm90(kernel, args, kwargs):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def loop_local_accesses(sass: str) -> int:
-    """Local-memory loads and stores (LDL / STL: spilled registers) inside a loop of the SASS listing. A
+SPILL_SHARE = 0.01  # spill accesses above this share of the instructions inside loops cost speed
+
+
+def loop_local_accesses(sass: str) -> dict:
+    """Local-memory loads and stores (LDL / STL: spilled registers) inside the loops of the SASS listing. A
     loop is the address range between a backward branch and its target. A spill outside every loop (a
-    value parked across the main loop) costs a few accesses per program; one inside costs them per tile."""
+    value parked across the main loop) costs a few accesses per program; one inside costs them per
+    iteration. Returns the accesses in any loop ("loops"), those in innermost loops ("inner": loops that
+    hold no other loop, in the forwards the tl.dot K loops, run H / BLOCK_H times per tile) and the
+    instructions inside loops ("instructions"): a few reloads in the vocab loop, once per tile, are cheap
+    beside its thousands of instructions."""
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, op in code:
         jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
         if jump and int(jump.group(1), 16) < addr:
             loops.append((int(jump.group(1), 16), addr))
-    return sum(1 for addr, op in code if re.search(r"\b(?:LDL|STL)\b", op) and any(a <= addr <= b for a, b in loops))
+    inner = [(a, b) for a, b in loops if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
+
+    def count(ranges, local_only=True):
+        return sum(1 for addr, op in code if (not local_only or re.search(r"\b(?:LDL|STL)\b", op))
+                   and any(a <= addr <= b for a, b in ranges))
+
+    return dict(loops=count(loops), inner=count(inner), instructions=count(loops, local_only=False))
 
 
 def machine_code_report(compiled) -> dict:
@@ -135,20 +155,26 @@ def machine_code_report(compiled) -> dict:
         usage = subprocess.run([_bin("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True)
         sass = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
     field = dict(re.findall(r"(\w+):(\d+)", usage.stdout.split("Function", 1)[1]))
+    in_loops = loop_local_accesses(sass)
     return dict(
         regs=int(field["REG"]), stack=int(field["STACK"]),
         shared=compiled.metadata.shared,  # dynamic shared memory (the pipeline's buffers), bytes
         hgmma=len(re.findall(r"\bHGMMA\b", sass)), ldgsts=len(re.findall(r"\bLDGSTS\b", sass)),
-        local=len(re.findall(r"\b(?:LDL|STL)\b", sass)), local_in_loops=loop_local_accesses(sass),
+        local=len(re.findall(r"\b(?:LDL|STL)\b", sass)), local_in_loops=in_loops["loops"],
+        local_in_inner=in_loops["inner"], loop_instructions=in_loops["instructions"],
     )
 
 
 def problems(r: dict, dtype: torch.dtype, stages: int) -> list:
-    """What would cost speed on the GPU: spills inside loops, too much shared memory, dots off the tensor
-    cores (bf16), loads outside the software pipeline."""
+    """What would cost speed on the GPU: spills inside the innermost loops, or more than SPILL_SHARE of the
+    instructions inside loops (see loop_local_accesses), too much shared memory, dots off the tensor cores
+    (bf16), loads outside the software pipeline."""
     out = []
-    if r["local_in_loops"]:
-        out.append(f"{r['local_in_loops']} spill accesses in loops")
+    if r["local_in_inner"]:
+        out.append(f"{r['local_in_inner']} spill accesses in innermost loops")
+    if r["local_in_loops"] > SPILL_SHARE * r["loop_instructions"]:
+        out.append(f"{r['local_in_loops']} spill accesses in loops ({r['local_in_loops'] / r['loop_instructions']:.1%} "
+                   "of their instructions)")
     if r["shared"] > H100_SMEM:
         out.append(f"shared memory {r['shared']} > {H100_SMEM}")
     if dtype != torch.float32 and r["hgmma"] == 0:  # float32 takes exact fp32 FMAs (dot_precision "ieee")
@@ -175,20 +201,21 @@ def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None) -> list:
 
 def report(N=16384, H=4096, V=128256, candidates=CANDIDATES):
     """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one, then the candidate
-    tiles in bf16 (both ops), one row per launch."""
+    tiles in bf16 (all three ops), one row per launch."""
     import triton
     print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={N}, H={H}, V={V}. "
-        "regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in loops)")
+        "regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in loops / in "
+        "innermost loops)")
     head = (f"{'tiles':9s} {'dtype':5s} {'rows':7s} {'kernel':20s} {'n,v,h':11s} {'warps':>5s} {'stages':>6s} "
-            f"{'regs':>4s} {'stack':>5s} {'shared':>6s} {'HGMMA':>5s} {'LDGSTS':>6s} {'local':>10s}  problems")
+            f"{'regs':>4s} {'stack':>5s} {'shared':>6s} {'HGMMA':>5s} {'LDGSTS':>6s} {'local':>12s}  problems")
     print(head)
     print("-" * len(head))
     runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (N, N + 7)]
     runs += [("candidate", "bf16", N, tiles(*c)) for c in candidates]
     for label, dt, n, cfg in runs:
         for r in compile_report(TRITON_DTYPES[dt], n, H, V, cfg, cfg):
-            local = f"{r['local']} ({r['local_in_loops']})"
+            local = f"{r['local']} ({r['local_in_loops']}/{r['local_in_inner']})"
             print(f"{label:9s} {dt:5s} {'aligned' if n % 16 == 0 else 'ragged':7s} {r['kernel']:20s} "
                 f"{','.join(map(str, r['tiles'])):11s} {r['warps']:5d} {r['stages']:6d} {r['regs']:4d} "
-                f"{r['stack']:5d} {r['shared'] / 1024:6.0f} {r['hgmma']:5d} {r['ldgsts']:6d} {local:>10s}  "
+                f"{r['stack']:5d} {r['shared'] / 1024:6.0f} {r['hgmma']:5d} {r['ldgsts']:6d} {local:>12s}  "
                 + ("; ".join(r["problems"]) or "-"), flush=True)

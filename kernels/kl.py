@@ -36,6 +36,14 @@ K loop for the reference in each tile. Reference and actor may differ in H (e.g.
 not in V. The chunked torch path gives a row the same kl and dh bit for bit whatever the other rows of
 the call, as there (fixed vocab chunks, GEMM rows padded to utils.ROW_ALIGN).
 
+Scoring (linear_logprob_entropy_kl, forward only) needs the actor's logprob and entropy, the reference's
+logprob and this KL for every response token. Three calls compute 4 NHV of logits (linear_kl computes both
+models' again); the one pass computes each model's once (2 NHV) and folds logprob_entropy's statistics of
+both and b from them. Its Triton kernel runs logprob_entropy's forward op for op on each model's tile, with
+that op's tiles and splits, so that scoring's logprob is training's (the first minibatch's ratio of 1). Both
+logit tiles are live while b is folded: compiled for an H100 at the bf16 default tiles it keeps 11 values
+in local memory, reloaded once a vocab tile, none inside the K loops (`python -m kernels --target sm_90`).
+
 Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
 
@@ -422,6 +430,108 @@ def linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, backend="
 # scoring: both heads' logprobs, the actor's entropy and the exact KL from one pass over the two logit sets
 
 
+@triton.jit
+def _score_fwd_kernel(
+    h_ptr, w_ptr, rh_ptr, rw_ptr, label_ptr, stats_ptr,  # stats: (8, splits, N) fp32, see _score_triton
+    N, V, H, RH, vocab_per_split,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+    scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """_logprob_entropy_fwd_kernel on the actor's tile and on the reference's, op for op (so the same tiles give
+    the same statistics), with _kl_fwd_kernel's b folded in from the two tiles while both are live."""
+    pid_s = tl.program_id(0)  # vocab split: fastest-varying, as in the other forwards
+    pid_n = tl.program_id(1)
+    splits = tl.num_programs(0)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(label_ptr + rows, mask=row_ok, other=-1)
+    v_start = pid_s * vocab_per_split
+    v_end = tl.minimum(v_start + vocab_per_split, V)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    mr = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sr = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    z_label = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zr_label = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_ok = cols < v_end
+        is_label = cols[None, :] == labels[:, None]
+        # the reference: its max, sum and label logit as logprob_entropy computes them
+        zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
+                         stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+                         BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+        zr = tl.where(col_ok[None, :], zr, float("-inf"))
+        mr_new = tl.maximum(mr, tl.max(zr, axis=1))
+        sr = tl.exp(mr - mr_new) * sr + tl.sum(tl.exp(zr - mr_new[:, None]), axis=1)
+        zr_label += tl.sum(tl.where(is_label, zr, 0.0), axis=1)
+        zrs = tl.where(col_ok[None, :], zr - mr_new[:, None], 0.0)
+        # the actor: logprob_entropy's statistics
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
+                        stride_hn, stride_hh, stride_wv, stride_wh,
+                        BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+        z = tl.where(col_ok[None, :], z, float("-inf"))  # padded columns are absent, not logit 0
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        e = tl.exp(z - m_new[:, None])  # padded: 0
+        zs = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+        alpha = tl.exp(m - m_new)
+        shift = tl.where(s > 0.0, m - m_new, 0.0)  # first tile: s = 0 and m = -inf, avoid 0 * inf
+        a = alpha * (a + shift * s) + tl.sum(e * zs, axis=1)
+        z_label += tl.sum(tl.where(is_label, z, 0.0), axis=1)
+        # the KL's b = sum exp(z - m) ((z - m) - (zr - mr)), rescaled as in _kl_fwd_kernel
+        shift -= tl.where(s > 0.0, mr - mr_new, 0.0)
+        b = alpha * (b + shift * s) + tl.sum(e * (zs - zrs), axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+        mr = mr_new
+
+    out = stats_ptr + pid_s.to(tl.int64) * N + rows
+    plane = splits.to(tl.int64) * N
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + plane, s, mask=row_ok)
+    tl.store(out + 2 * plane, a, mask=row_ok)
+    tl.store(out + 3 * plane, z_label, mask=row_ok)
+    tl.store(out + 4 * plane, mr, mask=row_ok)
+    tl.store(out + 5 * plane, sr, mask=row_ok)
+    tl.store(out + 6 * plane, zr_label, mask=row_ok)
+    tl.store(out + 7 * plane, b, mask=row_ok)
+
+
+def _score_triton(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: TileConfig):
+    """One launch over both heads, with linear_logprob_entropy's tiles and splits for `cfg` (so the actor's numbers
+    and the reference's logprob are its, bit for bit under the interpreter); the splits merged as it merges them."""
+    N, H = hidden.shape
+    V, RH = weight.shape[0], ref_hidden.shape[1]
+    BN, BV = cfg.block_n, cfg.block_v
+    row_blocks = cdiv(N, BN)
+    splits = num_splits(cfg, hidden.device, row_blocks, cdiv(V, BV))
+    vocab_per_split = cdiv(cdiv(V, splits), BV) * BV
+    splits = cdiv(V, vocab_per_split)  # every split owns at least one column
+    stats = torch.empty(8, splits, N, device=hidden.device, dtype=torch.float32)
+    _score_fwd_kernel[(splits, row_blocks)](
+        hidden, weight, ref_hidden, ref_weight, labels, stats,
+        N, V, H, RH, vocab_per_split,
+        *_strides(hidden, weight, ref_hidden, ref_weight),
+        scale,
+        BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
+        UPCAST=upcast_dot(_score_fwd_kernel, hidden.dtype),
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
+    )
+    m, s, a = merge_stats(stats[0], stats[1], stats[2])
+    _, _, mr, sr, b = merge_kl_stats(stats[0], stats[1], stats[4], stats[5], stats[7])
+    log_s, log_sr = torch.log(s), torch.log(sr)
+    logprob = (stats[3].sum(0) - m) - log_s  # a label's logit lives in exactly one split
+    entropy = log_s - a / s
+    ref_logprob = (stats[6].sum(0) - mr) - log_sr
+    return logprob, entropy, ref_logprob, b / s - log_s + log_sr
+
+
 def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: TileConfig):
     """The chunk loop of logprob_entropy._forward_torch run on both models at once, with this module's KL
     statistics folded in. Its chunks (logprob_entropy's, not linear_kl's narrower ones) and its operations on the
@@ -469,10 +579,12 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
                               config=None):
     """Scoring's four per-token numbers at once, without gradients: (logprob, entropy, ref_logprob, kl), each (N,),
     the first two as linear_logprob_entropy(hidden, weight, labels) gives them, ref_logprob as it gives the
-    reference's, kl as linear_kl. The torch path computes each vocab chunk of both models' logits once (2 head
-    products a token instead of the 4 of the three calls: linear_kl recomputes both models' logits) and gives the
-    first two bit for bit as linear_logprob_entropy does with the same config. The Triton path, and models of
-    different dtypes, make the three calls. For scoring under torch.no_grad(); training takes the separate ops."""
+    reference's, kl as linear_kl. Both backends compute each model's logits once (2 head products a token instead
+    of the 4 of the three calls: linear_kl recomputes both models' logits): the torch path in linear_logprob_entropy's
+    chunks, the Triton path in one kernel with its tiles and splits, so that the first three come out as
+    linear_logprob_entropy gives them with the same config and backend (bit for bit on the torch path and under the
+    Triton interpreter; test_cuda_kernels_match_float64 checks a GPU). Models of different dtypes make the three
+    calls. For scoring under torch.no_grad(); training takes the separate ops."""
     where = "linear_logprob_entropy_kl"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, weight, ref_hidden, ref_weight)):
         raise ValueError(f"{where} has no backward: call it under torch.no_grad(), or take linear_logprob_entropy "
@@ -488,10 +600,11 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
     check_config(cfg, where)
     N = hidden.shape[0]
     check_label_vector(where, labels, hidden, weight.shape[0])
-    backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _kl_fwd_kernel)
-    if backend == "triton" or hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
+    backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _score_fwd_kernel)
+    if hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
         logprob, entropy = linear_logprob_entropy(hidden, weight, labels, temperature, backend, cfg)
         ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend, config)
         return logprob, entropy, ref_logprob, linear_kl(hidden, weight, ref_hidden, ref_weight, temperature, backend,
                                                         config)
-    return _score_torch(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight, 1.0 / temperature, cfg)
+    one_pass = _score_triton if backend == "triton" else _score_torch
+    return one_pass(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight, 1.0 / temperature, cfg)
