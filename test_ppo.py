@@ -2466,21 +2466,22 @@ def test_kl_is_zero_when_actor_is_reference(backend):
 
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("torch", torch.float64),
                                            ("triton", torch.float32), ("triton", torch.bfloat16)])
-@pytest.mark.parametrize("N,H,V,T,scale,offset,cfg", [
-    (1, 16, 97, 1.0, 1.0, 0.0, TILES),  # one row; the last vocab chunk of 97 = 2 * 40 + 17 is short; 3 splits
-    (37, 40, 257, 0.7, 20.0, 0.0, TILES),  # confident, 8 row chunks of 5 (the last of 2); 3 row blocks of 16
-    (7, 16, 130, 1.3, 3.0, -1e4, TILES),  # every actor logit ~ -1e4, the reference's ~ +1e4
-    (33, 40, 3001, 1.0, 0.05, 0.0, None),  # flat, the default chunks (2048 columns: two), tiles and one split
+@pytest.mark.parametrize("N,H,V,T,scale,offset,cfg,ref_H", [
+    (1, 16, 97, 1.0, 1.0, 0.0, TILES, None),  # one row; the last vocab chunk of 97 = 2 * 40 + 17 is short; 3 splits
+    # confident, 8 row chunks of 5 (the last of 2), 3 row blocks of 16; a reference of hidden size 24 (a ragged K step)
+    (37, 40, 257, 0.7, 20.0, 0.0, TILES, 24),
+    (7, 16, 130, 1.3, 3.0, -1e4, TILES, None),  # every actor logit ~ -1e4, the reference's ~ +1e4
+    (33, 40, 3001, 1.0, 0.05, 0.0, None, None),  # flat, the default chunks (2048 columns: two), tiles and one split
 ])
 def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch, backend, dtype, N, H, V, T, scale,
-                                                                     offset, cfg):
+                                                                     offset, cfg, ref_H):
     interpreter_or_skip(backend, "cpu")
     monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)  # bf16: one rounding, as in test_logprob_entropy_bf16
     # scoring's fused head: logprob and entropy bit for bit as linear_logprob_entropy gives them on the same backend
     # (the first minibatch's ratio of 1 compares them with training's), ref_logprob as it gives the reference's, and
     # the KL against the float64 reference; labels at both ends of the vocabulary
     hidden, weight, labels = make(N, H, V, scale, seed=N + V + 3, offset=offset, dtype=dtype)
-    ref_hidden, ref_weight = make_ref(hidden, weight, seed=N + 4)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=N + 4, ref_H=ref_H)
     if offset:
         ref_weight[:, 0] = 1e4
     labels[0], labels[-1] = 0, V - 1
