@@ -278,6 +278,14 @@ def decode_graph_bytes(c, rows, S, cb=2):
     return rows * per_row + 8 + 4 * (hs // 2)  # the slot (int64), inv_freq (float32)
 
 
+def scoring_head_bytes(N, V):
+    """Forward scratch of scoring's one pass over both LM heads (kernels.linear_logprob_entropy_kl, Triton path) on
+    N response tokens: its (8, splits, N) float32 vocab-split statistics, split as linear_logprob_entropy splits."""
+    if N == 0:
+        return 0
+    return 8 * 4 * N * min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
+
+
 def head_bytes(N, H, V, cb=2, kl=False, dw=True):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
@@ -430,7 +438,7 @@ def build(cfg, run):
         return [(f"{who} blocks' shards copied from the CPU and cast (--offload_optimizer)", h2d(m))] if off else []
 
     N_i, N_t = rows_i * R, rows_t * R
-    _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
+    fwd_i = scoring_head_bytes(N_i, V)  # the reference is a model of its own or, with LoRA, the actor
     work_i = rows_i * T
     scoring = [
         ("actor forward", [
