@@ -60,7 +60,7 @@ import math
 import torch
 
 from kernels.kl import DEFAULT_KL_CONFIG
-from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk
+from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
 from rollout import CACHE_MULTIPLE
@@ -73,7 +73,7 @@ RESERVE_GIB = 3.0
 # Freed blocks of one size that a request of another cannot use (micro-batches are cropped to their rows' real
 # lengths, so shapes vary from step to step); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it.
 FRAGMENTATION = 0.10
-GPU_SMS = 132  # H100 SXM; the Triton forwards split the vocabulary by it (kernels.utils.num_splits)
+GPU_SMS = 132  # H100 SXM; the Triton forwards split the vocabulary by it (kernels.utils.vocab_splits)
 # rollout.sample on (rows, V), per row and vocabulary entry: float32 logits, tempered logits, log-softmax and
 # softmax (16 bytes), and while the noise is hashed its int64 bits, their int64 temporaries and its float32 forms
 SAMPLING_BYTES = 41
@@ -281,9 +281,7 @@ def decode_graph_bytes(c, rows, S, cb=2):
 def scoring_head_bytes(N, V):
     """Forward scratch of scoring's one pass over both LM heads (kernels.linear_logprob_entropy_kl, Triton path) on
     N response tokens: its (8, splits, N) float32 vocab-split statistics, split as linear_logprob_entropy splits."""
-    if N == 0:
-        return 0
-    return 8 * 4 * N * min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
+    return 8 * 4 * N * vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0] if N else 0
 
 
 def head_bytes(N, H, V, cb=2, kl=False, dw=True):
@@ -297,13 +295,13 @@ def head_bytes(N, H, V, cb=2, kl=False, dw=True):
     backward computes dh alone."""
     if N == 0:
         return 0, 0, 0
-    splits = min(cdiv(V, DEFAULT_CONFIG.block_v), max(16, cdiv(4 * GPU_SMS, cdiv(N, DEFAULT_CONFIG.block_n))))
+    splits = vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0]
     saved, fwd = N * (cb * H + 36), 4 * splits * N * 4
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
     bwd = N * vc * cb + N * H * 8 + vc * H * cb
     if kl:
         saved += N * (cb * H + 20)
-        fwd += 5 * splits * N * 4
+        fwd += 5 * vocab_splits(DEFAULT_KL_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0] * N * 4
         vc = vocab_chunk(DEFAULT_KL_CONFIG, N, V, DEFAULT_KL_CONFIG.gpu_chunk_elems, DEFAULT_KL_CONFIG.block_v)
         bwd += N * vc * cb + N * H * 8 + vc * H * cb + (V * H * cb if dw else 0)
     return saved, fwd, bwd

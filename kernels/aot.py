@@ -27,8 +27,8 @@ import torch
 
 from kernels import kl, logprob_entropy
 from kernels.kl import DEFAULT_KL_CONFIG
-from kernels.utils import (DEFAULT_CONFIG, TileConfig, cdiv, default_config, dot_precision, interpreted,
-                           num_splits, pipeline_stages, vocab_chunk)
+from kernels.utils import (DEFAULT_CONFIG, TileConfig, default_config, dot_precision, interpreted, pipeline_stages,
+                           vocab_chunk, vocab_splits)
 
 H100_SMS = 132
 H100_SMEM = 227 * 1024  # the most shared memory one block may hold on sm_90
@@ -80,8 +80,7 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
     strides = (H, 1, H, 1)  # contiguous (N, H) hidden and (V, H) weight
     for op, c, pairs in (("logprob+entropy", cfg, 1), ("kl", kl_cfg, 2)):
         BN, BV = c.block_n, c.block_v
-        splits = num_splits(c, torch.device("cuda"), cdiv(N, BN), cdiv(V, BV), sms=H100_SMS)
-        per_split = cdiv(cdiv(V, splits), BV) * BV  # as the launchers split the vocabulary
+        _, per_split = vocab_splits(c, torch.device("cuda"), N, V, sms=H100_SMS)  # as the launchers split V
         vc = min(vocab_chunk(c, N, V, c.gpu_chunk_elems, BV), V)  # the backward's vocab chunk
         flags = dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=c.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
                      num_warps=c.num_warps, num_stages=pipeline_stages(c, dtype.itemsize, pairs))
@@ -97,12 +96,11 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
             yield (f"{op} bwd", kl._kl_bwd_kernel,
                    (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0), flags)
     # scoring's one pass over both heads: linear_logprob_entropy's tiles and splits, two operand pairs in flight
-    BN, BV = cfg.block_n, cfg.block_v
-    splits = num_splits(cfg, torch.device("cuda"), cdiv(N, BN), cdiv(V, BV), sms=H100_SMS)
+    _, per_split = vocab_splits(cfg, torch.device("cuda"), N, V, sms=H100_SMS)
     yield ("score fwd", kl._score_fwd_kernel,
-           (h, w, h, w, labels, f32, N, V, H, H, cdiv(cdiv(V, splits), BV) * BV, *strides, *strides, 1.0),
-           dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
-                num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2)))
+           (h, w, h, w, labels, f32, N, V, H, H, per_split, *strides, *strides, 1.0),
+           dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype),
+                UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2)))
 
 
 def compile_sm90(kernel, args, kwargs):

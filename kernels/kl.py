@@ -39,10 +39,10 @@ the call, as there (fixed vocab chunks, GEMM rows padded to utils.ROW_ALIGN).
 Scoring (linear_logprob_entropy_kl, forward only) needs the actor's logprob and entropy, the reference's
 logprob and this KL for every response token. Three calls compute 4 NHV of logits (linear_kl computes both
 models' again); the one pass computes each model's once (2 NHV) and folds logprob_entropy's statistics of
-both and b from them. Its Triton kernel runs logprob_entropy's forward op for op on each model's tile, with
-that op's tiles and splits, so that scoring's logprob is training's (the first minibatch's ratio of 1). Both
-logit tiles are live while b is folded: compiled for an H100 at the bf16 default tiles it keeps 11 values
-in local memory, reloaded once a vocab tile, none inside the K loops (`python -m kernels --target sm_90`).
+both and b from them. Its Triton kernel folds each model's tile with logprob_entropy.fold_tile, with that
+op's tiles and splits, so that scoring's logprob is training's (the first minibatch's ratio of 1). Both
+logit tiles are live while b is folded: compiled for an H100 at the bf16 default tiles it reloads 13 values
+from local memory once a vocab tile, none inside the K loops (`python -m kernels --target sm_90`).
 
 Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.logprob_entropy import linear_logprob_entropy, merge_stats, shift_and_pick
+from kernels.logprob_entropy import fold_tile, linear_logprob_entropy, merge_stats, shift_and_pick
 from kernels.utils import (
     TileConfig,
     accum_dtype,
@@ -70,7 +70,6 @@ from kernels.utils import (
     gemm_operand,
     grad_operand,
     logits_tile,
-    num_splits,
     pad_rows,
     pipeline_stages,
     prepare_grad,
@@ -78,6 +77,7 @@ from kernels.utils import (
     shared_row,
     upcast_dot,
     vocab_chunk,
+    vocab_splits,
 )
 
 # two (BLOCK_N, BLOCK_V) fp32 logit tiles are live at once: half the rows of logprob_entropy's default
@@ -233,18 +233,14 @@ def _stages(cfg, hidden, ref_hidden):
 def _forward_triton(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfig):
     N, H = hidden.shape
     V, RH = weight.shape[0], ref_hidden.shape[1]
-    BN, BV = cfg.block_n, cfg.block_v
-    row_blocks, vocab_tiles = cdiv(N, BN), cdiv(V, BV)
-    splits = num_splits(cfg, hidden.device, row_blocks, vocab_tiles)
-    vocab_per_split = cdiv(cdiv(V, splits), BV) * BV
-    splits = cdiv(V, vocab_per_split)  # every split owns at least one column
+    splits, vocab_per_split = vocab_splits(cfg, hidden.device, N, V)
     stats = torch.empty(5, splits, N, device=hidden.device, dtype=torch.float32)
-    _kl_fwd_kernel[(splits, row_blocks)](
+    _kl_fwd_kernel[(splits, cdiv(N, cfg.block_n))](
         hidden, weight, ref_hidden, ref_weight, stats,
         N, V, H, RH, vocab_per_split,
         *_strides(hidden, weight, ref_hidden, ref_weight),
         scale,
-        BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, **_dot_flags(hidden, ref_hidden),
         num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
     )
     m, s, mr, sr, b = merge_kl_stats(*stats)
@@ -440,7 +436,7 @@ def _score_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """_logprob_entropy_fwd_kernel on the actor's tile and on the reference's, op for op (so the same tiles give
+    """_logprob_entropy_fwd_kernel's fold_tile on the reference's tile and on the actor's (so the same tiles give
     the same statistics), with _kl_fwd_kernel's b folded in from the two tiles while both are live."""
     pid_s = tl.program_id(0)  # vocab split: fastest-varying, as in the other forwards
     pid_n = tl.program_id(1)
@@ -462,34 +458,19 @@ def _score_fwd_kernel(
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = cols < v_end
-        is_label = cols[None, :] == labels[:, None]
-        # the reference: its max, sum and label logit as logprob_entropy computes them
+        # the reference's tile first, keeping only its shifted logits zrs (fewer registers than the other order)
         zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
                          stride_rhn, stride_rhh, stride_rwv, stride_rwh,
                          BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
-        zr = tl.where(col_ok[None, :], zr, float("-inf"))
-        mr_new = tl.maximum(mr, tl.max(zr, axis=1))
-        sr = tl.exp(mr - mr_new) * sr + tl.sum(tl.exp(zr - mr_new[:, None]), axis=1)
-        zr_label += tl.sum(tl.where(is_label, zr, 0.0), axis=1)
-        zrs = tl.where(col_ok[None, :], zr - mr_new[:, None], 0.0)
-        # the actor: logprob_entropy's statistics
+        mr_new, sr, _, zr_label, _, zrs, _ = fold_tile(zr, cols, col_ok, labels, mr, sr, sr, zr_label)  # no entropy
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
                         stride_hn, stride_hh, stride_wv, stride_wh,
                         BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
-        z = tl.where(col_ok[None, :], z, float("-inf"))  # padded columns are absent, not logit 0
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        e = tl.exp(z - m_new[:, None])  # padded: 0
-        zs = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
-        alpha = tl.exp(m - m_new)
-        shift = tl.where(s > 0.0, m - m_new, 0.0)  # first tile: s = 0 and m = -inf, avoid 0 * inf
-        a = alpha * (a + shift * s) + tl.sum(e * zs, axis=1)
-        z_label += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        # the KL's b = sum exp(z - m) ((z - m) - (zr - mr)), rescaled as in _kl_fwd_kernel
-        shift -= tl.where(s > 0.0, mr - mr_new, 0.0)
+        m_new, s_new, a, z_label, e, zs, alpha = fold_tile(z, cols, col_ok, labels, m, s, a, z_label)
+        # the KL's b = sum exp(z - m) ((z - m) - (zr - mr)), rescaled to the new maxima as in _kl_fwd_kernel
+        shift = tl.where(s > 0.0, m - m_new, 0.0) - tl.where(s > 0.0, mr - mr_new, 0.0)  # first tile: s = 0, m = -inf
         b = alpha * (b + shift * s) + tl.sum(e * (zs - zrs), axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
-        mr = mr_new
+        m, s, mr = m_new, s_new, mr_new
 
     out = stats_ptr + pid_s.to(tl.int64) * N + rows
     plane = splits.to(tl.int64) * N
@@ -508,18 +489,14 @@ def _score_triton(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: Ti
     and the reference's logprob are its, bit for bit under the interpreter); the splits merged as it merges them."""
     N, H = hidden.shape
     V, RH = weight.shape[0], ref_hidden.shape[1]
-    BN, BV = cfg.block_n, cfg.block_v
-    row_blocks = cdiv(N, BN)
-    splits = num_splits(cfg, hidden.device, row_blocks, cdiv(V, BV))
-    vocab_per_split = cdiv(cdiv(V, splits), BV) * BV
-    splits = cdiv(V, vocab_per_split)  # every split owns at least one column
+    splits, vocab_per_split = vocab_splits(cfg, hidden.device, N, V)
     stats = torch.empty(8, splits, N, device=hidden.device, dtype=torch.float32)
-    _score_fwd_kernel[(splits, row_blocks)](
+    _score_fwd_kernel[(splits, cdiv(N, cfg.block_n))](
         hidden, weight, ref_hidden, ref_weight, labels, stats,
         N, V, H, RH, vocab_per_split,
         *_strides(hidden, weight, ref_hidden, ref_weight),
         scale,
-        BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
         UPCAST=upcast_dot(_score_fwd_kernel, hidden.dtype),
         num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
     )

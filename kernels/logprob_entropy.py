@@ -80,7 +80,6 @@ from kernels.utils import (
     gemm_operand,
     grad_operand,
     logits_tile,
-    num_splits,
     pad_rows,
     pipeline_stages,
     prepare_grad,
@@ -88,6 +87,7 @@ from kernels.utils import (
     shared_row,
     upcast_dot,
     vocab_chunk,
+    vocab_splits,
 )
 
 # -----------------------------------------------------------------------------
@@ -122,6 +122,24 @@ def merge_stats(m, s, a):
 
 
 @triton.jit
+def fold_tile(z, cols, col_ok, labels, m, s, a, z_label):
+    """Folds a (BLOCK_N, BLOCK_V) tile of logits z (columns cols, valid where col_ok) into its rows' running max m,
+    s = sum exp(z - m), a = sum exp(z - m)(z - m) and label logit. Returns the four, and for a caller that takes
+    more from the same tile: e = exp(z - m'), zs = z - m' (0 at padded columns) and alpha = exp(m - m').
+    Scoring's one pass (kl.py) folds both models' tiles with it: the same operations give the same bits."""
+    z = tl.where(col_ok[None, :], z, float("-inf"))  # padded columns are absent, not logit 0
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    e = tl.exp(z - m_new[:, None])  # padded: exp(-inf) = 0
+    zs = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+    alpha = tl.exp(m - m_new)  # first tile: exp(-inf) = 0
+    shift = tl.where(s > 0.0, m - m_new, 0.0)  # first tile: s = 0 and m = -inf, avoid 0 * inf
+    a = alpha * (a + shift * s) + tl.sum(e * zs, axis=1)
+    s = alpha * s + tl.sum(e, axis=1)
+    z_label += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+    return m_new, s, a, z_label, e, zs, alpha
+
+
+@triton.jit
 def _logprob_entropy_fwd_kernel(
     h_ptr, w_ptr, label_ptr, stats_ptr,  # stats: (4, splits, N) fp32 = max, sumexp, a, label logit
     N, V, H, vocab_per_split,
@@ -149,16 +167,7 @@ def _logprob_entropy_fwd_kernel(
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
                         stride_hn, stride_hh, stride_wv, stride_wh,
                         BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
-        z = tl.where(col_ok[None, :], z, float("-inf"))  # padded columns are absent, not logit 0
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        e = tl.exp(z - m_new[:, None])  # padded: exp(-inf) = 0
-        zs = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
-        alpha = tl.exp(m - m_new)  # first tile: exp(-inf) = 0
-        shift = tl.where(s > 0.0, m - m_new, 0.0)  # first tile: s = 0 and m = -inf, avoid 0 * inf
-        a = alpha * (a + shift * s) + tl.sum(e * zs, axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
-        z_label += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+        m, s, a, z_label, _, _, _ = fold_tile(z, cols, col_ok, labels, m, s, a, z_label)
 
     out = stats_ptr + pid_s.to(tl.int64) * N + rows
     plane = splits.to(tl.int64) * N
@@ -212,18 +221,14 @@ def _logprob_entropy_bwd_kernel(
 def _forward_triton(hidden, weight, labels, scale, cfg: TileConfig):
     N, H = hidden.shape
     V = weight.shape[0]
-    BN, BV = cfg.block_n, cfg.block_v
-    row_blocks = cdiv(N, BN)
-    splits = num_splits(cfg, hidden.device, row_blocks, cdiv(V, BV))
-    vocab_per_split = cdiv(cdiv(V, splits), BV) * BV
-    splits = cdiv(V, vocab_per_split)  # every split owns at least one column
+    splits, vocab_per_split = vocab_splits(cfg, hidden.device, N, V)
     stats = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32)
-    _logprob_entropy_fwd_kernel[(splits, row_blocks)](
+    _logprob_entropy_fwd_kernel[(splits, cdiv(N, cfg.block_n))](
         hidden, weight, labels, stats,
         N, V, H, vocab_per_split,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         scale,
-        BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
         UPCAST=upcast_dot(_logprob_entropy_fwd_kernel, hidden.dtype),
         num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, hidden.element_size()),
     )

@@ -361,6 +361,14 @@ def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_til
     return max(1, min(vocab_tiles, max(16, cdiv(4 * sms, row_blocks))))
 
 
+def vocab_splits(cfg: TileConfig, device: torch.device, N: int, V: int, sms: int = None) -> tuple:
+    """(splits, columns per split) of a Triton forward's grid over N rows: about num_splits' count, each split a
+    whole number of BLOCK_V tiles (so that no tile crosses into the next split) and every split owning a column."""
+    splits = num_splits(cfg, device, cdiv(N, cfg.block_n), cdiv(V, cfg.block_v), sms)
+    per_split = cdiv(cdiv(V, splits), cfg.block_v) * cfg.block_v
+    return cdiv(V, per_split), per_split
+
+
 @triton.jit
 def logits_tile(
     x_ptr, w_ptr, rows, cols, row_ok, col_ok, K,
