@@ -2869,11 +2869,14 @@ def test_emulate_cuda_rounds_dz_to_nearest_bf16_before_the_gemms(monkeypatch, ba
     module = kernels.logprob_entropy if op == "logprob_entropy" else kernels.kl
     seen = []
 
-    def addmm_f32(out, a, b):  # the dh GEMM of both backends, and dW on the torch path
+    original = kernels.utils.addmm_f32
+
+    def addmm_f32(out, a, b):  # the dh GEMM of both backends (Triton's in utils.triton_backward), dW on the torch path
         seen.append(a.clone())
-        kernels.utils.addmm_f32(out, a, b)
+        original(out, a, b)
 
     monkeypatch.setattr(module, "addmm_f32", addmm_f32)
+    monkeypatch.setattr(kernels.utils, "addmm_f32", addmm_f32)
 
     def dz_operands(emulate):
         monkeypatch.setattr(kernels.utils, "EMULATE_CUDA", emulate)

@@ -85,6 +85,7 @@ from kernels.utils import (
     prepare_grad,
     resolve_backend,
     shared_row,
+    triton_backward,
     upcast_dot,
     vocab_chunk,
     vocab_splits,
@@ -241,25 +242,9 @@ def _forward_triton(hidden, weight, labels, scale, cfg: TileConfig):
 
 def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_ent, scale, need_dh, need_dw, cfg):
     N, H = hidden.shape
-    V = weight.shape[0]
     BN, BV = cfg.block_n, cfg.block_v
-    # dz in the weight dtype on CUDA (tensor-core GEMMs, rounded by the kernel's store); float32 elsewhere,
-    # rounded by grad_operand under EMULATE_CUDA (the interpreter's store to bf16 truncates)
-    dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
-    vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, BV)
-    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
-    # rounds a row the same for any N; the padding rows of dz stay 0 (the kernel writes rows < N only)
-    n_pad = N if hidden.is_cuda else aligned_rows(N)
-    dz_buf = torch.empty(n_pad, vc, device=hidden.device, dtype=dz_dtype)  # (n_pad, Vc), reused per chunk
-    dz_buf[N:].zero_()
-    dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
-    dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
-    h_op = gemm_operand(hidden)
-    w_shared = shared_row(weight) if need_dh else None  # (H,)
-    for v0 in range(0, V, vc):
-        v1 = min(v0 + vc, V)
-        dz_pad = dz_buf[:, : v1 - v0]
-        dz = dz_pad[:N]
+
+    def launch_dz(dz, v0, v1):
         _logprob_entropy_bwd_kernel[(cdiv(v1 - v0, BV), cdiv(N, BN))](
             hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_ent, dz,
             N, H, v0, v1,
@@ -269,12 +254,9 @@ def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_
             UPCAST=upcast_dot(_logprob_entropy_fwd_kernel, hidden.dtype),
             num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, hidden.element_size()),
         )
-        g_op = grad_operand(dz_pad, weight.dtype)
-        if need_dh:  # dz (W - 1 c^T) = dz W, see utils.shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
-            addmm_f32(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
-        if need_dw:
-            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
-    return (dh[:N].to(hidden.dtype) if need_dh else None), dw
+
+    vc = vocab_chunk(cfg, N, weight.shape[0], cfg.gpu_chunk_elems, BV)
+    return triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz)
 
 
 # -----------------------------------------------------------------------------

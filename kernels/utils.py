@@ -361,6 +361,37 @@ def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_til
     return max(1, min(vocab_tiles, max(16, cdiv(4 * sms, row_blocks))))
 
 
+def triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz):
+    """The Triton backwards' chunk loop. Per vocab chunk [v0, v1) of width vc, launch_dz(dz, v0, v1) has a kernel
+    write dz = d loss / d logits (scaled by 1/T) into dz (N, v1 - v0); two GEMMs then give dW[v0:v1] = dz^T h
+    (complete, one rounding) and dh += dz (W[v0:v1] - 1 c^T) (float32 accumulator; c: shared_row). dz is in the
+    weight dtype on CUDA (tensor-core GEMMs, rounded by the kernel's store) and float32 elsewhere, rounded by
+    grad_operand under EMULATE_CUDA (the interpreter's store to bf16 truncates). Returns (dh, dW), None where
+    not needed."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
+    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
+    # rounds a row the same for any N; the padding rows of dz stay 0 (the kernels write rows < N only)
+    n_pad = N if hidden.is_cuda else aligned_rows(N)
+    dz_buf = torch.empty(n_pad, vc, device=hidden.device, dtype=dz_dtype)  # (n_pad, Vc), reused per chunk
+    dz_buf[N:].zero_()
+    dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
+    dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
+    h_op = gemm_operand(hidden)
+    w_shared = shared_row(weight) if need_dh else None  # (H,)
+    for v0 in range(0, V, vc):
+        v1 = min(v0 + vc, V)
+        dz_pad = dz_buf[:, : v1 - v0]
+        launch_dz(dz_pad[:N], v0, v1)
+        g_op = grad_operand(dz_pad, weight.dtype)
+        if need_dh:  # dz (W - 1 c^T) = dz W, see shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
+            addmm_f32(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
+        if need_dw:
+            dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
+    return (dh[:N].to(hidden.dtype) if need_dh else None), dw
+
+
 def vocab_splits(cfg: TileConfig, device: torch.device, N: int, V: int, sms: int = None) -> tuple:
     """(splits, columns per split) of a Triton forward's grid over N rows: about num_splits' count, each split a
     whole number of BLOCK_V tiles (so that no tile crosses into the next split) and every split owning a column."""
