@@ -805,13 +805,15 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
 
 
 def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), rounds=5, threads=None, device="cpu",
-                 backend="auto"):
+                 backend="auto", train=False):
     """What scoring's LM heads cost (SmolLM2's shape by default; tokens: the default run's 16 x 24 response tokens
     and the ragged workload's ~2560 a step): linear_logprob_entropy on the actor and on the reference plus linear_kl
     (4 head products a token, on `device`'s default backend), against linear_logprob_entropy_kl's one pass (2) on
-    `backend` ("auto": the Triton kernel on CUDA, the chunked torch path elsewhere). Under no_grad, the two
-    alternating, `rounds` times; min and median seconds; whether the logprobs, entropies and reference logprobs
-    agree bit for bit (on the same backend they should), and the largest logprob difference."""
+    `backend` ("auto": the Triton kernel on CUDA, the chunked torch path elsewhere). train=True: training with the
+    KL loss instead, forward and backward of logprob, entropy and KL losses (the reference's logprob without a
+    gradient): 4 + 7 head products against 2 + 4. The two alternating, `rounds` times; min and median seconds;
+    whether the logprobs, entropies and reference logprobs agree bit for bit (on the same backend they should), and
+    the largest logprob difference (train: and the largest d hidden difference relative to its largest entry)."""
     from kernels import linear_kl, linear_logprob_entropy, linear_logprob_entropy_kl
 
     if threads:
@@ -819,32 +821,54 @@ def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), ro
     dev = torch.device(device)
     print(f"torch {torch.__version__}, {_machine() if dev.type == 'cpu' else torch.cuda.get_device_name(dev)}, "
           f"{torch.get_num_threads()} threads, H={H}, V={V}, one pass on backend={backend}, "
-          f"load average {os.getloadavg()[0]:.2f}\n")
+          f"{'forward and backward' if train else 'forward, no grad'}, load average {os.getloadavg()[0]:.2f}\n")
     print("| dtype | tokens | three calls s (min / median) | one pass s (min / median) | speedup (min) | same bits "
-          "| max logprob diff |")
-    print("|---|---|---|---|---|---|---|")
+          "| max logprob diff |" + (" max d hidden diff |" if train else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if train else ""))
     for name in dtypes:
         dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         for n in tokens:
             g = torch.Generator().manual_seed(n)
             h, w = torch.randn(n, H, generator=g), torch.randn(V, H, generator=g) * 2 / H**0.5
             rh, rw = h + 0.1 * torch.randn(n, H, generator=g), w + 0.01 * torch.randn(V, H, generator=g)
+            c = torch.randn(3, n, generator=g).to(dev)  # per-token weights of the three losses
             h, w, rh, rw = (t.to(device=dev, dtype=dt) for t in (h, w, rh, rw))
             y = torch.randint(0, V, (n,), generator=g).to(dev)
-            fns = {"three": lambda: (*linear_logprob_entropy(h, w, y, 0.7), linear_logprob_entropy(rh, rw, y, 0.7)[0],
-                                     linear_kl(h, w, rh, rw, 0.7)),
-                   "one": lambda: linear_logprob_entropy_kl(h, w, y, rh, rw, 0.7, backend=backend)}
+            h.requires_grad_(train)
+            w.requires_grad_(train)
+
+            def three():
+                lp, ent = linear_logprob_entropy(h, w, y, 0.7)
+                with torch.no_grad():
+                    ref_lp = linear_logprob_entropy(rh, rw, y, 0.7)[0]
+                return lp, ent, ref_lp, linear_kl(h, w, rh, rw, 0.7)
+
+            def one():
+                return linear_logprob_entropy_kl(h, w, y, rh, rw, 0.7, backend=backend)
+
+            def step(fn):
+                out = fn()
+                if train:
+                    loss = (c[0] * out[0] + c[1] * out[1] + c[2] * out[3]).sum()
+                    return out, torch.autograd.grad(loss, [h, w])
+                return out, None
+
+            fns = {"three": lambda: step(three), "one": lambda: step(one)}
             times = {k: [] for k in fns}
-            with torch.no_grad():
+            with torch.set_grad_enabled(train):
                 outs = {k: fn() for k, fn in fns.items()}
                 for _ in range(rounds):
                     for k, fn in fns.items():
                         times[k].append(_timed(fn, dev)[0])
-            same = all(torch.equal(a, b) for a, b in zip(outs["three"][:3], outs["one"][:3]))
-            diff = (outs["three"][0] - outs["one"][0]).abs().max().item()
+            (o3, g3), (o1, g1) = outs["three"], outs["one"]
+            same = all(torch.equal(a, b) for a, b in zip(o3[:3], o1[:3]))
+            diff = (o3[0] - o1[0]).abs().max().item()
             a, b = times["three"], times["one"]
-            print(f"| {name} | {n} | {min(a):.3f} / {statistics.median(a):.3f} | {min(b):.3f} / "
-                  f"{statistics.median(b):.3f} | {min(a) / min(b):.2f}x | {same} | {diff:.1e} |", flush=True)
+            row = (f"| {name} | {n} | {min(a):.3f} / {statistics.median(a):.3f} | {min(b):.3f} / "
+                   f"{statistics.median(b):.3f} | {min(a) / min(b):.2f}x | {same} | {diff:.1e} |")
+            if train:
+                row += f" {((g3[0] - g1[0]).abs().max() / g3[0].abs().max()).item():.1e} |"
+            print(row, flush=True)
 
 
 # -----------------------------------------------------------------------------

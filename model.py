@@ -638,20 +638,15 @@ class Transformer(nn.Module):
         return F.linear(x, self.lm_head_weight)  # (B, T, V)
 
     def _fused_head(self, x, labels, temperature, ref_hidden, ref_weight):
-        from kernels import linear_kl, linear_logprob_entropy, linear_logprob_entropy_kl
+        from kernels import linear_logprob_entropy, linear_logprob_entropy_kl
 
         sel = labels != -100  # (B, T)
         h, y, w = x[sel], labels[sel], self.lm_head_weight  # (N, H), (N,), (V, H)
         if ref_hidden is None:
             out = dict(zip(("logp", "entropy"), linear_logprob_entropy(h, w, y, temperature)))
-        elif not torch.is_grad_enabled():  # scoring: both models' logits once for all four
+        else:  # scoring, and training with the KL loss: both models' logits once for all four (the reference frozen)
             out = dict(zip(("logp", "entropy", "ref_logp", "kl"),
                            linear_logprob_entropy_kl(h, w, y, ref_hidden, ref_weight, temperature)))
-        else:  # training with the KL loss: the reference's logprob without a gradient
-            out = dict(zip(("logp", "entropy"), linear_logprob_entropy(h, w, y, temperature)))
-            with torch.no_grad():
-                out["ref_logp"] = linear_logprob_entropy(ref_hidden, ref_weight, y, temperature)[0]
-            out["kl"] = linear_kl(h, w, ref_hidden, ref_weight, temperature)
         return {k: x.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, v) for k, v in out.items()}
 
     # -- loading and saving ----------------------------------------------------

@@ -59,7 +59,6 @@ import math
 
 import torch
 
-from kernels.kl import DEFAULT_KL_CONFIG
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
@@ -278,33 +277,24 @@ def decode_graph_bytes(c, rows, S, cb=2):
     return rows * per_row + 8 + 4 * (hs // 2)  # the slot (int64), inv_freq (float32)
 
 
-def scoring_head_bytes(N, V):
-    """Forward scratch of scoring's one pass over both LM heads (kernels.linear_logprob_entropy_kl, Triton path) on
-    N response tokens: its (8, splits, N) float32 vocab-split statistics, split as linear_logprob_entropy splits."""
-    return 8 * 4 * N * vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0] if N else 0
-
-
-def head_bytes(N, H, V, cb=2, kl=False, dw=True):
+def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
-    boolean-index positions. Forward: the vocab-split statistics (4 or, for KL, 5, splits, N) float32. Backward,
-    at its largest moment (a chunk's dh GEMM): dz (N, vocab chunk) in the compute dtype, dh in float32 and the
-    GEMM's float32 (N, H) product, the chunk's (chunk, H) W - c (utils.shared_row; the dW product of the chunk,
-    as large, comes after it); dW (V, H) is the LM head's gradient and counted as the root's. kl: linear_kl's as
-    well (its dW is a second (V, H) that autograd adds to the first). dw=False: a frozen head (LoRA), whose
-    backward computes dh alone."""
+    boolean-index positions. Forward: the vocab-split statistics (4, splits, N) float32. Backward, at its largest
+    moment (a chunk's dh GEMM): dz (N, vocab chunk) in the compute dtype, dh in float32 and the GEMM's float32
+    (N, H) product, the chunk's (chunk, H) W - c (utils.shared_row; the dW product of the chunk, as large, comes
+    after it); dW (V, H) is the LM head's gradient and counted as the root's. kl: the one pass over both heads
+    (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the reference's hidden states,
+    its max and log-sum and the KL, keeps 8 planes of statistics, and has the same backward (one dz for all three
+    losses; a frozen head, with LoRA, has no dW and the same scratch)."""
     if N == 0:
         return 0, 0, 0
     splits = vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0]
-    saved, fwd = N * (cb * H + 36), 4 * splits * N * 4
-    vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
-    bwd = N * vc * cb + N * H * 8 + vc * H * cb
+    saved, fwd = N * (cb * H + 36), (8 if kl else 4) * splits * N * 4
     if kl:
-        saved += N * (cb * H + 20)
-        fwd += 5 * vocab_splits(DEFAULT_KL_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0] * N * 4
-        vc = vocab_chunk(DEFAULT_KL_CONFIG, N, V, DEFAULT_KL_CONFIG.gpu_chunk_elems, DEFAULT_KL_CONFIG.block_v)
-        bwd += N * vc * cb + N * H * 8 + vc * H * cb + (V * H * cb if dw else 0)
-    return saved, fwd, bwd
+        saved += N * (cb * H + 12)
+    vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
+    return saved, fwd, N * vc * cb + N * H * 8 + vc * H * cb
 
 
 # -----------------------------------------------------------------------------
@@ -436,7 +426,7 @@ def build(cfg, run):
         return [(f"{who} blocks' shards copied from the CPU and cast (--offload_optimizer)", h2d(m))] if off else []
 
     N_i, N_t = rows_i * R, rows_t * R
-    fwd_i = scoring_head_bytes(N_i, V)  # the reference is a model of its own or, with LoRA, the actor
+    _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
     work_i = rows_i * T
     scoring = [
         ("actor forward", [
@@ -466,7 +456,7 @@ def build(cfg, run):
 
     # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
     kl = cfg.kl_loss_coef > 0
-    saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl, dw=not lora)
+    saved_h, _, bwd_h = head_bytes(N_t, H, V, cb, kl=kl)
     tok = rows_t * T
 
     def saved(m):  # block inputs (checkpointing) or every block's activations, and the final norm's (LoRA: no normed)
@@ -507,7 +497,7 @@ def build(cfg, run):
     moments += [
         ("backward through the actor's head", [
             ("actor activations saved", actor_saved), *held, *dw,
-            (f"fused head backward scratch, {N_t} tokens" + (" (+ the KL's dW, added to it)" if kl and not lora
+            (f"fused head backward scratch, {N_t} tokens" + (" (with the KL loss: one dz for the three)" if kl
                                                              else ""), bwd_h)]),
         ("backward through the actor's blocks", [
             ("actor activations saved", actor_saved), *held, *dw,

@@ -2507,7 +2507,7 @@ def test_logprob_entropy_kl_in_one_pass_gives_the_three_ops_numbers(monkeypatch,
     close(kl, r_kl, *tol, "kl")
 
 
-def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradients(monkeypatch):
+def test_logprob_entropy_kl_computes_each_models_logits_once(monkeypatch):
     N, H, V = 13, 16, 130
     hidden, weight, labels = make(N, H, V, 2.0, seed=5)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=6)
@@ -2538,8 +2538,9 @@ def test_logprob_entropy_kl_computes_each_models_logits_once_and_refuses_gradien
             linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, 0.9, backend="triton",
                                       config=TILES)
         assert launches == ["kernels.kl._score_triton"]
-    with pytest.raises(ValueError, match="no backward"):
-        linear_logprob_entropy_kl(hidden.requires_grad_(), weight, labels, ref_hidden, ref_weight)
+    with pytest.raises(ValueError, match="reference is frozen"):
+        linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden.requires_grad_(), ref_weight)
+    ref_hidden.requires_grad_(False)
     with torch.no_grad(), pytest.raises(ValueError, match="vocabulary must agree"):
         linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight[:-1])
     with torch.no_grad(), pytest.raises(ValueError, match="labels must lie in"):
@@ -2572,6 +2573,12 @@ def test_gradcheck_torch_path_float64():
                           h, w, labels, ref_hidden, ref_weight, T, c)
 
     assert torch.autograd.gradcheck(f, (hidden.requires_grad_(), weight.requires_grad_()), eps=1e-6, atol=1e-7)
+
+    def one_pass(h, w):  # the same loss through the one pass over both heads
+        lp, ent, _, kl = linear_logprob_entropy_kl(h, w, labels, ref_hidden, ref_weight, T, backend="torch", config=cfg)
+        return (c[0] * lp + c[1] * ent + c[2] * kl).sum()
+
+    assert torch.autograd.gradcheck(one_pass, (hidden, weight), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -2838,12 +2845,12 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
     assert [r["kernel"] for r in rows["bf16"]] == ["logprob+entropy fwd", "logprob+entropy bwd", "kl fwd", "kl bwd",
-                                                   "score fwd"]
+                                                   "score fwd", "score bwd"]
     for dt in ("bf16", "fp32"):
         for r in rows[dt]:
             assert r["problems"] == [], (dt, r)
             assert r["local_in_inner"] == 0 and r["shared"] <= 227 * 1024 and r["stages"] >= 2, (dt, r)
-            # no spill in a loop, but for the bf16 scoring pass's few reloads a vocab tile (two logit tiles live)
+            # no spill in a loop, but for the bf16 one pass's few reloads a vocab tile (two logit tiles live)
             assert r["local_in_loops"] <= (16 if (dt, r["kernel"]) == ("bf16", "score fwd") else 0), (dt, r)
             assert r["ldgsts"] > 0, (dt, r)  # the operand loads are asynchronous copies: pipelined
             assert (r["hgmma"] > 0) == (dt == "bf16"), (dt, r)  # bf16: wgmma; fp32: exact FMAs ("ieee")
@@ -2937,7 +2944,7 @@ def naive_grads(hidden, weight, labels, ref_hidden, ref_weight, T, g_lp, g_ent, 
 
 def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend="triton"):
     """Both ops' outputs and gradients on `device` against float64 autograd through the materialised
-    references, on the same rounded inputs, and scoring's one pass (linear_logprob_entropy_kl) beside them:
+    references, on the same rounded inputs, and the one pass over both heads (linear_logprob_entropy_kl) beside them:
     (output, float64 reference, name, naive) with naive the
     gradient of naive_grads for half inputs (None otherwise). hidden is a transposed view (strides (1, N)),
     the actor's weight a stride-2 view; a third of the rows are masked (zero upstream gradient)."""
@@ -2960,21 +2967,27 @@ def kernels_against_float64(device, dtype, cfg, N, H, V, offset, seed=0, backend
     kl = linear_kl(h, w, dev[1], dev[2], 0.8, backend=backend, config=cfg)
     kdh, kdw = torch.autograd.grad((dev[5].float() * kl).sum(), [h, w])
     r_kl, r_kdh, r_kdw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, 0.8, g_kl)
-    with torch.no_grad():  # scoring's one pass: the actor's numbers are linear_logprob_entropy's, bit for bit
-        s_lp, s_ent, s_ref_lp, s_kl = linear_logprob_entropy_kl(h, w, dev[0], dev[1], dev[2], 0.8, backend=backend,
-                                                                config=cfg)
-    assert torch.equal(s_lp, lp) and torch.equal(s_ent, ent), "scoring's one pass against linear_logprob_entropy"
+    # the one pass over both heads (scoring, and training with the KL loss): the actor's numbers are
+    # linear_logprob_entropy's bit for bit; the gradient of all three losses at once
+    s_lp, s_ent, s_ref_lp, s_kl = linear_logprob_entropy_kl(h, w, dev[0], dev[1], dev[2], 0.8, backend=backend,
+                                                            config=cfg)
+    assert torch.equal(s_lp, lp) and torch.equal(s_ent, ent), "the one pass against linear_logprob_entropy"
+    sdh, sdw = torch.autograd.grad((dev[3].float() * s_lp + dev[4].float() * s_ent + dev[5].float() * s_kl).sum(),
+                                   [h, w])
     r_ref_lp, _ = linear_logprob_entropy_reference(ref_hidden.double(), ref_weight.double(), labels, 0.8)
     naive = [None] * 4
     if dtype != torch.float32:
         naive = [t.cpu() for t in naive_grads(h, w, *dev[:3], 0.8, *(g.float() for g in dev[3:]))]
     out = [(lp, r_lp, "logprob", None), (ent, r_ent, "entropy", None), (dh, r_dh, "d hidden", naive[0]),
            (dw, r_dw, "d weight", naive[1]), (kl, r_kl, "kl", None), (kdh, r_kdh, "kl d hidden", naive[2]),
-           (kdw, r_kdw, "kl d weight", naive[3]), (s_ref_lp, r_ref_lp, "scoring ref_logprob", None),
-           (s_kl, r_kl, "scoring kl", None)]
+           (kdw, r_kdw, "kl d weight", naive[3]), (s_ref_lp, r_ref_lp, "one pass ref_logprob", None),
+           (s_kl, r_kl, "one pass kl", None),
+           (sdh, r_dh + r_kdh, "one pass d hidden", None if naive[0] is None else naive[0] + naive[2]),
+           (sdw, r_dw + r_kdw, "one pass d weight", None if naive[1] is None else naive[1] + naive[3])]
     for t, _, what, _ in out:
         assert torch.isfinite(t).all(), what
-    assert lp.dtype == ent.dtype == kl.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
+    assert lp.dtype == ent.dtype == kl.dtype == s_kl.dtype == torch.float32
+    assert dh.dtype == dw.dtype == sdh.dtype == sdw.dtype == dtype and not s_ref_lp.requires_grad
     return [(t.detach().cpu(), r, what, n) for t, r, what, n in out]
 
 

@@ -95,12 +95,17 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
                    (h, w, h, w, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
             yield (f"{op} bwd", kl._kl_bwd_kernel,
                    (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0), flags)
-    # scoring's one pass over both heads: linear_logprob_entropy's tiles and splits, two operand pairs in flight
+    # the one pass over both heads (scoring, training with the KL loss): linear_logprob_entropy's tiles and splits,
+    # two operand pairs in flight
     _, per_split = vocab_splits(cfg, torch.device("cuda"), N, V, sms=H100_SMS)
+    vc = min(vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v), V)
+    flags = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype),
+                 UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2))
     yield ("score fwd", kl._score_fwd_kernel,
-           (h, w, h, w, labels, f32, N, V, H, H, per_split, *strides, *strides, 1.0),
-           dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype),
-                UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2)))
+           (h, w, h, w, labels, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
+    yield ("score bwd", kl._score_bwd_kernel,
+           (h, w, h, w, labels, f32, f32, f32, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0),
+           flags)
 
 
 def compile_sm90(kernel, args, kwargs):

@@ -36,13 +36,18 @@ K loop for the reference in each tile. Reference and actor may differ in H (e.g.
 not in V. The chunked torch path gives a row the same kl and dh bit for bit whatever the other rows of
 the call, as there (fixed vocab chunks, GEMM rows padded to utils.ROW_ALIGN).
 
-Scoring (linear_logprob_entropy_kl, forward only) needs the actor's logprob and entropy, the reference's
-logprob and this KL for every response token. Three calls compute 4 NHV of logits (linear_kl computes both
-models' again); the one pass computes each model's once (2 NHV) and folds logprob_entropy's statistics of
-both and b from them. Its Triton kernel folds each model's tile with logprob_entropy.fold_tile, with that
-op's tiles and splits, so that scoring's logprob is training's (the first minibatch's ratio of 1). Both
-logit tiles are live while b is folded: compiled for an H100 at the bf16 default tiles it reloads 13 values
-from local memory once a vocab tile, none inside the K loops (`python -m kernels --target sm_90`).
+Scoring (linear_logprob_entropy_kl) needs the actor's logprob and entropy, the reference's logprob and this
+KL for every response token. Three calls compute 4 NHV of logits (linear_kl computes both models' again);
+the one pass computes each model's once (2 NHV) and folds logprob_entropy's statistics of both and b from
+them. Its Triton kernel folds each model's tile with logprob_entropy.fold_tile, with that op's tiles and
+splits, so that scoring's logprob is training's (the first minibatch's ratio of 1). Both logit tiles are live
+while b is folded: compiled for an H100 at the bf16 default tiles it reloads 13 values from local memory once
+a vocab tile, none inside the K loops (`python -m kernels --target sm_90`). Training with the KL loss takes
+the same op: its backward recomputes both models' logits once and forms one dz for all three losses,
+
+    dz = g_lp (onehot - p) - g_ent p (log p + H) + g_kl p ((log p - log q) - kl)      (times 1/T)
+
+then the two GEMMs (4 NHV, where the separate backwards take 3 + 4).
 
 Tests: the kernels/ section of test_ppo.py (pytest test_ppo.py); the benchmark: python -m kernels
 """
@@ -490,7 +495,7 @@ def _score_triton(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: Ti
     logprob = (stats[3].sum(0) - m) - log_s  # a label's logit lives in exactly one split
     entropy = log_s - a / s
     ref_logprob = (stats[6].sum(0) - mr) - log_sr
-    return logprob, entropy, ref_logprob, b / s - log_s + log_sr
+    return logprob, entropy, ref_logprob, b / s - log_s + log_sr, torch.stack([m, log_s, mr, log_sr])
 
 
 def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: TileConfig):
@@ -502,6 +507,7 @@ def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: Til
     N, V = hidden.shape[0], weight.shape[0]
     dt = accum_dtype(hidden.dtype)
     logprob, entropy, ref_logprob, kl = (torch.empty(N, device=hidden.device, dtype=dt) for _ in range(4))
+    norm = torch.empty(4, N, device=hidden.device, dtype=dt)  # m, log s, mr, log sr: what the backward needs
     R, C = chunk_shape(cfg, N, V, n_models=1)
     zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
     for r0 in range(0, N, R):
@@ -533,29 +539,175 @@ def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: Til
         entropy[r0:r1] = log_s - a / s
         ref_logprob[r0:r1] = (zr_label - mr) - log_sr
         kl[r0:r1] = b / s - log_s + log_sr
-    return logprob, entropy, ref_logprob, kl
+        norm[:, r0:r1] = torch.stack([m, log_s, mr, log_sr])
+    return logprob, entropy, ref_logprob, kl, norm
+
+
+@triton.jit
+def _score_bwd_kernel(
+    h_ptr, w_ptr, rh_ptr, rw_ptr, label_ptr, norm_ptr, ent_ptr, kl_ptr, g_lp_ptr, g_ent_ptr, g_kl_ptr, dz_ptr,
+    N, H, RH, v_start, v_stop,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    stride_rhn, stride_rhh, stride_rwv, stride_rwh, stride_dzn,
+    scale,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """dz[:, v_start:v_stop] / T of g_lp logprob + g_ent entropy + g_kl kl for one vocab chunk: both models'
+    logits recomputed (in the forward's tiles), then _logprob_entropy_bwd_kernel's dz plus _kl_bwd_kernel's."""
+    pid_v = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = v_start + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < v_stop
+    zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
+                     stride_rhn, stride_rhh, stride_rwv, stride_rwh,
+                     BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+    mr = tl.load(norm_ptr + 2 * N + rows, mask=row_ok, other=0.0)
+    log_sr = tl.load(norm_ptr + 3 * N + rows, mask=row_ok, other=0.0)
+    logq = tl.where(col_ok[None, :], (zr - mr[:, None]) - log_sr[:, None], 0.0)
+    z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
+                    stride_hn, stride_hh, stride_wv, stride_wh,
+                    BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
+    m = tl.load(norm_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(norm_ptr + N + rows, mask=row_ok, other=0.0)
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    kl = tl.load(kl_ptr + rows, mask=row_ok, other=0.0)
+    labels = tl.load(label_ptr + rows, mask=row_ok, other=-1)
+    g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)  # per-token vectors, not scalars
+    g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+    g_kl = tl.load(g_kl_ptr + rows, mask=row_ok, other=0.0)
+
+    # padded columns: log p = log q = 0 and p = 0, so dz = 0 there; log p = (z - m) - log s, see logprob_entropy.py
+    logp = tl.where(col_ok[None, :], (z - m[:, None]) - log_s[:, None], 0.0)
+    p = tl.where(col_ok[None, :], tl.exp(logp), 0.0)
+    onehot = cols[None, :] == labels[:, None]
+    dz = tl.where(onehot, g_lp[:, None], 0.0) + p * (g_kl[:, None] * ((logp - logq) - kl[:, None])
+                                                      - g_lp[:, None] - g_ent[:, None] * (logp + ent[:, None]))
+    dz = dz * scale  # fp32 until the store
+    out = dz_ptr + rows[:, None] * stride_dzn + (cols - v_start)[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _score_backward_triton(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl, g_lp, g_ent, g_kl,
+                           scale, need_dh, need_dw, cfg):
+    N, H = hidden.shape
+    BN, BV = cfg.block_n, cfg.block_v
+
+    def launch_dz(dz, v0, v1):
+        _score_bwd_kernel[(cdiv(v1 - v0, BV), cdiv(N, BN))](
+            hidden, weight, ref_hidden, ref_weight, labels, norm, entropy, kl, g_lp, g_ent, g_kl, dz,
+            N, H, ref_hidden.shape[1], v0, v1,
+            *_strides(hidden, weight, ref_hidden, ref_weight), dz.stride(0),
+            scale,
+            BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(hidden.dtype),
+            UPCAST=upcast_dot(_score_bwd_kernel, hidden.dtype),
+            num_warps=cfg.num_warps, num_stages=_stages(cfg, hidden, ref_hidden),
+        )
+
+    vc = vocab_chunk(cfg, N, weight.shape[0], cfg.gpu_chunk_elems, BV)
+    return triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz)
+
+
+def _score_backward_torch(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl, g_lp, g_ent, g_kl,
+                          scale, need_dh, need_dw, cfg):
+    """logprob_entropy._backward_torch and this module's _backward_torch in one chunk loop: each chunk of both
+    models' logits is recomputed once and gives one dz for both losses."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dt = norm.dtype
+    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None  # fp32 accumulator
+    # with e = exp(z - m) = s p, zs = z - m and d = zs - (zr - mr) (see both backwards), 1/T folded in:
+    #   dz = g_lp onehot / T + e (zs A + B + (d - c) Ak)
+    #   A = -g_ent / (s T),  B = -(g_lp + g_ent (H - log s)) / (s T),  Ak = g_kl / (s T),  c = log s - log sr + kl
+    m, log_s, mr, log_sr = norm
+    inv_sT = torch.exp(-log_s) * scale
+    A, Ak = -g_ent * inv_sT, g_kl * inv_sT
+    B = -(g_lp + g_ent * (entropy - log_s)) * inv_sT
+    c = log_s - log_sr + kl
+    R, C = chunk_shape(cfg, N, V, n_models=1)  # the forward's chunks
+    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
+    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
+    for r0 in range(0, N, R):
+        r1 = min(r0 + R, N)
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
+        y = labels[r0:r1]
+        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
+        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
+        for v0 in range(0, V, C):
+            v1 = min(v0 + C, V)
+            w_op = gemm_operand(weight[v0:v1])
+            zs = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n].sub_(m[r0:r1, None])
+            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
+            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
+            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
+            e = torch.exp(zs, out=dz_pad[:n])
+            d = zr.sub_(mr[r0:r1, None]).neg_().add_(zs)  # in place over zr
+            t = zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]).add_(d.sub_(c[r0:r1, None]).mul_(Ak[r0:r1, None]))
+            dz = e.mul_(t)  # fp32
+            # the label term, as in logprob_entropy._backward_torch: +0.0 at a clamped column where it lies elsewhere
+            inside = (y >= v0) & (y < v1)
+            cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
+            dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
+            if need_dh:
+                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
+            if need_dw:
+                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
+        if need_dh and n != n_pad:
+            dh[r0:r1] = dh_c[:n]
+    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+
+
+class LinearLogprobEntropyKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ref_hidden, ref_weight, temperature, backend, cfg):
+        scale = 1.0 / temperature
+        one_pass = _score_triton if backend == "triton" else _score_torch
+        logprob, entropy, ref_logprob, kl, norm = one_pass(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg)
+        ctx.save_for_backward(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl)
+        ctx.scale, ctx.backend, ctx.cfg = scale, backend, cfg
+        ctx.mark_non_differentiable(ref_logprob)  # the reference is frozen
+        ctx.set_materialize_grads(False)
+        return logprob, entropy, ref_logprob, kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent, _, g_kl):
+        hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_lp is None and g_ent is None and g_kl is None) or not (need_dh or need_dw):
+            return (None,) * 8
+        g_lp, g_ent, g_kl = (prepare_grad(g, hidden.shape[0], hidden.device, kl.dtype) for g in (g_lp, g_ent, g_kl))
+        bwd = _score_backward_triton if ctx.backend == "triton" else _score_backward_torch
+        dh, dw = bwd(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl, g_lp, g_ent, g_kl, ctx.scale,
+                     need_dh, need_dw, ctx.cfg)
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, temperature=1.0, backend="auto",
                               config=None):
-    """Scoring's four per-token numbers at once, without gradients: (logprob, entropy, ref_logprob, kl), each (N,),
-    the first two as linear_logprob_entropy(hidden, weight, labels) gives them, ref_logprob as it gives the
-    reference's, kl as linear_kl. Both backends compute each model's logits once (2 head products a token instead
-    of the 4 of the three calls: linear_kl recomputes both models' logits): the torch path in linear_logprob_entropy's
-    chunks, the Triton path in one kernel with its tiles and splits, so that the first three come out as
-    linear_logprob_entropy gives them with the same config and backend (bit for bit on the torch path and under the
-    Triton interpreter; test_cuda_kernels_match_float64 checks a GPU). Models of different dtypes make the three
-    calls. For scoring under torch.no_grad(); training takes the separate ops."""
+    """The four per-token numbers of scoring, and of training with the KL loss: (logprob, entropy, ref_logprob, kl),
+    each (N,), the first two as linear_logprob_entropy(hidden, weight, labels) gives them, ref_logprob as it gives
+    the reference's, kl as linear_kl; logprob, entropy and kl differentiable w.r.t. hidden and weight, the reference
+    frozen. Both backends compute each model's logits once in the forward (2 head products a token instead of the
+    4 of the three calls: linear_kl recomputes both models' logits) and once more in the backward, which gives one
+    dz for all three losses (4 products instead of 7): the torch path in linear_logprob_entropy's chunks, the
+    Triton path in kernels with its tiles and splits, so that the first three come out as linear_logprob_entropy
+    gives them with the same config and backend (bit for bit on the torch path and under the Triton interpreter;
+    test_cuda_kernels_match_float64 checks a GPU). Models of different dtypes or devices make the three calls."""
     where = "linear_logprob_entropy_kl"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, weight, ref_hidden, ref_weight)):
-        raise ValueError(f"{where} has no backward: call it under torch.no_grad(), or take linear_logprob_entropy "
-                         "and linear_kl for gradients")
     check_linear(where, "hidden", hidden, "weight", weight)
     check_linear(where, "ref_hidden", ref_hidden, "ref_weight", ref_weight)
     if ref_hidden.shape[0] != hidden.shape[0] or ref_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"{where}: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} against "
                          f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}: the rows "
                          "and the vocabulary must agree")
+    if torch.is_grad_enabled() and (ref_hidden.requires_grad or ref_weight.requires_grad):
+        raise ValueError(f"{where}: the reference is frozen and gets no gradient, but ref_hidden or ref_weight "
+                         "requires grad; compute it under torch.no_grad() or pass .detach()")
     temperature = check_temperature(where, temperature)
     cfg = config if config is not None else default_config(hidden.dtype)
     check_config(cfg, where)
@@ -564,8 +716,9 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _score_fwd_kernel)
     if hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
         logprob, entropy = linear_logprob_entropy(hidden, weight, labels, temperature, backend, cfg)
-        ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend, config)
+        with torch.no_grad():
+            ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend, config)
         return logprob, entropy, ref_logprob, linear_kl(hidden, weight, ref_hidden, ref_weight, temperature, backend,
                                                         config)
-    one_pass = _score_triton if backend == "triton" else _score_torch
-    return one_pass(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight, 1.0 / temperature, cfg)
+    return LinearLogprobEntropyKL.apply(hidden, weight, labels.long().contiguous(), ref_hidden, ref_weight,
+                                        temperature, backend, cfg)
