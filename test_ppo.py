@@ -4784,15 +4784,17 @@ def without_measured(rows):
 
 
 @slow
-@pytest.mark.parametrize("dtype,kernel", [("fp32", "mkl"), ("fp32", "onednn"), ("bf16", "auto")])
-def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype, kernel):
+@pytest.mark.parametrize("dtype,kernel,kl_loss_coef", [("fp32", "mkl", 0.0), ("fp32", "onednn", 0.1),
+                                                      ("bf16", "auto", 0.1)])
+def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype, kernel, kl_loss_coef):
     # one minibatch in one epoch: the update sees exactly the weights that scored the rollout,
     # through the same code path (micro-batches in another order), and the actor still equals the reference
     # (scoring and training micro-batches of the same size: the same rows grouped alike, the same crops);
-    # float32 with its products on F.linear (MKL) and on oneDNN (model.cpu_matmul), whichever this CPU picks
+    # float32 with its products on F.linear (MKL) and on oneDNN (model.cpu_matmul), whichever this CPU picks;
+    # with the KL loss, training takes the one pass over both heads (linear_logprob_entropy_kl) as scoring does
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path),
             "total_steps": 1, "ppo_epochs": 1, "mini_batch_size": 8, "micro_batch_size": 4, "dtype": dtype,
-            "inference_micro_batch_size": 4, "reward_fn": "sentiment"}
+            "inference_micro_batch_size": 4, "reward_fn": "sentiment", "kl_loss_coef": kl_loss_coef}
     p = run_script(ppo_script(args, f"import model\nmodel.CPU_MATMUL = {kernel!r}"))
     assert p.returncode == 0, p.stderr[-3000:]
     m = read_metrics(tmp_path)[0]
