@@ -2866,23 +2866,19 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
 def test_emulate_cuda_rounds_dz_to_nearest_bf16_before_the_gemms(monkeypatch, backend, op):
     # the one thing the switch changes: the dz operand of the backward GEMMs is the same float32 dz, rounded to
     # nearest even in bf16 (what the CUDA kernels' store does; the interpreter's own bf16 store truncates)
-    import kernels.kl
-    import kernels.logprob_entropy
     import kernels.utils
     N, H, V, T = 7, 16, 97, 0.9
     hidden, weight, labels = make(N, H, V, scale=3.0, seed=31, dtype=torch.bfloat16)
     ref_hidden, ref_weight = make_ref(hidden, weight, seed=32)
     g = per_token(N, 33)
-    module = kernels.logprob_entropy if op == "logprob_entropy" else kernels.kl
     seen = []
 
     original = kernels.utils.addmm_f32
 
-    def addmm_f32(out, a, b):  # the dh GEMM of both backends (Triton's in utils.triton_backward), dW on the torch path
-        seen.append(a.clone())
+    def addmm_f32(out, a, b):  # the dh GEMM of both backends (utils.triton_backward, utils.torch_backward), and dW
+        seen.append(a.clone())  # on the torch path
         original(out, a, b)
 
-    monkeypatch.setattr(module, "addmm_f32", addmm_f32)
     monkeypatch.setattr(kernels.utils, "addmm_f32", addmm_f32)
 
     def dz_operands(emulate):

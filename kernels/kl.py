@@ -59,8 +59,8 @@ import triton.language as tl
 from kernels.logprob_entropy import fold_tile, linear_logprob_entropy, merge_stats, shift_and_pick
 from kernels.utils import (
     TileConfig,
+    add_label_term,
     accum_dtype,
-    addmm_f32,
     aligned_rows,
     cdiv,
     check_config,
@@ -73,13 +73,12 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
-    grad_operand,
     logits_tile,
     pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
-    shared_row,
+    torch_backward,
     triton_backward,
     upcast_dot,
     vocab_chunk,
@@ -316,41 +315,23 @@ def _forward_torch(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfi
 def _backward_torch(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, need_dh, need_dw, cfg):
     N, V = hidden.shape[0], weight.shape[0]
     dt = norm.dtype
-    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None  # fp32 accumulator
     # with e = exp(z - m) = s p and d = (z - m) - (zr - mr) = (log p - log q) + (log s - log sr):
     #   dz = g p ((log p - log q) - kl) / T = e (d - c) A,   c = log s - log sr + kl,   A = g / (s T)
     m, log_s, mr, log_sr = norm
     c = log_s - log_sr + kl
     A = g * torch.exp(-log_s) * scale
     R, C = chunk_shape(cfg, N, V, n_models=2)  # the forward's chunks
-    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
-    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
-    for r0 in range(0, N, R):
-        r1 = min(r0 + R, N)
-        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
-        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
-        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
-        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
-        for v0 in range(0, V, C):
-            v1 = min(v0 + C, V)
-            w_op = gemm_operand(weight[v0:v1])
-            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
-            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
-            zs = z.sub_(m[r0:r1, None])
-            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
-            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
-            e = torch.exp(zs, out=dz_pad[:n])
-            d = zs.sub_(zr.sub_(mr[r0:r1, None]))
-            dz = e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
-            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
-            if need_dh:
-                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
-            if need_dw:
-                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
-        if need_dh and n != n_pad:
-            dh[r0:r1] = dh_c[:n]
-    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+    zbuf, zrbuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
+
+    def chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz):
+        n, n_pad = r1 - r0, h_op.shape[0]
+        zs = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n].sub_(m[r0:r1, None])
+        zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
+        e = torch.exp(zs, out=dz)
+        d = zs.sub_(zr.sub_(mr[r0:r1, None]))
+        e.mul_(d.sub_(c[r0:r1, None]).mul_(A[r0:r1, None]))  # fp32
+
+    return torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hidden)
 
 
 # -----------------------------------------------------------------------------
@@ -616,8 +597,6 @@ def _score_backward_torch(hidden, weight, labels, ref_hidden, ref_weight, norm, 
     models' logits is recomputed once and gives one dz for both losses."""
     N, V = hidden.shape[0], weight.shape[0]
     dt = norm.dtype
-    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None  # fp32 accumulator
     # with e = exp(z - m) = s p, zs = z - m and d = zs - (zr - mr) (see both backwards), 1/T folded in:
     #   dz = g_lp onehot / T + e (zs A + B + (d - c) Ak)
     #   A = -g_ent / (s T),  B = -(g_lp + g_ent (H - log s)) / (s T),  Ak = g_kl / (s T),  c = log s - log sr + kl
@@ -627,38 +606,18 @@ def _score_backward_torch(hidden, weight, labels, ref_hidden, ref_weight, norm, 
     B = -(g_lp + g_ent * (entropy - log_s)) * inv_sT
     c = log_s - log_sr + kl
     R, C = chunk_shape(cfg, N, V, n_models=1)  # the forward's chunks
-    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
-    zbuf, zrbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(3))
-    for r0 in range(0, N, R):
-        r1 = min(r0 + R, N)
-        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
-        h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
-        y = labels[r0:r1]
-        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
-        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
-        for v0 in range(0, V, C):
-            v1 = min(v0 + C, V)
-            w_op = gemm_operand(weight[v0:v1])
-            zs = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n].sub_(m[r0:r1, None])
-            zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
-            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
-            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
-            e = torch.exp(zs, out=dz_pad[:n])
-            d = zr.sub_(mr[r0:r1, None]).neg_().add_(zs)  # in place over zr
-            t = zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]).add_(d.sub_(c[r0:r1, None]).mul_(Ak[r0:r1, None]))
-            dz = e.mul_(t)  # fp32
-            # the label term, as in logprob_entropy._backward_torch: +0.0 at a clamped column where it lies elsewhere
-            inside = (y >= v0) & (y < v1)
-            cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
-            dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
-            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
-            if need_dh:
-                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
-            if need_dw:
-                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
-        if need_dh and n != n_pad:
-            dh[r0:r1] = dh_c[:n]
-    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+    zbuf, zrbuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
+
+    def chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz):
+        n, n_pad = r1 - r0, h_op.shape[0]
+        zs = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n].sub_(m[r0:r1, None])
+        zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
+        e = torch.exp(zs, out=dz)
+        d = zr.sub_(mr[r0:r1, None]).neg_().add_(zs)  # in place over zr
+        e.mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]).add_(d.sub_(c[r0:r1, None]).mul_(Ak[r0:r1, None])))
+        add_label_term(dz, labels[r0:r1], v0, v1, g_lp[r0:r1] * scale)
+
+    return torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hidden)
 
 
 class LinearLogprobEntropyKL(torch.autograd.Function):

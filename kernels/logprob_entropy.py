@@ -64,8 +64,8 @@ import triton.language as tl
 
 from kernels.utils import (
     TileConfig,
+    add_label_term,
     accum_dtype,
-    addmm_f32,
     aligned_rows,
     cdiv,
     check_config,
@@ -78,13 +78,12 @@ from kernels.utils import (
     default_config,
     dot_precision,
     gemm_operand,
-    grad_operand,
     logits_tile,
     pad_rows,
     pipeline_stages,
     prepare_grad,
     resolve_backend,
-    shared_row,
+    torch_backward,
     triton_backward,
     upcast_dot,
     vocab_chunk,
@@ -310,9 +309,6 @@ def _forward_torch(hidden, weight, labels, scale, cfg: TileConfig):
 def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_ent, scale, need_dh, need_dw, cfg):
     N, V = hidden.shape[0], weight.shape[0]
     dt = accum_dtype(hidden.dtype)
-    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
-    # float32 accumulator across row chunks (the output itself when the weight is float32/64)
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None
     # with e = exp(z - m) = s p and log p = (z - m) - log s, the gradient (1/T folded in) is
     #   dz = g_lp onehot / T - p (g_lp + g_ent (log p + H)) / T = g_lp onehot / T + e ((z - m) A + B)
     #   A = -g_ent / (s T),  B = -(g_lp + g_ent (H - log s)) / (s T)       (per row, no large m inside)
@@ -320,36 +316,15 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
     A = -g_ent * inv_sT
     B = -(g_lp + g_ent * (entropy - log_sum)) * inv_sT
     R, C = chunk_shape(cfg, N, V, n_models=1)  # the forward's chunks
-    w_shared = shared_row(weight) if need_dh else None  # (H,): dz W = dz (W - 1 c^T), see utils.shared_row
-    zbuf, ebuf = (torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt) for _ in range(2))
-    for r0 in range(0, N, R):
-        r1 = min(r0 + R, N)
-        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
-        h_op, y = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), labels[r0:r1]  # (n_pad, H)
-        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
-        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
-        for v0 in range(0, V, C):
-            v1 = min(v0 + C, V)
-            w_op = gemm_operand(weight[v0:v1])
-            z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n]  # (n, C)
-            zs = z.sub_(row_max[r0:r1, None])  # z - m
-            dz_pad = chunk_view(ebuf, n_pad, v1 - v0)
-            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
-            e = torch.exp(zs, out=dz_pad[:n])
-            dz = e.mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]))  # fp32
-            # the label term, without a boolean-mask index (a device->host sync on CUDA): rows whose label
-            # lies in another chunk add +0.0 at a clamped column
-            inside = (y >= v0) & (y < v1)
-            cols = (y - v0).clamp(0, v1 - v0 - 1)[:, None]
-            dz.scatter_add_(1, cols, torch.where(inside, g_lp[r0:r1] * scale, 0.0)[:, None])
-            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see utils.EMULATE_CUDA)
-            if need_dh:
-                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
-            if need_dw:
-                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
-        if need_dh and n != n_pad:
-            dh[r0:r1] = dh_c[:n]
-    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+    zbuf = torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt)
+
+    def chunk_dz(r0, r1, v0, v1, h_op, w_op, _, dz):
+        zs = chunk_logits(chunk_view(zbuf, h_op.shape[0], v1 - v0), h_op, w_op, scale)[: r1 - r0]
+        zs.sub_(row_max[r0:r1, None])  # z - m
+        torch.exp(zs, out=dz).mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]))  # fp32
+        add_label_term(dz, labels[r0:r1], v0, v1, g_lp[r0:r1] * scale)
+
+    return torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz)
 
 
 # -----------------------------------------------------------------------------

@@ -361,6 +361,49 @@ def num_splits(cfg: TileConfig, device: torch.device, row_blocks: int, vocab_til
     return max(1, min(vocab_tiles, max(16, cdiv(4 * sms, row_blocks))))
 
 
+def torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hidden=None):
+    """The chunked torch backwards' loop over (R rows, C vocab columns) chunks, dt the accumulation dtype (float32,
+    float64 for float64 inputs). chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz) writes dz = d loss / d logits
+    (1/T folded in) of rows [r0, r1) and columns [v0, v1) into dz (r1 - r0, v1 - v0), dt, given the GEMM operands
+    h_op (n_pad, H) and rh_op (n_pad, H_ref; None without ref_hidden), rows padded to ROW_ALIGN, and w_op (C, H);
+    then dh += dz (W - 1 c^T) (c: shared_row) and dW += dz^T h, accumulated in dt. A row's dh does not depend on
+    the other rows (padded GEMMs, fixed chunks). Returns (dh, dW) in the inputs' dtypes, None where not needed."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None
+    w_shared = shared_row(weight) if need_dh else None  # (H,)
+    dz_buf = torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt)
+    for r0 in range(0, N, R):
+        r1 = min(r0 + R, N)
+        n, n_pad = r1 - r0, aligned_rows(r1 - r0)
+        h_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad)
+        rh_op = None if ref_hidden is None else pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
+        # dh of this row chunk, with the padding rows the GEMM writes (a scratch when there are any)
+        dh_c = (dh[r0:r1] if n == n_pad else dh.new_zeros(n_pad, dh.shape[1])) if need_dh else None
+        for v0 in range(0, V, C):
+            v1 = min(v0 + C, V)
+            w_op = gemm_operand(weight[v0:v1])
+            dz_pad = chunk_view(dz_buf, n_pad, v1 - v0)
+            dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
+            chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz_pad[:n])
+            g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see EMULATE_CUDA)
+            if need_dh:
+                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
+            if need_dw:
+                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
+        if need_dh and n != n_pad:
+            dh[r0:r1] = dh_c[:n]
+    return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
+
+
+def add_label_term(dz, labels, v0, v1, g):
+    """dz (n, v1 - v0) += g at each row's label column, where the label lies in [v0, v1): without a boolean-mask
+    index (a device->host sync on CUDA), rows whose label lies in another chunk add +0.0 at a clamped column."""
+    inside = (labels >= v0) & (labels < v1)
+    cols = (labels - v0).clamp(0, v1 - v0 - 1)[:, None]
+    dz.scatter_add_(1, cols, torch.where(inside, g, 0.0)[:, None])
+
+
 def triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz):
     """The Triton backwards' chunk loop. Per vocab chunk [v0, v1) of width vc, launch_dz(dz, v0, v1) has a kernel
     write dz = d loss / d logits (scaled by 1/T) into dz (N, v1 - v0); two GEMMs then give dW[v0:v1] = dz^T h
