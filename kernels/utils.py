@@ -1,9 +1,10 @@
 """Pieces shared by the fused vocabulary ops: tile configuration, input checks, backend choice, dtypes.
 
-Both ops (`logprob_entropy.py`, `kl.py`) follow the same plan: logits z = h W^T / T are produced one
-(rows, vocab) tile at a time, reduced on the fly, and recomputed in the backward pass, so no
-(N, V) tensor ever exists. This file holds what the two ops would otherwise repeat, including the
-Triton building block both use: `logits_tile`, one (BLOCK_N, BLOCK_V) tile of x W^T by tl.dot.
+The ops (`logprob_entropy.py`; `kl.py`, with the one pass over both heads) follow the same plan: logits
+z = h W^T / T are produced one (rows, vocab) tile at a time, reduced on the fly, and recomputed in the
+backward pass, so no (N, V) tensor ever exists. This file holds what they would otherwise repeat: the
+Triton building block all use (`logits_tile`, one (BLOCK_N, BLOCK_V) tile of x W^T by tl.dot) and the
+backwards' chunk loops (`torch_backward`, `triton_backward`), which take each op's dz as a function.
 """
 
 import functools
