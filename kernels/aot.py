@@ -68,9 +68,9 @@ def tiles(n, v, h, warps, stages, base=DEFAULT_CONFIG) -> TileConfig:
 
 
 def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None, kl_cfg: TileConfig = None):
-    """(name, kernel, args, kwargs) of every Triton launch of the three ops on CUDA (scoring's one pass takes cfg), with the ops' default tiles
-    for `dtype` unless cfg / kl_cfg are given. The tensors are tiny stand-ins: the binder reads only
-    their dtype and alignment; sizes and strides are the integers."""
+    """(name, kernel, args, kwargs) of every Triton launch of the three ops on CUDA, with the ops' default tiles
+    for `dtype` unless cfg / kl_cfg are given (the one pass over both heads takes cfg). The tensors are tiny
+    stand-ins: the binder reads only their dtype and alignment; sizes and strides are the integers."""
     def ptr(dt):
         return torch.empty(64, dtype=dt)
 

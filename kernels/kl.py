@@ -594,7 +594,7 @@ def _score_backward_triton(hidden, weight, labels, ref_hidden, ref_weight, norm,
 def _score_backward_torch(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl, g_lp, g_ent, g_kl,
                           scale, need_dh, need_dw, cfg):
     """logprob_entropy._backward_torch and this module's _backward_torch in one chunk loop: each chunk of both
-    models' logits is recomputed once and gives one dz for both losses."""
+    models' logits is recomputed once and gives one dz for the logprob, entropy and KL losses."""
     N, V = hidden.shape[0], weight.shape[0]
     dt = norm.dtype
     # with e = exp(z - m) = s p, zs = z - m and d = zs - (zr - mr) (see both backwards), 1/T folded in:
