@@ -23,8 +23,10 @@ Left-padded batches: pass `attention_mask` (B, S) with 1 for real tokens and
 `setup_kv_cache` and calls the model with `cache_pos`, the cache slots of the new tokens.
 
 Padding-free: when the queries include padding (T > 1), embeddings, norms, projections, MLPs and heads run on
-the real tokens only, packed as (N, H) (N rounded up to a multiple of 16 with padding slots); attention
-scatters them into the (B, T) layout and back (`RealTokens`). A decode step (T = 1) and the "reference" impl run the padded layout.
+the real tokens only, packed as (N, H) (N rounded up to a multiple of 16 with padding slots, `RealTokens`).
+Attention ("sdpa") runs each row's real tokens on their own (`attend_rows`), so a row's outputs are the same
+bits whatever rows share its batch (PPO's first ratio of exactly 1); "flex" scatters them into the (B, T)
+layout and back. A decode step (T = 1), a prefill into the cache and the "reference" impl run the padded layout.
 
 Attention: one masking rule (`may_attend`) over cache slots: query slot i reads key slot j iff
 j <= i and slot j holds a real token, or j == i (a padding query then reads its own slot: a finite
@@ -46,11 +48,12 @@ output that nothing uses, not the NaN of an all-masked row). `Transformer.attn_i
                kernel runs at any g, still skipping unfilled cache tiles. (SDPA over the filled
                prefix is no way out: the rows are left-padded and the compiled step reads the whole
                cache, so it needs a mask, and on CUDA a mask with GQA means the math kernel.)
-  "sdpa"       CPU default. SDPA with the boolean (B, 1, T, S) mask, which on a CPU dispatches to
-               its fused flash-attention kernel, forward and backward, reading the key/value heads
-               without repeating them (profiled: aten::_scaled_dot_product_flash_attention_for_cpu).
-               On CUDA the same call falls back to the math kernel (flash takes no custom mask, and
-               GQA runs on flash and math only).
+  "sdpa"       CPU default. Padding-free (scoring, training), one causal SDPA call per row over its
+               real tokens, no mask; a prefill or a decode step, SDPA with the boolean (B, 1, T, S)
+               mask. On a CPU both dispatch to its fused flash-attention kernel, forward and backward,
+               reading the key/value heads without repeating them (profiled:
+               aten::_scaled_dot_product_flash_attention_for_cpu). On CUDA the masked call falls back
+               to the math kernel (flash takes no custom mask, and GQA runs on flash and math only).
   "reference"  The same call on SDPA's math kernel: key/value heads repeated to every query head,
                full (B, nh, T, S) score matrices. The slow twin the tests compare against.
 Why not flex on the CPU: torch 2.13 has no flex backward on CPU, so training could not use it, and
@@ -277,7 +280,8 @@ def attend(q, k, v, mask, impl):
       so inductor picks its flex decoding kernel for any ratio g (it takes GQA only for a power of two),
       which reads each key/value head's cache once for all g rows, in tiles split along the cache.
     impl "sdpa" / "reference": mask is attention_mask_4d's (B, 1, T, S'), S' <= S: only the first S'
-      slots are read; "reference" forces SDPA's math kernel (the slow twin). An "sdpa" decode step with GQA
+      slots are read; "reference" forces SDPA's math kernel (the slow twin). mask None: causal over T = S
+      slots that all hold real tokens (attend_rows' rows, and a batch without padding). An "sdpa" decode step with GQA
       folds the query heads into rows as flex does: PyTorch's CPU kernel, which takes a block of query rows
       per head, ran SmolLM2's step 1.2-1.6x faster so in float32 and 4.7-5.9x in bf16 (16 rows, 61-173 slots)."""
     gqa = q.size(1) != k.size(1)
@@ -293,6 +297,11 @@ def attend(q, k, v, mask, impl):
         if Q > T:
             q = F.pad(q, (0, 0, 0, Q - T))
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)[:, :, :T]
+    if mask is None and impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask is None:  # the reference: the same rule as an explicit mask
+        mask = attention_mask_4d(torch.ones(q.size(0), k.size(2), dtype=torch.bool, device=q.device),
+                                 torch.arange(q.size(2), device=q.device))
     S = mask.size(-1)
     k, v = k[:, :, :S], v[:, :, :S]
     if impl == "sdpa":
@@ -311,9 +320,9 @@ ROW_MULTIPLE = 16  # bf16 GEMMs on a CPU run up to 25% slower at odd row counts 
 
 class RealTokens:
     """Where the N real tokens of a (B, T) batch sit, for the padding-free layout: embeddings, norms,
-    projections and MLPs run on the (N, H) real tokens only, and attention, the one place that needs rows,
-    scatters them into a zero (B, T) layout and gathers its output back (a copy of N x (q + k + v + out)
-    values per layer, against the (B, T) padded layout's projections and MLPs on every slot)."""
+    projections and MLPs run on the (N, H) real tokens only. Attention, the one place that needs rows, either
+    runs each row's real tokens on their own ("sdpa": `attend_rows`, over `runs`) or scatters them into a zero
+    (B, T) layout and gathers its output back ("flex": a copy of N x (q + k + v + out) values per layer)."""
 
     def __init__(self, real):  # real (B, T) bool: the real tokens
         self.B, self.T = real.shape
@@ -323,6 +332,22 @@ class RealTokens:
             flat = flat.clone()
             flat[(~flat).nonzero()[:extra, 0]] = True
         self.rows = flat.nonzero().squeeze(1)  # (N,) flat indices into (B * T); N a multiple of ROW_MULTIPLE or B T
+        # attend_rows' rows: where each row's real tokens sit among the N, a slice where they are consecutive (PPO's
+        # left-padded prompts and right-padded responses), else their indices; runs: the rows' slices and the
+        # gaps between them (padding slots computed to round N up) in order, when every row's is a slice
+        is_real, row_of = real.flatten()[self.rows].tolist(), (self.rows // self.T).tolist()
+        at = {}
+        for i, (r, b) in enumerate(zip(is_real, row_of)):
+            if r:
+                at.setdefault(b, []).append(i)
+        self.row_tokens = [slice(i[0], i[-1] + 1) if i[-1] - i[0] + 1 == len(i) else torch.tensor(i, device=real.device)
+                           for i in at.values()]  # row order: rows, hence their first indices, ascending
+        self.runs, n = [], 0
+        if all(isinstance(t, slice) for t in self.row_tokens):
+            for t in self.row_tokens:
+                self.runs += [("gap", t.start - n)] * (t.start > n) + [("row", t)]
+                n = t.stop
+            self.runs += [("gap", len(is_real) - n)] * (len(is_real) > n)
 
     def gather(self, x):  # (B, T, ...) -> (N, ...)
         return x.flatten(0, 1).index_select(0, self.rows)
@@ -330,6 +355,28 @@ class RealTokens:
     def scatter(self, x):  # (N, ...) -> (B, T, ...), zero at padding
         out = x.new_zeros(self.B * self.T, *x.shape[1:])  # index_put_'s backward keeps the rows only (index_copy_'s
         return out.index_put_((self.rows,), x).unflatten(0, (self.B, self.T))  # would keep a copy of x as well)
+
+
+def attend_rows(q, k, v, real):
+    """Padding-free attention, one row at a time: q (N, nh, hs), k, v (N, nkv, hs) of real.rows -> (N, nh, hs).
+    A row's real tokens attend causally among themselves (the masking rule, whatever padding surrounds them);
+    the padding slots computed to round N up get 0. So a row's output is the same bits whatever rows share its
+    batch and however wide their padding: nothing of it moves with the other rows, as it does in the (B, T)
+    layout, where the row's keys start after the batch's left padding and the kernel's blocks and vector lanes
+    fall on them differently (measured on the default run in bf16, where training regroups scoring's rows:
+    the first minibatch's approxkl summed 0.05 over its 192 tokens that way, 0 this way)."""
+    def one_row(qb, kb, vb):  # (L, heads, hs) each
+        y = attend(qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], None, "sdpa")
+        return y[0].transpose(0, 1)  # (L, nh, hs)
+
+    if real.runs:  # every row's real tokens consecutive: split into the runs (one cat in the backward), in order
+        sizes = [at.stop - at.start if kind == "row" else at for kind, at in real.runs]
+        parts = zip(*(t.split(sizes) for t in (q, k, v)))
+        return torch.cat([one_row(*p) if kind == "row" else q.new_zeros(p[0].shape)
+                          for (kind, _), p in zip(real.runs, parts)])
+    idx = [torch.arange(t.start, t.stop, device=q.device) if isinstance(t, slice) else t for t in real.row_tokens]
+    y = torch.cat([one_row(*(x.index_select(0, i) for x in (q, k, v))) for i in idx])
+    return q.new_zeros(q.shape).index_put((torch.cat(idx),), y)
 
 
 class KVCache(nn.Module):
@@ -486,6 +533,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if real is not None and impl == "sdpa" and cache_slots is None:  # each row's real tokens on their own
+            return self.o_proj(attend_rows(q, k, v, real).flatten(1))
         if real is not None:  # attention alone sees the (B, T) layout, padding slots zero (and masked)
             q, k, v = real.scatter(q), real.scatter(k), real.scatter(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or nkv, T, hs)
@@ -568,8 +617,8 @@ class Transformer(nn.Module):
         Returns logits (B, T, V) [head="lm"], values (B, T) [head="value"], or with
         return_hidden the final normed hidden states (B, T, H). Padding positions (the mask's zeros
         among the queries) are not computed: their hidden states are 0, their outputs the heads' of 0,
-        except the few (< ROW_MULTIPLE) computed to round the row count up, which hold what the padded
-        layout would (the "reference" impl computes them all, as its layout is padded).
+        except the few (< ROW_MULTIPLE) computed to round the row count up, which hold finite values
+        that nothing reads (the "reference" impl computes them all, as its layout is padded).
         labels (B, T): the token each position predicts, -100 where ignored. Instead of logits it
         returns `logp` and `entropy` (B, T) of softmax(logits / temperature), float32, 0 where
         ignored, from the fused kernels (no (B, T, V) logits), and with ref_hidden (N, H) (the
@@ -610,6 +659,8 @@ class Transformer(nn.Module):
             if not is_real.all():
                 real = RealTokens(is_real)
                 idx, position_ids = real.gather(idx), real.gather(position_ids)  # (N,)
+            elif impl == "sdpa" and cache_pos is None:  # every slot real: plain causal, as attend_rows runs a row
+                mask = None
 
         inv_freq = rope_inv_freq(self.config, idx.device)
         freqs = position_ids[..., None].float() * inv_freq  # (B, T, hs/2) or (N, hs/2)
