@@ -2572,8 +2572,10 @@ def test_logprob_entropy_kl_computes_each_models_logits_once(monkeypatch):
     class Products(torch.utils._python_dispatch.TorchDispatchMode):  # counts the head products: (rows, H) x (H, vocab chunk)
         n = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Products.n += func.overloadpacket.__name__ in ("mm", "addmm") and args[1].shape[0] == H
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch.mm, or oneDNN's (vocab chunk, H)
+            name = func.overloadpacket.__name__
+            Products.n += (name in ("mm", "addmm") and args[1].shape[0] == H
+                           or name == "_linear_pointwise" and args[1].shape[-1] == H)
             return func(*args, **(kwargs or {}))
 
     with torch.no_grad(), Products():
@@ -2842,6 +2844,16 @@ def test_torch_path_rows_independent_of_batch_default_config(op, dtype):
     assert_rows_equal(op, [300, 3, 77], H=32, V=V, dtype=dtype, backend="torch", cfg=None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["logprob_entropy", "kl"])
+@pytest.mark.parametrize("H,V", [(576, 4099), (1536, 2053)])
+def test_torch_path_rows_independent_of_batch_at_real_hidden_sizes(op, dtype, H, V):
+    # SmolLM2's and Qwen2.5-1.5B's hidden sizes: MKL's products (torch.mm) rounded a row of 8 differently from a
+    # row of 16 or more there (and by its place in blocks of 6 rows with AVX2 code), which the hidden sizes of 24
+    # and 32 above did not show; the per-token products run on oneDNN (kernels.utils.rows_exact)
+    assert_rows_equal(op, [300, 3, 77, 8, 16, 9], H=H, V=V, dtype=dtype, backend="torch", cfg=None)
+
+
 def test_chunk_width_is_a_function_of_the_config_only():
     for cfg, n_models in ((DEFAULT_CONFIG, 1), (DEFAULT_KL_CONFIG, 2), (SMALL, 1), (SMALL, 2), (SMALL_ODD, 1)):
         for V in (203, 49152, 151936):
@@ -2930,13 +2942,14 @@ def test_emulate_cuda_rounds_dz_to_nearest_bf16_before_the_gemms(monkeypatch, ba
     g = per_token(N, 33)
     seen = []
 
-    original = kernels.utils.addmm_f32
+    # the dh GEMM of both backends (addmm_rows: utils.triton_backward, utils.torch_backward), and dW on the torch
+    # path (addmm_f32)
+    for name in ("addmm_rows", "addmm_f32"):
+        def gemm(out, a, b, original=getattr(kernels.utils, name)):
+            seen.append(a.clone())
+            original(out, a, b)
 
-    def addmm_f32(out, a, b):  # the dh GEMM of both backends (utils.triton_backward, utils.torch_backward), and dW
-        seen.append(a.clone())  # on the torch path
-        original(out, a, b)
-
-    monkeypatch.setattr(kernels.utils, "addmm_f32", addmm_f32)
+        monkeypatch.setattr(kernels.utils, name, gemm)
 
     def dz_operands(emulate):
         monkeypatch.setattr(kernels.utils, "EMULATE_CUDA", emulate)

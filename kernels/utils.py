@@ -266,11 +266,37 @@ def addmm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out += mm_f32(a, b).to(out.dtype)
 
 
+def addmm_rows(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """addmm_f32 for a product whose rows are tokens (dh): on oneDNN where rows_exact, so that each row of out gets
+    the same bits whatever rows a holds besides it."""
+    if rows_exact(a, b, out):
+        out += onednn_linear(a, b.T)
+    else:
+        addmm_f32(out, a, b)
+
+
+def rows_exact(*ts) -> bool:
+    """Whether a product of these tensors runs on oneDNN: float32 on a CPU, where PyTorch has oneDNN. oneDNN rounds
+    each row of x @ w^T the same whatever rows x holds besides it (tested at any row count and place); MKL, which
+    torch.mm calls, does not: at SmolLM2's hidden size (576) it rounds a row differently in a product of 8 rows
+    than of 16, and with AVX2 code (an Intel CPU without AVX-512) by the row's place in its blocks of 6. The torch
+    path's per-token products (the logits, dh) need that property: a row's logprob must not depend on the other
+    rows of the call (PPO's first ratio of exactly 1). dW's product sums over rows and stays on torch.mm."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts) and torch.backends.mkldnn.is_available()
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T on oneDNN, x (M, K), w (N, K) float32 CPU tensors (model.py sends F.linear's float32 there too)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 # CPU GEMMs (MKL) round a row differently when the matrix has few rows that are not a multiple of 4
 # (measured with torch 2.13's MKL on AVX-512, M = 1-3, 5-7, 9-11 with 2 threads and up to 27 with 16; never
 # at multiples of 4), so the torch path pads the M of every GEMM that produces per-row results (logits, dh)
-# to a multiple of ROW_ALIGN: 8 for margin, at most 7 zero rows per row chunk. Done on every device for one
-# code path; cuBLAS also picks its kernel from the shape, so on CUDA rows agree across N only to rounding
+# to a multiple of ROW_ALIGN: 8 for margin, at most 7 zero rows per row chunk. Padding is not enough at real
+# hidden sizes (rows_exact: float32 products run on oneDNN); it stays for the products that still take MKL
+# (float64, a build without oneDNN) and for one code path on every device. cuBLAS also picks its kernel from
+# the shape, so on CUDA rows agree across N only to rounding
 ROW_ALIGN = 8
 
 
@@ -309,7 +335,9 @@ def chunk_view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def chunk_logits(out: torch.Tensor, h_op: torch.Tensor, w_op: torch.Tensor, scale: float) -> torch.Tensor:
     """out = h_op @ w_op^T * scale, written into a preallocated chunk buffer: (R, H) x (C, H) -> (R, C)."""
-    if h_op.dtype == out.dtype and w_op.dtype == out.dtype:
+    if rows_exact(h_op, w_op, out):
+        out.copy_(onednn_linear(h_op, w_op))
+    elif h_op.dtype == out.dtype and w_op.dtype == out.dtype:
         torch.mm(h_op, w_op.T, out=out)
     else:  # half GEMM on CUDA, float32 result
         out.copy_(mm_f32(h_op, w_op.T))
@@ -389,7 +417,7 @@ def torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hid
             chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz_pad[:n])
             g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see EMULATE_CUDA)
             if need_dh:
-                addmm_f32(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
+                addmm_rows(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
             if need_dw:
                 addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
         if need_dh and n != n_pad:
@@ -415,8 +443,9 @@ def triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz):
     N, H = hidden.shape
     V = weight.shape[0]
     dz_dtype = weight.dtype if hidden.is_cuda else accum_dtype(weight.dtype)
-    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, so that MKL
-    # rounds a row the same for any N; the padding rows of dz stay 0 (the kernels write rows < N only)
+    # off CUDA (the interpreter) the dh GEMM's M is padded to ROW_ALIGN, as on the torch path, and the product runs
+    # on oneDNN (addmm_rows), so that a row rounds the same for any N; the padding rows of dz stay 0 (the kernels
+    # write rows < N only)
     n_pad = N if hidden.is_cuda else aligned_rows(N)
     dz_buf = torch.empty(n_pad, vc, device=hidden.device, dtype=dz_dtype)  # (n_pad, Vc), reused per chunk
     dz_buf[N:].zero_()
@@ -430,7 +459,7 @@ def triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz):
         launch_dz(dz_pad[:N], v0, v1)
         g_op = grad_operand(dz_pad, weight.dtype)
         if need_dh:  # dz (W - 1 c^T) = dz W, see shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
-            addmm_f32(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
+            addmm_rows(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
         if need_dw:
             dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
