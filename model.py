@@ -321,7 +321,7 @@ ROW_MULTIPLE = 16  # bf16 GEMMs on a CPU run up to 25% slower at odd row counts 
 class RealTokens:
     """Where the N real tokens of a (B, T) batch sit, for the padding-free layout: embeddings, norms,
     projections and MLPs run on the (N, H) real tokens only. Attention, the one place that needs rows, either
-    runs each row's real tokens on their own ("sdpa": `attend_rows`, over `runs`) or scatters them into a zero
+    runs each row's real tokens on their own ("sdpa": `attend_rows`) or scatters them into a zero
     (B, T) layout and gathers its output back ("flex": a copy of N x (q + k + v + out) values per layer)."""
 
     def __init__(self, real):  # real (B, T) bool: the real tokens
@@ -332,22 +332,30 @@ class RealTokens:
             flat = flat.clone()
             flat[(~flat).nonzero()[:extra, 0]] = True
         self.rows = flat.nonzero().squeeze(1)  # (N,) flat indices into (B * T); N a multiple of ROW_MULTIPLE or B T
-        # attend_rows' rows: where each row's real tokens sit among the N, a slice where they are consecutive (PPO's
-        # left-padded prompts and right-padded responses), else their indices; runs: the rows' slices and the
-        # gaps between them (padding slots computed to round N up) in order, when every row's is a slice
-        is_real, row_of = real.flatten()[self.rows].tolist(), (self.rows // self.T).tolist()
-        at = {}
-        for i, (r, b) in enumerate(zip(is_real, row_of)):
-            if r:
-                at.setdefault(b, []).append(i)
-        self.row_tokens = [slice(i[0], i[-1] + 1) if i[-1] - i[0] + 1 == len(i) else torch.tensor(i, device=real.device)
-                           for i in at.values()]  # row order: rows, hence their first indices, ascending
-        self.runs, n = [], 0
-        if all(isinstance(t, slice) for t in self.row_tokens):
-            for t in self.row_tokens:
-                self.runs += [("gap", t.start - n)] * (t.start > n) + [("row", t)]
-                n = t.stop
-            self.runs += [("gap", len(is_real) - n)] * (len(is_real) > n)
+        self.real = real
+
+    @functools.cached_property
+    def row_tokens(self):
+        """For attend_rows: where each row's real tokens sit among the N, in row order: a slice where they are
+        consecutive (PPO's left-padded prompts and right-padded responses), else their indices."""
+        at = self.real.flatten()[self.rows].nonzero().squeeze(1)  # (n,) the real tokens among the N, row by row
+        _, counts = torch.unique_consecutive(self.rows[at] // self.T, return_counts=True)
+        starts = counts.cumsum(0) - counts
+        first, last = at[starts].tolist(), at[starts + counts - 1].tolist()
+        return [slice(a, b + 1) if b - a + 1 == n else at[s : s + n]
+                for a, b, n, s in zip(first, last, counts.tolist(), starts.tolist())]
+
+    @functools.cached_property
+    def runs(self):
+        """The N rows cut in order into ("row", slice) and ("gap", count of padding slots computed to round N up),
+        when every row's real tokens are consecutive; else empty."""
+        if not all(isinstance(t, slice) for t in self.row_tokens):
+            return []
+        runs, n = [], 0
+        for t in self.row_tokens:
+            runs += [("gap", t.start - n)] * (t.start > n) + [("row", t)]
+            n = t.stop
+        return runs + [("gap", len(self.rows) - n)] * (len(self.rows) > n)
 
     def gather(self, x):  # (B, T, ...) -> (N, ...)
         return x.flatten(0, 1).index_select(0, self.rows)
