@@ -1367,8 +1367,9 @@ def random_checkpoints(folder, shape, seed=0):
     """A byte-level BPE tokenizer (the 256 byte symbols, the 676 two-letter words "aa" ... "zz" as merges; eos
     <|im_end|>, pad <|endoftext|>), the kind Qwen2's tokenizer class reads, and two bf16 checkpoints of the shape
     with random weights: the policy (causal LM) and the reward model (sequence classifier, one label). The
-    model's vocabulary is the shape's: sampled ids past the tokenizer's decode to nothing. Returns
-    (policy folder, reward model folder)."""
+    model's vocabulary is the shape's: sampled ids past the tokenizer's decode to nothing. The weights are drawn
+    on the GPU where there is one (a 1.5B model's initialization takes half a minute on a CPU), so they differ
+    between a GPU machine and a CPU one. Returns (policy folder, reward model folder)."""
     from tokenizers import Tokenizer, decoders, models
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
@@ -1388,9 +1389,14 @@ def random_checkpoints(folder, shape, seed=0):
         cfg = AutoConfig.for_model(**SHAPES[shape], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                    **extra)
         path = os.path.join(folder, f"{shape}-{role}")
-        auto.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = auto.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        del model
         tok.save_pretrained(path)
         paths.append(path)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the models held goes back to the card, not into a later run's pool
     return paths
 
 
@@ -1480,19 +1486,26 @@ class StepTable:
 
 def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch_size=32, micro_batch_size=2,
                 inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
-                dtype="auto", profile_update=0):
+                dtype="auto", profile_update=0, checkpoints=""):
     """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
     time per phase, response tokens/s, val/sampler_logprob_diff, perf/padding_frac, the training phase's model
     TFLOP/s (ppo_train_flops) and, on CUDA, each phase's peak allocated memory beside --dry_run's plan for one GPU,
     a row per step as it ends. profile_update=n: the run's nth minibatch update under torch.profiler
-    (ProfileUpdate; with 2 minibatches a step, 3 is step 2's first). No checkpoint is written. Random weights
-    rarely sample EOS, so responses run to max_new_tokens."""
+    (ProfileUpdate; with 2 minibatches a step, 3 is step 2's first). No PPO checkpoint is written. Random weights
+    rarely sample EOS, so responses run to max_new_tokens. checkpoints: a folder that keeps the random models for
+    the next call (a 1.5B shape's pair is 6 GB to write); they are written there on the first call, and used as
+    they are on a later one; empty: a temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        policy, rm = random_checkpoints(tmp, shape)
+        kept = [os.path.join(checkpoints, f"{shape}-{role}") for role in ("policy", "rm")] if checkpoints else []
+        if kept and os.path.isfile(os.path.join(kept[1], "tokenizer.json")):  # random_checkpoints' last file
+            policy, rm = kept
+        else:
+            os.makedirs(checkpoints or tmp, exist_ok=True)
+            policy, rm = random_checkpoints(checkpoints or tmp, shape)
         prompts = word_prompts(os.path.join(tmp, "prompts.jsonl"), rollout_batch_size * steps, max_prompt_len)
-        print(f"{shape}: random bf16 checkpoints and {rollout_batch_size * steps} prompts of {max_prompt_len} tokens "
-              f"written in {time.time() - t0:.0f} s", flush=True)
+        print(f"{shape}: random bf16 checkpoints ({os.path.dirname(policy)}) and {rollout_batch_size * steps} prompts "
+              f"of {max_prompt_len} tokens ready in {time.time() - t0:.0f} s", flush=True)
         cfg = ppo.Config(model=policy, reward_model=rm, prompts=prompts, out_dir=os.path.join(tmp, "run"),
                          total_steps=steps, rollout_batch_size=rollout_batch_size, mini_batch_size=mini_batch_size,
                          micro_batch_size=micro_batch_size, inference_micro_batch_size=inference_micro_batch_size,
