@@ -238,8 +238,8 @@ class Logger:
                     os.remove(os.path.join(self.samples, name))
             train = os.path.join(self.samples, "train.jsonl")
             if os.path.exists(train):
-                with open(train) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= last]
+                with open(train) as f:  # a line a kill -9 cut short (no newline: only the last can be) goes too
+                    kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= last]
                 with open(train + ".tmp", "w") as f:
                     f.writelines(kept)
                 os.replace(train + ".tmp", train)

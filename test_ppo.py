@@ -4851,6 +4851,15 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def logged_lines(out_dir):
+    """How many lines of metrics.jsonl a running run has finished: a reader may see a line mid-write."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return f.read().count("\n")
+
+
 # metrics that measure the machine, not the run, so two runs that must be equal may differ in them: wall-clock
 # times, and the CUDA allocator's peaks (an uninterrupted run still holds step 1's tensors in step 2, where a
 # resumed run records its CUDA graphs)
@@ -5388,8 +5397,8 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     assert os.path.isdir(tmp_path / "part" / "checkpoints" / "step-000002")
     samples = tmp_path / "part" / "samples"  # what a run killed after step 3 leaves beyond the checkpoint: cut back
     (samples / "step-000003.jsonl").write_text('{"prompt": "stale"}\n')
-    with open(samples / "train.jsonl", "a") as f:
-        f.write('{"step": 3, "prompt": "stale"}\n')
+    with open(samples / "train.jsonl", "a") as f:  # and a line cut short: kill -9 can stop a write() between pages
+        f.write('{"step": 3, "prompt": "stale"}\n{"step": 4, "prompt": "st')
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert [(r["step"], "eval/score" in r) for r in resumed] == [(0, True), (1, False), (2, False), (2, True),
                                                                   (3, False), (4, False), (4, True)]
@@ -5709,7 +5718,7 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240
-    while len(read_metrics(out)) < 2 and time.time() < deadline and p.poll() is None:
+    while logged_lines(out) < 2 and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
     log = p.communicate(timeout=120)[0]
@@ -5783,7 +5792,7 @@ def test_two_runs_in_one_out_dir_and_a_stale_lock(tiny_run, tmp_path):
     out = tmp_path / "run"
     a = popen_ppo(tiny_run, out, total_steps=500)
     deadline = time.time() + 240
-    while not read_metrics(out) and time.time() < deadline and a.poll() is None:
+    while not logged_lines(out) and time.time() < deadline and a.poll() is None:
         time.sleep(0.1)
     b, _ = run_ppo(tiny_run, out, total_steps=3, resume="auto", check=False)
     assert b.returncode != 0 and f"in use by another run: PID {a.pid} on host" in b.stderr, b.stderr[-2000:]
@@ -5814,7 +5823,7 @@ def test_kill_9_anywhere_and_resume_is_exact(tiny_run, tmp_path):
     ckpts = out / "checkpoints"
     moments = [lambda: glob.glob(str(ckpts / "step-*.tmp")),  # mid-checkpoint
                lambda: glob.glob(str(out / ".tmp-*")),  # mid-export
-               lambda: len(read_metrics(out)) >= 3]  # mid-step (after step 3's metrics, in its checkpoint or step 4)
+               lambda: logged_lines(out) >= 3]  # mid-step (after step 3's metrics, in its checkpoint or step 4)
     for i, ready in enumerate(moments):
         kill_when(ready, popen_ppo(tiny_run, out, resume="auto", **kw))
     p, rows = run_ppo(tiny_run, out, resume="auto", **kw)
