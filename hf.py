@@ -75,8 +75,9 @@ def read_checkpoint(name_or_path):
         from transformers import AutoModelForCausalLM
 
         folder, fname = _gguf_file(path)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
-                                                        config=copy.deepcopy(_gguf_config(folder, fname)))
+        with gguf_parsed_once():  # one map of tensor names for all the model's submodules (nested: the caller's)
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                            config=copy.deepcopy(_gguf_config(folder, fname)))
         hf = hf_model.config
         # the config as read_config gets it from the metadata: the loading recorded our float32 request as
         # the checkpoint's dtype (GGUF records none) and a quantization the dequantized tensors no longer have
@@ -119,8 +120,9 @@ def gguf_parsed_once():
     as numpy views, 1.7 s and 160 MiB for SmolLM2 on a 2-core CPU) for the tokenizer, the config and the weights
     alike, and here they share one per file (read-only). So do the weights' name maps: transformers walks every
     submodule of a model (397 for SmolLM2) and builds gguf's map of tensor names for the architecture at each one
-    (7.6 s of the weights' 18 s in a profile on a 2-core Xeon); here one map per architecture and block count. Left, both are
-    dropped. Without the gguf package (which other checkpoints do not need) there is nothing to share."""
+    (7.6 s of the weights' 18 s in a profile on a 2-core Xeon); here one map per architecture and block count
+    (read_checkpoint reads in it of its own accord). Left, both are dropped; nested, the inner one shares the outer
+    one's. Without the gguf package (which other checkpoints do not need) there is nothing to share."""
     try:
         import gguf
     except ImportError:

