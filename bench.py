@@ -1500,8 +1500,7 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
         kept = [os.path.join(checkpoints, f"{shape}-{role}") for role in ("policy", "rm")] if checkpoints else []
         if kept and os.path.isfile(os.path.join(kept[1], "tokenizer.json")):  # random_checkpoints' last file
             policy, rm = kept
-        else:
-            os.makedirs(checkpoints or tmp, exist_ok=True)
+        else:  # save_pretrained makes the folders
             policy, rm = random_checkpoints(checkpoints or tmp, shape)
         prompts = word_prompts(os.path.join(tmp, "prompts.jsonl"), rollout_batch_size * steps, max_prompt_len)
         print(f"{shape}: random bf16 checkpoints ({os.path.dirname(policy)}) and {rollout_batch_size * steps} prompts "
