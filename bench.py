@@ -21,6 +21,8 @@ Benchmarks that print tables, each comparing two paths side by side in one run (
     python bench.py train_products                       a CPU's float32 products at training's sizes: F.linear against
                                                          oneDNN's (model.OneDNNLinear), forward and gradients
     python bench.py attention [--device=cuda]            model.py's fused attention against the math kernel
+    python bench.py sampler [--device=cuda]              PPO's sampler (softmax, noise hash, race) eager against
+                                                         compiled, as compiled decoding runs it on CUDA
     python bench.py real_shapes [--shape=qwen2.5-1.5b]   PPO steps at a published model's shapes, random weights:
                                                          time per phase, tokens/s, peak memory beside the plan
 The fused vocabulary kernels have their own: python -m kernels. Each table prints its rows as they are measured,
@@ -871,6 +873,61 @@ def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), ro
             print(row, flush=True)
 
 
+def _bytes_touched(fn):
+    """(ops, bytes) that fn's aten ops read and write: every tensor argument and result, counted once per op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        ops = nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Count.ops += 1
+            Count.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                if isinstance(t, torch.Tensor))
+            return out
+
+    with Count():
+        fn()
+    return Count.ops, Count.nbytes
+
+
+def sampler(device="cpu", rows=(1, 8, 32, 64), vocab=(49152, 151936), temperature=1.0, rounds=20):
+    """PPO's sampler (rollout.race: softmax, the noise hash, the exponential race) eager against compiled
+    (rollout.compiled_race, what compiled decoding runs on CUDA), at each (rows, vocabulary) of a decode step:
+    the median of `rounds` calls each, the eager ops' count and the bytes they read and write, whether the tokens
+    are the same and the largest logprob difference."""
+    import rollout
+
+    dev = torch.device(device)
+    bw = _copy_bandwidth(dev) if dev.type == "cuda" else _read_bandwidth(dev)
+    print(f"torch {torch.__version__}, {_device_name(dev)}; temperature {temperature}; logits randn x 3, float32; "
+          f"bandwidth {bw / 1e9:,.0f} GB/s ({'a 2 GiB copy, read + write' if dev.type == 'cuda' else 'the fastest read'})"
+          f"; median of {rounds} calls\n")
+    print("| rows | vocab | eager ops | eager MB touched | at the bandwidth ms | eager ms | compiled ms | speedup "
+          "| same tokens | max logprob diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    compiled = rollout.compiled_race(dev.type)
+    for V in vocab:
+        for B in rows:
+            g = torch.Generator().manual_seed(B * V)
+            z = (torch.randn(B, V, generator=g) * 3).to(dev)
+            seeds = torch.randint(0, 2**62, (B,), generator=g).to(dev)
+            step = torch.tensor([3], device=dev)
+            eager = lambda: rollout.race(z, temperature, seeds, step)  # noqa: E731
+            fused = lambda: compiled(z, temperature, seeds, step)  # noqa: E731
+            (te, le), (tc, lc) = eager(), fused()  # the first call compiles
+            ops, nbytes = _bytes_touched(eager)
+            times = {"eager": [], "compiled": []}
+            for _ in range(rounds):
+                times["eager"].append(_timed(eager, dev)[0])
+                times["compiled"].append(_timed(fused, dev)[0])
+            e, c = (statistics.median(times[k]) * 1e3 for k in ("eager", "compiled"))
+            print(f"| {B} | {V} | {ops} | {nbytes / 1e6:,.0f} | {nbytes / bw * 1e3:.2f} | {e:.2f} | {c:.2f} | "
+                  f"{e / c:.1f}x | {torch.equal(te, tc)} | {(le - lc).abs().max().item():.1e} |", flush=True)
+
+
 # -----------------------------------------------------------------------------
 # generation: rollout.generate against transformers' generate, and finished rows dropped or not
 
@@ -1592,7 +1649,7 @@ if __name__ == "__main__":
     fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
                "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
                "generation": generation, "decode_layout": decode_layout, "train_products": train_products,
-               "scoring_head": scoring_head,
+               "scoring_head": scoring_head, "sampler": sampler,
                "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
                "decode_pool": decode_pool})

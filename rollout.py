@@ -36,8 +36,8 @@ the buffers keep their addresses. A compaction copies about as much as one decod
     CUDA_CHECK_EVERY steps on CUDA, every step on a CPU), padded with finished rows. A last, smaller
     micro-batch starts at the smallest size that holds it, filled with copies of its first row that
     count as finished from the start (their outputs are dropped). This path runs under inductor on a CPU
-    in the tests; its CUDA graphs (a view of the leading rows marked as a static address, one graph
-    per size) are not yet checked on a GPU.
+    in the tests, and with its CUDA graphs (a view of the leading rows marked as a static address, one
+    graph per size) in the CUDA tests.
 compact=False keeps every row to the end, as transformers' generate does.
 Decoding runs in the model's dtype (load it in bf16 on a GPU); sampling always in float32.
 
@@ -48,6 +48,12 @@ Sampling, per step:
 argmax(p'/q) is distributed as Categorical(p'): for independent q_i ~ Exp(1), q_i / p'_i ~ Exp(p'_i)
 and the smallest of them is i with probability p'_i. Unlike torch.multinomial it needs no host-device
 sync. temperature == 0 is greedy: token = argmax(logits).
+Without top-k / top-p (PPO's case) a step's sampling is `race`: eager, some 116 ops over (rows, V), most
+of them the noise hash's int64 passes (2.25 GB read and written at 32 rows of 151,936 tokens, about
+0.8 ms at an H100's copy bandwidth, against a decode step's 3 GB of weights). Compiled decoding on CUDA
+runs it compiled too (compiled_race: a few fused kernels); the hash's integer ops are exact in any order,
+so the noise is the same bits, and only the softmaxes' sums may round otherwise (a token can then differ at
+a near-tie, as with any change of kernel).
 The logits are float32 whatever the model's dtype, computed as the training path computes them
 (kernels/): bf16 hidden states and LM head, float32 accumulation and output (on CUDA a bf16 GEMM
 with a float32 result; on a CPU float32 operands, which hold the bf16 values exactly). A bf16 result
@@ -322,16 +328,40 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, seeds=No
     logits = logits.float()
     if temperature == 0:
         token = logits.argmax(-1)
-        logp = F.log_softmax(logits, dim=-1)
-    else:
-        z = logits / temperature
-        logp = F.log_softmax(z, dim=-1)  # (B, V): what the training forward recomputes
-        probs = (filter_logits(z, top_k, top_p) if (top_k or top_p < 1) else z).softmax(-1)
-        if seeds is None:
-            seeds = draw_seeds(z.size(0), generator, z.device)
-        q = exponential_noise(seeds, step, z.size(-1))  # (B, V), > 0: a dropped token gives 0 / q = 0
-        token = (probs / q).argmax(-1)
+        return token, F.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    if seeds is None:
+        seeds = draw_seeds(logits.size(0), generator, logits.device)
+    if not top_k and top_p == 1:
+        return race(logits, temperature, seeds, step)
+    z = logits / temperature
+    probs = filter_logits(z, top_k, top_p).softmax(-1)
+    q = exponential_noise(seeds, step, z.size(-1))  # (B, V), > 0: a dropped token gives 0 / q = 0
+    token = (probs / q).argmax(-1)
+    return token, F.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def race(logits, temperature, seeds, step):
+    """sample without top-k / top-p: logits (B, V) float32, temperature > 0, seeds (B,) long, step an int or a
+    (1,) long tensor -> token (B,), logp (B,) float32. One function of tensors, so that compiled_race can
+    fuse it."""
+    z = logits / temperature
+    logp = F.log_softmax(z, dim=-1)  # (B, V): what the training forward recomputes
+    q = exponential_noise(seeds, step, z.size(-1))  # (B, V) > 0
+    token = (z.softmax(-1) / q).argmax(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+COMPILED_RACE_DEVICES = ("cuda",)  # where compiled decoding also compiles race (a CPU would compile it per shape
+# in about 15 s, for a few ms a step: compile=True there is a benchmark's choice, not the rollout's)
+
+
+@functools.cache
+def compiled_race(device_type):
+    """race compiled once per process and device type (fixed shapes: one graph per decode batch size), step a
+    (1,) device tensor so that the steps share it. The noise is integer arithmetic, the same bits fused or
+    not; the softmaxes may sum in another order (inductor's C++ on a CPU: the same tokens, logprobs 4e-6
+    apart at 151,936 tokens, and by the logits' own rounding at logits of 1e4)."""
+    return torch.compile(race, fullgraph=True, dynamic=False)
 
 
 # -----------------------------------------------------------------------------
@@ -473,8 +503,15 @@ def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampl
     logits = last_logits(model, prefill(model, idx, mask[:, :P], pos), W)  # (b, V) float32
     pos = pos[:, -1:] + 1  # (b, 1): position of the next token of every row
     slot = torch.tensor([P], dtype=torch.long, device=device)  # (1,): its cache slot, a tensor for fixed shapes
+    temperature, top_k, top_p = sampling
+    fused = compiled and device.type in COMPILED_RACE_DEVICES and temperature > 0 and not top_k and top_p == 1
+    step_t = torch.zeros(1, dtype=torch.long, device=device)  # (1,): t, for compiled_race
     for t in range(N):
-        tok, logp = sample(logits, *sampling, seeds=seeds, step=t)  # (b,), (b,)
+        if fused:
+            tok, logp = compiled_race(device.type)(logits, temperature, seeds, step_t)  # (b,), (b,)
+            step_t += 1
+        else:
+            tok, logp = sample(logits, *sampling, seeds=seeds, step=t)
         tok = torch.where(alive, tok, pad)
         tokens[row, t] = tok
         logps[row, t] = torch.where(alive, logp, 0.0)

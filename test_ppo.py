@@ -3481,6 +3481,53 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     model.clear_kv_cache()
 
 
+
+def nasty_logits(B, V, seed):
+    """(B, V) float32 logits for the samplers: spread, shifted by +-1e4, one token far ahead, a flat row."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, V, generator=g) * 3
+    z[1 % B] += 1e4
+    z[2 % B] -= 1e4
+    z[3 % B, 7] += 40.0  # nearly certain
+    z[4 % B] = 0.5  # every token alike: the noise alone decides
+    return z
+
+
+@slow
+def test_compiled_race_samples_what_the_eager_race_samples(rollout_tiny, monkeypatch):
+    # PPO's sampler (no top-k / top-p) compiled, as compiled decoding runs it on CUDA (here inductor's C++): the
+    # same tokens and logprobs as the eager ops on nasty logits at an odd vocabulary; step as an int or a (1,)
+    # tensor draws the same noise; and generate(compile=True) with it samples what the eager decode samples
+    compile_afresh(monkeypatch)
+    race = R.compiled_race("cpu")
+    seeds = torch.tensor([3, 2**40 + 1, 7, 0, 2**62 + 5, 11])
+    for step in (0, 5):
+        z = nasty_logits(6, 5003, seed=step)
+        tok, logp = R.race(z, 0.7, seeds, step)
+        assert torch.equal(R.race(z, 0.7, seeds, torch.tensor([step]))[0], tok)
+        assert torch.equal(sample(z, 0.7, seeds=seeds, step=step)[0], tok)  # sample takes race when unfiltered
+        ctok, clogp = race(z, 0.7, seeds, torch.tensor([step]))
+        # the log-softmax fused in another order: within two roundings of the row's largest scaled logit (4e-4 seen
+        # at logits of 1e4 / 0.7, whose own spacing is 1e-3) and 1e-5 for its sum over the vocabulary (4e-6 seen
+        # at 151,936 tokens of logits of a few units)
+        tol = 2 * torch.finfo(torch.float32).eps * (z / 0.7).abs().amax(-1) + 1e-5
+        assert torch.equal(ctok, tok) and ((clogp - logp).abs() <= tol).all(), (ctok, tok, clogp - logp, tol)
+        assert tok[3] == 7 and torch.isfinite(logp).all()
+
+    model, _ = rollout_tiny["llama"]
+    calls = []
+    monkeypatch.setattr(R, "COMPILED_RACE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(R, "compiled_race", lambda device_type: lambda *a: calls.append(a[0].shape) or race(*a))
+    prompts = random_prompts([5, 9, 2, 13], seed=14)
+    kw = dict(temperature=0.9, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[5, 1, 8, 2])
+    eager = generate(model, prompts, 16, compile=False, **kw)
+    try:
+        comp = generate(model, prompts, 16, compile=True, compact=False, max_prompt_len=13, **kw)
+    finally:
+        model.clear_kv_cache()
+    assert len(calls) >= 2 and all(c == (4, model.config.vocab_size) for c in calls), calls
+    assert_same_rollout(comp, eager)
+
 def test_compiled_flex_decode_folds_query_heads(flex_tiny, monkeypatch):
     # the CUDA path on a CPU: flex attention inside the decode step, compiled with fixed shapes over the whole cache
     # (inductor's C++ flex kernel), at SmolLM2's non-power-of-two ratio of 3 query heads per key/value head. Its
@@ -3548,6 +3595,30 @@ def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
     assert not unfused_attention(graphs)
     assert (str(ratio), True) in chosen, chosen  # the compiled step's attention: inductor's flex decoding kernel
 
+
+
+@needs_cuda
+def test_cuda_compiled_race_samples_what_the_eager_race_samples(flex_tiny, monkeypatch):
+    # PPO's sampler on CUDA as compiled decoding runs it (inductor's Triton kernels): at Qwen2.5's vocabulary and a
+    # rollout micro-batch of 32 rows, nasty logits, the eager ops' tokens and logprobs (the tolerance of the CPU
+    # test above); and a plain-sampling rollout through the CUDA-graph decode equals the eager one
+    compile_afresh(monkeypatch)
+    seeds = torch.randint(0, 2**62, (32,), generator=torch.Generator().manual_seed(0)).cuda()
+    for step in (0, 9):
+        z = nasty_logits(32, 151936, seed=step).cuda()
+        tok, logp = R.race(z, 0.8, seeds, step)
+        ctok, clogp = R.compiled_race("cuda")(z, 0.8, seeds, torch.tensor([step], device="cuda"))
+        tol = 2 * torch.finfo(torch.float32).eps * (z / 0.8).abs().amax(-1) + 1e-5
+        assert torch.equal(ctok, tok) and ((clogp - logp).abs() <= tol).all(), (clogp - logp, tol)
+    model = copy.deepcopy(flex_tiny[3]).cuda()
+    prompts = random_prompts([5, 9, 2, 13, 7], seed=16)
+    kw = dict(temperature=1.0, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[4, 1, 7, 3, 9])
+    eager = generate(model, prompts, 20, compile=False, **kw)
+    try:
+        comp = generate(model, prompts, 20, compile=True, micro_batch_size=4, **kw)
+    finally:
+        model.clear_kv_cache()
+    assert_same_rollout(comp, eager, atol=5e-5)  # 5e-5: flex decoding's own order (test_cuda_graph_decode_...)
 
 # -- rank-invariant sampling noise: a hash of (seed, step, token) -----------------------------
 
