@@ -48,7 +48,7 @@ Sampling, per step:
 argmax(p'/q) is distributed as Categorical(p'): for independent q_i ~ Exp(1), q_i / p'_i ~ Exp(p'_i)
 and the smallest of them is i with probability p'_i. Unlike torch.multinomial it needs no host-device
 sync. temperature == 0 is greedy: token = argmax(logits).
-Without top-k / top-p (PPO's case) a step's sampling is `race`: eager, some 116 ops over (rows, V), most
+Without top-k / top-p (PPO's case) a step's sampling is `race`: eager, some 115 ops over (rows, V), most
 of them the noise hash's int64 passes (2.25 GB read and written at 32 rows of 151,936 tokens, about
 0.8 ms at an H100's copy bandwidth, against a decode step's 3 GB of weights). Compiled decoding on CUDA
 runs it compiled too (compiled_race: a few fused kernels); the hash's integer ops are exact in any order,

@@ -3481,7 +3481,6 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     model.clear_kv_cache()
 
 
-
 def nasty_logits(B, V, seed):
     """(B, V) float32 logits for the samplers: spread, shifted by +-1e4, one token far ahead, a flat row."""
     g = torch.Generator().manual_seed(seed)
@@ -3527,6 +3526,7 @@ def test_compiled_race_samples_what_the_eager_race_samples(rollout_tiny, monkeyp
         model.clear_kv_cache()
     assert len(calls) >= 2 and all(c == (4, model.config.vocab_size) for c in calls), calls
     assert_same_rollout(comp, eager)
+
 
 def test_compiled_flex_decode_folds_query_heads(flex_tiny, monkeypatch):
     # the CUDA path on a CPU: flex attention inside the decode step, compiled with fixed shapes over the whole cache
@@ -3596,7 +3596,6 @@ def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
     assert (str(ratio), True) in chosen, chosen  # the compiled step's attention: inductor's flex decoding kernel
 
 
-
 @needs_cuda
 def test_cuda_compiled_race_samples_what_the_eager_race_samples(flex_tiny, monkeypatch):
     # PPO's sampler on CUDA as compiled decoding runs it (inductor's Triton kernels): at Qwen2.5's vocabulary and a
@@ -3614,11 +3613,15 @@ def test_cuda_compiled_race_samples_what_the_eager_race_samples(flex_tiny, monke
     prompts = random_prompts([5, 9, 2, 13, 7], seed=16)
     kw = dict(temperature=1.0, eos_token_id=list(range(20, 30)), pad_token_id=0, seeds=[4, 1, 7, 3, 9])
     eager = generate(model, prompts, 20, compile=False, **kw)
+    race, calls = R.compiled_race("cuda"), []
+    monkeypatch.setattr(R, "compiled_race", lambda device_type: lambda *a: calls.append(a[0].shape) or race(*a))
     try:
         comp = generate(model, prompts, 20, compile=True, micro_batch_size=4, **kw)
     finally:
         model.clear_kv_cache()
+    assert calls and all(c[1] == model.config.vocab_size for c in calls), calls
     assert_same_rollout(comp, eager, atol=5e-5)  # 5e-5: flex decoding's own order (test_cuda_graph_decode_...)
+
 
 # -- rank-invariant sampling noise: a hash of (seed, step, token) -----------------------------
 
