@@ -182,6 +182,12 @@ RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=
                     max_prompt_len=96, sample_every=0, save_every=0, seed=1)  # the ragged workload (with its prompts)
 
 
+def step_rows(out_dir):
+    """The training steps' lines of a run's metrics.jsonl (the held-out evaluations' lines sit between them)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "time/step" in m]
+
+
 def run(variant, prompts, out_dir, steps, dtype, threads):
     if threads:
         torch.set_num_threads(threads)
@@ -189,8 +195,7 @@ def run(variant, prompts, out_dir, steps, dtype, threads):
                      **RAGGED_FLAGS)
     with Variant(variant == "padded"), NoCheckpoints():
         ppo.main(cfg)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return step_rows(out_dir)
 
 
 def run_isolated(*args):
@@ -244,8 +249,7 @@ def _cli_run(tree, flags, out_dir, log):
     cmd = [sys.executable, "ppo.py", *(f"--{k}={v}" for k, v in flags.items()), f"--out_dir={out_dir}"]
     with open(log, "a") as f:
         subprocess.run(cmd, cwd=tree, check=True, stdout=f, stderr=subprocess.STDOUT)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = step_rows(out_dir)
     shutil.rmtree(out_dir)  # the final checkpoint: gigabytes
     return rows
 
@@ -322,11 +326,10 @@ def _async_run(variant, workload, prompts, out_dir, steps, model):
     async_rollout.CPU_WORKER_THREADS = gen_threads or cores
     cfg = ppo.Config(**ASYNC_WORKLOADS[workload], **({"prompts": prompts} if workload == "ragged" else {}),
                      **({"model": model} if model else {}), out_dir=out_dir, total_steps=steps, async_rollout=on,
-                     sample_every=0, save_every=0, seed=1)
+                     eval_prompts="", sample_every=0, save_every=0, seed=1)  # steps alone: no held-out evaluation
     with NoCheckpoints():
         ppo.main(cfg)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return step_rows(out_dir)
 
 
 def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=None, model=None):
@@ -538,8 +541,7 @@ def _malloc_run(variant, out_dir, steps, dtype):
     cfg = ppo.Config(out_dir=out_dir, total_steps=steps, dtype=dtype, eval_prompts="", sample_every=0)
     with NoCheckpoints():
         ppo.main(cfg)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = step_rows(out_dir)
     u = resource.getrusage(resource.RUSAGE_SELF)
     return rows, u.ru_stime, u.ru_utime, u.ru_minflt, u.ru_maxrss * 1024
 
@@ -1598,9 +1600,8 @@ def memory_vs_plan(out_dir, gpus=1):
     cfg = ppo.Config(**{k: saved[k] for k in ppo.Config.__dataclass_fields__ if k in saved})
     print(f"{out_dir}: the config of {done[-1]}, the plan for {gpus} GPU{'s' if gpus > 1 else ''}")
     table = StepTable(cfg, gpus)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            table.row(json.loads(line))
+    for m in step_rows(out_dir):
+        table.row(m)
     table.summary()
 
 

@@ -6951,13 +6951,16 @@ def test_cpu_phases_counts_matmuls():
 
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     # the GPU runbook's `bench.py memory_vs_plan OUT_DIR` (the smoke and lora stages) rebuilds the Config from the
-    # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256)
-    run_ppo(tiny_run, tmp_path, total_steps=1, lora_rank=4)
+    # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256), and tabulates the
+    # training steps of metrics.jsonl, where the held-out evaluations' lines sit between them
+    _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, lora_rank=4, eval_prompts=tiny_run["eval_prompts"],
+                      eval_every=1)
+    assert [m["step"] for m in rows] == [0, 1, 1] and "time/step" not in rows[0]  # eval 0, step 1, eval 1
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "memory_vs_plan", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "the config of step-000001" in p.stdout and "plan (--dry_run=1), peak GiB" in p.stdout
-    assert "| 1 |" in p.stdout and "no mem/* peaks to compare (CUDA only)" in p.stdout
+    assert p.stdout.count("\n| 1 |") == 1 and "no mem/* peaks to compare (CUDA only)" in p.stdout
 
 
 @slow
