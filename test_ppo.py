@@ -2937,8 +2937,10 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
         for r in rows[dt]:
             assert r["problems"] == [], (dt, r)
             assert r["local_in_inner"] == 0 and r["shared"] <= 227 * 1024 and r["stages"] >= 2, (dt, r)
-            # no spill in a loop, but for the bf16 one pass's few reloads a vocab tile (two logit tiles live)
-            assert r["local_in_loops"] <= (16 if (dt, r["kernel"]) == ("bf16", "score fwd") else 0), (dt, r)
+            # no spill in a loop, but for the few reloads a vocab tile of the bf16 forwards with two logit tiles live
+            # (the one pass; the KL, whose 128 x 64 tiles are faster on the GPU than spill-free 64 x 128 ones)
+            allowed = {("bf16", "score fwd"): 16, ("bf16", "kl fwd"): 24}.get((dt, r["kernel"]), 0)
+            assert r["local_in_loops"] <= allowed, (dt, r)
             assert r["ldgsts"] > 0, (dt, r)  # the operand loads are asynchronous copies: pipelined
             assert (r["hgmma"] > 0) == (dt == "bf16"), (dt, r)  # bf16: wgmma; fp32: exact FMAs ("ieee")
     assert rows["wide"][0]["local_in_loops"] > 0 and "spill accesses in loops" in rows["wide"][0]["problems"][0]
@@ -3108,16 +3110,12 @@ def check_against_float64(out, dtype, offset):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the Triton interpreter is on (this file's default): TRITON_INTERPRET=0 runs the compiled kernels")
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, "default"), (torch.float32, "small"),
-                                         (torch.bfloat16, "default"), (torch.bfloat16, "small"),
-                                         (torch.bfloat16, "128x64")],
-                         ids=["fp32-default", "fp32-small", "bf16-default", "bf16-small", "bf16-128x64"])
+                                         (torch.bfloat16, "default"), (torch.bfloat16, "small")],
+                         ids=["fp32-default", "fp32-small", "bf16-default", "bf16-small"])
 @pytest.mark.parametrize("N,H,V,offset", GPU_CASES)
 def test_cuda_kernels_match_float64(dtype, tiles, N, H, V, offset):
-    # the ops' defaults for the dtype, the interpreter's tiles, or the KL's fastest tiles in the H100's kernels
-    # table (aot.CANDIDATES' 128 x 64, 4 warps: 1.25-1.34x its default there), checked before they become its default
-    from kernels import aot
-
-    cfg = {"default": None, "small": TILES, "128x64": aot.tiles(128, 64, 64, 4, 4)}[tiles]
+    # the ops' defaults for the dtype, or the interpreter's tiles
+    cfg = {"default": None, "small": TILES}[tiles]
     check_against_float64(kernels_against_float64("cuda", dtype, cfg, N, H, V, offset), dtype, offset)
 
 

@@ -85,8 +85,12 @@ from kernels.utils import (
     vocab_splits,
 )
 
-# two (BLOCK_N, BLOCK_V) fp32 logit tiles are live at once: half the rows of logprob_entropy's default
-DEFAULT_KL_CONFIG = TileConfig(block_n=64)
+# two (BLOCK_N, BLOCK_V) fp32 logit tiles are live at once: half the columns of logprob_entropy's default, and
+# 4 warps. The fastest of aot.CANDIDATES on an H100 and an H200 (`python -m kernels --device cuda --tiles`, where
+# its 4 stages were lowered to the 3 that fit shared memory: utils.pipeline_stages): 1.18-1.34x forward+backward
+# over the former 64 x 128 tiles with 8 warps on the three heads there. The forward reloads 20 spilled values
+# once a vocab tile (0.8% of its loops' instructions), none in a K loop.
+DEFAULT_KL_CONFIG = TileConfig(block_n=128, block_v=64, num_warps=4, num_stages=3)
 
 # -----------------------------------------------------------------------------
 # plain-torch reference: materialises both (N, V) logit tensors
