@@ -16,6 +16,8 @@ were when step k's training began. The learner at theta_{k+1} then trains on dat
 - Step 1 has no earlier step: its batch is generated and waited for (lag 0), then step 2's starts from the same weights.
 - The generation copy is refilled only at the step boundary, in the main thread, while nothing generates: the gather is
   a collective, and the worker runs none (every rank must issue its collectives in one order). One copy is enough.
+  A held-out evaluation (evaluate.py) refills it too: ppo.py waits for the batch being drawn first (Rollouts.wait),
+  so an evaluation's time is not hidden behind generation, and a run trains the same with or without evaluations.
 - The noise stays keyed by (seed, step, row) (rollout.py): an async run is deterministic on a machine and the same, to
   float rounding, on any number of ranks; step k's batch is exactly what a synchronous generation from theta_{k-1}
   draws with step k's keys.
@@ -168,6 +170,12 @@ class Rollouts:
         hidden = max(0.0, min(job["end"], job["waited"]) - job["start"]) if "start" in job else 0.0
         self.metrics = {"val/policy_lag": job["lag"], "time/rollout_overlap": hidden}
         return job["rows"], job["ro"]
+
+    def wait(self):
+        """Waits for the batch being drawn ahead, if one is: the generation copy is then free for another use (an
+        evaluation refills it and generates from it). The batch stays pending for the next take."""
+        if self.next is not None:
+            self._wait(self.next)
 
     def state_dict(self):
         """The batch drawn for the next step, every rank's rows in global row order; waits for it. A collective:

@@ -551,6 +551,7 @@ def main(cfg: Config, reward_fn=None):
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             if evalset and due(step, cfg):
+                rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counters))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:

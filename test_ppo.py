@@ -5579,6 +5579,44 @@ def test_async_rollout_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path)
     assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
 
 
+def test_async_rollout_evaluates_after_the_batch_drawn_ahead(tiny_run, tmp_path):
+    # an evaluation refills the generation copy with the newest weights and generates from it: it must wait for the
+    # batch still being drawn from that copy. Here each step's worker is held until the evaluation before it is due
+    # (and a second more, time enough to refill a tiny model): the run with an evaluation after every step trains
+    # bitwise as the async run without one
+    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "eval"),
+            "total_steps": 3, "async_rollout": True, "eval_prompts": tiny_run["eval_prompts"], "eval_every": 1}
+    setup = """
+import threading, time
+due, generate, calls = ppo.due, ppo.generate, []
+events = [threading.Event() for _ in range(8)]
+
+def due_and_told(step, cfg):  # the main thread reaches the evaluation after `step`
+    if due(step, cfg):
+        events[step].set()
+        return True
+    return False
+
+def held(*args, **kw):  # the worker's draw of step k > 1 waits for the evaluation after step k - 1 to be due
+    calls.append(1)
+    k = len(calls)
+    if k > 1 and threading.current_thread().name.startswith("rollout") and events[k - 1].wait(60):
+        time.sleep(1.0)
+    return generate(*args, **kw)
+
+ppo.due, ppo.generate = due_and_told, held
+"""
+    p = run_script(ppo_script(args, setup))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(tmp_path / "eval")
+    train = [r for r in rows if "objective/scores" in r]
+    assert [r["step"] for r in rows if "eval/score" in r] == [0, 1, 2, 3]
+    assert [r["val/policy_lag"] for r in train] == [0, 1, 1] and without_measured(train) == without_measured(plain)
+    wa, wb = actor_weights(tmp_path / "plain"), actor_weights(tmp_path / "eval")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
     # ended at different steps and one that never ended
