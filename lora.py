@@ -21,7 +21,8 @@ exports to PEFT's format by a prefix (hf.write_peft_adapter). Generation and the
 W + (alpha / r) B A, computed in float32 and rounded once (`merge`); with B = 0 it is W bit for bit.
 
 Dropout (--lora_dropout, default 0 as PPO keeps dropout off) acts on the adapters' input in forwards that build a
-graph (training), never in scoring, generation or evaluation, so the first minibatch still has ratio 1. Its masks
+graph (training), never in scoring, generation or evaluation. The first minibatch's ratio is then 1 only at step 1
+(B = 0 there, so the adapters add nothing): later, the clip acts on the dropout's noise too. Its masks
 come from the global RNG, which checkpoints save per rank: a resumed run repeats the uninterrupted one on the same
 number of ranks, but a run with dropout is not invariant to the rank count as a run without it is.
 
