@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import read_checkpoint
+from hf import finish_write, read_checkpoint
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
 from runtime import UsageError, check_space, print0
@@ -281,7 +281,8 @@ def _claim(out_dir, resume, overwrite):
     """Makes this run the owner of out_dir, and returns the function that gives it back. Raises FolderInUse when a live run holds out_dir/.lock (its PID and host named), or when out_dir
     holds an earlier run and this one neither resumes it (--resume) nor moves it aside (--overwrite: renamed to
     out_dir.old-<time>, never deleted). A lock whose PID is gone on this host is stale (a killed run): taken over.
-    Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders)."""
+    Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders) and completes an export
+    killed while it replaced the previous one (hf.finish_write)."""
     lock = os.path.join(out_dir, LOCK)
     if os.path.isfile(lock):
         try:
@@ -314,10 +315,12 @@ def _claim(out_dir, resume, overwrite):
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     leftovers = glob.glob(os.path.join(out_dir, "checkpoints", "step-*.tmp")) + glob.glob(os.path.join(out_dir, ".tmp-*"))
-    leftovers += [p for p in [os.path.join(out_dir, "actor.old")] if os.path.exists(p)]
     for p in leftovers:  # an interrupted checkpoint or export: the complete ones are untouched
         shutil.rmtree(p, ignore_errors=True)
         print(f"removed {p}, left by an interrupted write", flush=True)
+    for name in ("actor", "actor-lora"):  # an export killed while it replaced the previous one: the new one completed
+        if finish_write(os.path.join(out_dir, name)):
+            print(f"completed the interrupted replacement of {os.path.join(out_dir, name)}", flush=True)
 
     def release():
         try:

@@ -610,8 +610,10 @@ def _gather(t, to=None):
 
 @contextlib.contextmanager
 def _written_beside(folder, master):
-    """An atomic folder write: yields a temporary folder beside `folder` (None where not `master`) that replaces
-    `folder` when the block ends, or is removed if the block raises, so a crash leaves the previous folder."""
+    """An atomic folder write: yields a temporary folder beside `folder` (None where not `master`). When the block
+    ends, the complete write is renamed `folder`.new and takes the place of `folder` (finish_write); if the block
+    raises, it is removed and `folder` is as it was. A process killed at any moment leaves either `folder` as it was
+    (and a .tmp-* folder, which checkpoint.claim removes) or a state that finish_write completes."""
     if not master:
         yield None
         return
@@ -623,17 +625,30 @@ def _written_beside(folder, master):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private (0700): readable as any saved model is
-        if os.path.exists(folder):  # a folder cannot be renamed over another: move the old one aside first
-            old = folder + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finish_write(folder)  # (a .new left by an earlier, interrupted write goes first: never a half-removed .new)
+    os.replace(tmp, folder + ".new")  # from here on the new write is the one that counts
+    finish_write(folder)
+
+
+def finish_write(folder):
+    """Completes _written_beside's swap of `folder`: a folder cannot be renamed over another, so `folder` moves to
+    `folder`.old, `folder`.new (complete) takes its place, and `folder`.old is removed. Run again after a kill at
+    any point of that, it ends the same way; checkpoint.claim runs it on the export folders at a run's start.
+    Returns whether there was anything to complete."""
+    new, old = folder + ".new", folder + ".old"
+    found = os.path.exists(new) or os.path.exists(old)
+    if os.path.isdir(new):
+        if os.path.exists(folder):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+        os.replace(new, folder)
+    elif os.path.isdir(old) and not os.path.exists(folder):  # killed between the two renames with no .new: the
+        os.replace(old, folder)  # old folder is the complete one (written before .new existed)
+    shutil.rmtree(old, ignore_errors=True)
+    return found
 
 
 PEFT_ADAPTER = ("adapter_model.safetensors", "adapter_config.json")  # what PEFT's save_pretrained writes

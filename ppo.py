@@ -563,6 +563,9 @@ def main(cfg: Config, reward_fn=None):
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
+        if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
+            print0(f"the checkpoint is the run's last step ({cfg.total_steps}): exporting its actor again")
+            save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
     finally:
         rollouts.close()
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)

@@ -5954,6 +5954,68 @@ def test_kill_9_anywhere_and_resume_is_exact(tiny_run, tmp_path):
     assert left == [] and sorted(os.listdir(ckpts)) == ["step-000003", "step-000004"]
 
 
+def test_finish_write_completes_a_folder_swap_killed_anywhere(tmp_path):
+    # the states a kill can leave in hf._written_beside's swap of `folder` for folder.new: each ends with the newest
+    # complete folder in place and nothing beside it
+    def make(name, text):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "f").write_text(text)
+
+    cases = {  # what is there -> what `folder` holds after
+        (("new", "N"), ("folder", "F")): "N",  # the write renamed .new, nothing more
+        (("new", "N"), ("old", "F")): "N",  # the old folder moved aside
+        (("folder", "N"), ("old", "F")): "N",  # the new one moved in, the old one not yet removed
+        (("old", "F"),): "F",  # between two renames with no .new (an export written before .new existed)
+        (("folder", "F"),): "F",  # nothing to complete
+    }
+    for i, (state, after) in enumerate(cases.items()):
+        folder = f"x{i}"
+        for kind, text in state:
+            make({"new": folder + ".new", "old": folder + ".old", "folder": folder}[kind], text)
+        assert H.finish_write(str(tmp_path / folder)) == (state != (("folder", "F"),))
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith(folder)) == [folder], state
+        assert (tmp_path / folder / "f").read_text() == after, state
+
+
+@slow
+def test_an_export_killed_while_it_replaces_the_last_one_is_completed(tiny_run, tmp_path):
+    # kill -9 at each rename of the final export's swap and before the old one's removal; then --resume=auto (the
+    # checkpoint is the run's last step): out_dir/actor is the uninterrupted run's, byte for byte, and alone
+    kw = dict(total_steps=2, save_every=1)
+    run_ppo(tiny_run, tmp_path / "full", **kw)
+    expected = folder_snapshot(tmp_path / "full" / "actor")
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
+    moments = {"replace": ["actor.new", "actor.old", "actor"], "rmtree": ["actor.old"]}
+    for call, names in moments.items():
+        for name in names:
+            out = tmp_path / f"{call}-{name}"
+            setup = f"""
+import os, shutil
+replace, rmtree, seen = os.replace, shutil.rmtree, []
+
+def killed_after_replace(src, dst):  # the final export's rename to `name` (the first export has its own)
+    replace(src, dst)
+    if {call!r} == "replace" and str(dst).endswith("/" + {name!r}) and "checkpoints" not in str(src):
+        seen.append(dst)
+        if len(seen) == (1 if {name!r} == "actor.old" else 2):
+            os._exit(137)
+
+def killed_before_rmtree(path, *a, **kw):
+    if {call!r} == "rmtree" and str(path).endswith("/" + {name!r}) and os.path.exists(path):
+        os._exit(137)
+    return rmtree(path, *a, **kw)
+
+os.replace, shutil.rmtree = killed_after_replace, killed_before_rmtree
+"""
+            p = run_script(ppo_script({**args, "out_dir": str(out)}, setup))
+            assert p.returncode == 137, (call, name, p.stderr[-2000:])
+            assert C.verify(out / "checkpoints" / "step-000002") is None
+            p, _ = run_ppo(tiny_run, out, resume="auto", **kw)
+            assert "exporting its actor again" in p.stdout, p.stdout[-2000:]
+            assert sorted(n for n in os.listdir(out) if n.startswith((".tmp", "actor"))) == ["actor"], (call, name)
+            assert folder_snapshot(out / "actor") == expected, (call, name)
+
+
 @slow
 def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, capsys, group):
     # truncating or deleting any file of the newest checkpoint: resume takes the one before, naming the file
