@@ -261,13 +261,14 @@ def _holds_a_run(out_dir):
     return "; ".join(found)
 
 
-def claim(out_dir, resume, overwrite):
+def claim(out_dir, resume, overwrite, ckpt):
     """Every rank calls it before anything is written: rank 0 makes this run the owner of out_dir (_claim) and
-    every rank returns the function that gives it back, or raises FolderInUse with rank 0's reason."""
+    every rank returns the function that gives it back, or raises FolderInUse with rank 0's reason. ckpt: the
+    checkpoint this run resumes (find), or None."""
     release, why = (lambda: None), [None]
     if dist.get_rank() == 0:
         try:
-            release = _claim(out_dir, resume, overwrite)
+            release = _claim(out_dir, resume, overwrite, ckpt)
         except FolderInUse as e:
             why = [str(e)]
     if dist.get_world_size() > 1:
@@ -277,10 +278,13 @@ def claim(out_dir, resume, overwrite):
     return release
 
 
-def _claim(out_dir, resume, overwrite):
-    """Makes this run the owner of out_dir, and returns the function that gives it back. Raises FolderInUse when a live run holds out_dir/.lock (its PID and host named), or when out_dir
-    holds an earlier run and this one neither resumes it (--resume) nor moves it aside (--overwrite: renamed to
-    out_dir.old-<time>, never deleted). A lock whose PID is gone on this host is stale (a killed run): taken over.
+def _claim(out_dir, resume, overwrite, ckpt):
+    """Makes this run the owner of out_dir, and returns the function that gives it back. Raises FolderInUse when a
+    live run holds out_dir/.lock (its PID and host named), or when out_dir holds an earlier run and this one neither
+    continues it (ckpt, one of out_dir's own checkpoints) nor moves it aside (--overwrite: renamed to
+    out_dir.old-<time>, never deleted). --resume=auto that found no checkpoint to continue (a run killed before its
+    first one) moves the earlier run aside too. A lock whose PID is gone on this host is stale (a killed run): taken
+    over.
     Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders) and completes an export
     killed while it replaced the previous one (hf.finish_write)."""
     lock = os.path.join(out_dir, LOCK)
@@ -299,13 +303,18 @@ def _claim(out_dir, resume, overwrite):
                               f"{holder.get('host')}, since {holder.get('since')} ({lock}); wait for it or stop it, "
                               "or use another --out_dir")
     used = _holds_a_run(out_dir) if os.path.isdir(out_dir) else ""
-    if used and not resume:
-        if not overwrite:
-            raise FolderInUse(f"--out_dir={out_dir} holds an earlier run ({used}): continue it with --resume=auto, "
-                              "start this one in another --out_dir, or pass --overwrite to move the old run aside")
+    own = ckpt is not None and (os.path.realpath(os.path.dirname(os.path.normpath(ckpt)))
+                                == os.path.realpath(os.path.join(out_dir, "checkpoints")))
+    if used and not own:  # a new run, or one that resumes a checkpoint from elsewhere: not into another's folder
+        if not overwrite and resume != "auto":
+            how = (f"--resume={resume} is not one of its checkpoints: resume into another --out_dir" if resume else
+                   "continue it with --resume=auto, start this one in another --out_dir")
+            raise FolderInUse(f"--out_dir={out_dir} holds an earlier run ({used}): {how}, or pass --overwrite to "
+                              "move the old run aside")
         aside = f"{out_dir.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(out_dir, aside)
-        print(f"--overwrite: the earlier run in {out_dir} moved to {aside}", flush=True)
+        why = "--overwrite" if overwrite else "--resume=auto found no checkpoint to continue"
+        print(f"{why}: the earlier run in {out_dir} moved to {aside}", flush=True)
     os.makedirs(out_dir, exist_ok=True)
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -446,7 +446,7 @@ def main(cfg: Config, reward_fn=None):
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
-        release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite)  # out_dir is this run's, or a clear refusal
+        release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite, ckpt)  # out_dir is this run's, or a refusal
         print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
                f"micro-batch {run.local_micro}")
 

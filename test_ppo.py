@@ -5906,6 +5906,23 @@ def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out / "actor").st_mode & 0o777 == 0o777 & ~umask
+    # resuming another folder's checkpoint into it is refused as well (into a new folder it forks that run)
+    before = folder_snapshot(out)
+    run_ppo(tiny_run, tmp_path / "other", total_steps=1)
+    theirs = tmp_path / "other" / "checkpoints" / "step-000001"
+    p, _ = run_ppo(tiny_run, out, total_steps=2, resume=theirs, check=False)
+    assert p.returncode != 0 and f"--resume={theirs} is not one of its checkpoints" in p.stderr, p.stderr[-2000:]
+    assert folder_snapshot(out) == before
+    _, rows = run_ppo(tiny_run, tmp_path / "fork", total_steps=2, resume=theirs)
+    assert [r["step"] for r in rows] == [1, 2]
+    # --resume=auto on a run killed before its first checkpoint: nothing to continue, so it is moved aside whole
+    os.makedirs(tmp_path / "killed")
+    (tmp_path / "killed" / "metrics.jsonl").write_bytes((out / "metrics.jsonl").read_bytes())
+    before = folder_snapshot(tmp_path / "killed")
+    p, rows = run_ppo(tiny_run, tmp_path / "killed", total_steps=1, resume="auto")
+    aside = [d for d in os.listdir(tmp_path) if d.startswith("killed.old-")]
+    assert len(aside) == 1 and folder_snapshot(tmp_path / aside[0]) == before and [r["step"] for r in rows] == [1]
+    assert "--resume=auto found no checkpoint to continue: the earlier run in" in p.stdout
 
 
 @slow
