@@ -34,7 +34,8 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     tot_mb = all_sum(torch.stack([torch.stack([u["sums"][k] for k in keys]) for u in updates]))  # (n_mb, n_keys)
     n_resp = tot_tok[-1].item()
     n_mb = torch.tensor([u["n_tokens"] for u in updates], dtype=torch.float64)[:, None]
-    avg = dict(zip(keys, (tot_mb / n_mb).mean(0).tolist()))
+    per_mb = dict(zip(keys, (tot_mb / n_mb).T))  # (n_mb,) token means of each minibatch
+    avg = {k: v.mean().item() for k, v in per_mb.items()}
     norms = torch.stack([u["norms"] for u in updates]).mean(0).tolist()
     slots, pad = all_sum([sc["slots"] + sum(u["slots"][0] for u in updates),
                           sc["pad"] + sum(u["slots"][1] for u in updates)]).tolist()  # scoring and training forwards
@@ -45,7 +46,8 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
         "objective/non_score_reward": -beta * out["objective/kl"],
         "policy/approxkl_avg": avg["approxkl"], "policy/clipfrac_avg": avg["clipfrac"],
         "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"],
-        "val/ratio": avg["ratio"], "val/ratio_var": avg["ratio_sq"] - avg["ratio"] ** 2,
+        "val/ratio": avg["ratio"],
+        "val/ratio_var": (per_mb["ratio_sq"] - per_mb["ratio"].square()).mean().item(),  # each minibatch's own
         "val/response_length": n_resp / B_all,
         **{f"val/grad_norm_{name}": norm for name, norm in zip(trained, norms)},
         "val/skipped_updates": sum(u["skipped"] for u in updates),

@@ -31,7 +31,7 @@ number across ALL ranks (a token mean over the minibatch), so the loss and its g
 minibatch is split into micro-batches or across ranks; the SFT (ptx) term likewise over its own batch.
 Micro-batches hold rows of similar length, cropped to them (data.micro_batches). logprob, entropy and KL come
 from the fused kernels in kernels/: the (tokens, vocab) logits are never materialised. The same temperature
-divides the logits in sampling and in every logprob.
+divides the logits in sampling and in every logprob of the PPO terms (the SFT term's NLL: temperature 1).
 
 Randomness is keyed, not drawn from a running generator: the sampling noise of global row g at step s from
 (seed, s, g) (rollout.py), the minibatch order of epoch e from (seed, s, e) (data.py); row g is sample g % n of
@@ -98,7 +98,7 @@ class Config:
     rollout_batch_size: int = 16  # prompts per step, over all ranks (each sampled samples_per_prompt times)
     samples_per_prompt: int = 1  # responses sampled per prompt: a step has rollout_batch_size x this many rows
     max_new_tokens: int = 24  # response length limit
-    temperature: float = 0.7  # sampling temperature, also used in every logprob
+    temperature: float = 0.7  # sampling temperature, also used in every logprob of the PPO terms
     # reward
     kl_coef: float = 0.05  # beta: weight of the KL penalty in the per-token reward
     kl_estimator: str = "k1"  # per-token KL in the reward, a key of gae.KL_ESTIMATORS: k1 | k2 | k3 | exact

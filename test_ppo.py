@@ -5753,6 +5753,29 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
 
 
+def test_ratio_variance_is_each_minibatchs_own_averaged():
+    # val/ratio_var: the variance of the ratio over a minibatch's tokens, averaged over the minibatches as val/ratio
+    # is. Minibatches of 100 tokens at r = 1 and of 2 tokens at r = 1 and 3: variances 0 and 1, so 0.5 (pooling the
+    # two minibatch means instead would add their spread: 0.75)
+    from metrics import step_metrics
+
+    B, R = 2, 3
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    zeros = torch.zeros(B, R)
+    sc = dict(score=torch.zeros(B), old_logp=zeros, ref_logp=zeros, kl_exact=zeros, entropy=zeros, slots=6, pad=3)
+
+    def update(n, ratios):
+        r = torch.tensor(ratios, dtype=torch.float64)
+        sums = dict(policy_loss=r.sum() * 0, entropy=r.sum() * 0, approxkl=r.sum() * 0, clipfrac=r.sum() * 0,
+                    ratio=r.sum() * n / len(ratios), ratio_sq=r.square().sum() * n / len(ratios))
+        return dict(sums=sums, n_tokens=n, norms=torch.zeros(1, dtype=torch.float64), skipped=False, slots=[0, 0])
+
+    cfg = types.SimpleNamespace(is_correction="none", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
+    out = step_metrics(mask, sc, torch.zeros(B), zeros, zeros, None, torch.ones(B, dtype=torch.bool), zeros,
+                       [update(100, [1.0]), update(2, [1.0, 3.0])], 0.05, B, ("actor",), cfg)
+    assert out["val/ratio"] == pytest.approx(1.5) and out["val/ratio_var"] == pytest.approx(0.5)
+
+
 def test_run_comparisons_skip_only_the_measured_metrics():
     # equal runs may differ in times and memory peaks (MEASURED), in nothing else
     row = {"step": 1, "objective/kl": 0.25, "time/step": 1.5, "mem/train_peak_gib": 0.75}
