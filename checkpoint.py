@@ -284,9 +284,8 @@ def _claim(out_dir, resume, overwrite, ckpt):
     continues it (ckpt, one of out_dir's own checkpoints) nor moves it aside (--overwrite: renamed to
     out_dir.old-<time>, never deleted). --resume=auto that found no checkpoint to continue (a run killed before its
     first one) moves the earlier run aside too. A lock whose PID is gone on this host is stale (a killed run): taken
-    over.
-    Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders) and completes an export
-    killed while it replaced the previous one (hf.finish_write)."""
+    over. Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders) and completes
+    an export killed while it replaced the previous one (hf.finish_write)."""
     lock = os.path.join(out_dir, LOCK)
     if os.path.isfile(lock):
         try:

@@ -564,7 +564,7 @@ def main(cfg: Config, reward_fn=None):
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
-            print0(f"the checkpoint is the run's last step ({cfg.total_steps}): exporting its actor again")
+            print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): exporting its actor again")
             save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
     finally:
         rollouts.close()
