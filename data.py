@@ -132,7 +132,12 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
         records.append(obj)
         linenos.append(lineno)
         if tokenizer is not None:
-            texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
+            try:
+                texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
+            except Exception as e:  # a chat template's raise_exception (jinja2's TemplateError), e.g. a system role
+                if not type(e).__module__.startswith("jinja2"):
+                    raise
+                raise UsageError(f"{where}: the model's chat template refuses these messages: {e}") from None
     if tokenizer is None:
         return records, None, None, (extras if extra_key is not None else None)
     ids = _tokenize(tokenizer, texts)
@@ -375,6 +380,9 @@ def load_inputs(cfg):
         flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
         need(rm.vocab_size == actor.vocab_size, f"--reward_model: policy {cfg.model} (vocab {actor.vocab_size}) and "
              f"reward model {cfg.reward_model} (vocab {rm.vocab_size}) use different vocabularies")
+        need(cfg.max_prompt_len + cfg.max_new_tokens <= rm.max_position_embeddings, f"--max_prompt_len "
+             f"{cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} does not fit the context of --reward_model "
+             f"{cfg.reward_model} ({rm.max_position_embeddings} positions), which scores them and the critic starts from")
     bad = [i for i in cfg.stop_token_ids if not 0 <= i < len(tokenizer)]
     need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {len(tokenizer)}))")
     stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids)

@@ -96,6 +96,11 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     rows = [None] * W
     dist.all_gather_object(rows, mine_rows)
     rows = [r for part in rows for r in part]  # (E,) in the file's order: rank r holds rows [r k, (r + 1) k)
+    bad = [r for r in rows if not math.isfinite(r["score"])]
+    if bad:  # on every rank alike (the gathered rows), as training refuses its own
+        raise FloatingPointError(f"eval after step {step}: the reward gave non-finite scores to {len(bad)} of the {E} "
+                                 f"prompts of {prompts.path} ({[r['score'] for r in bad[:4]]}), the first to "
+                                 f"{bad[0]['prompt']!r:.100}")
     col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
     metrics = {"step": step, **counters, "eval/score": statistics.fmean(col("score")),
                "eval/score_std": statistics.stdev(col("score")) if E > 1 else 0.0,

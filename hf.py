@@ -202,19 +202,26 @@ def read_safetensors(folder):
 # checking files before they are read: headers and sizes only, in well under a second
 
 
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")  # one of them holds a vocabulary
+
+
 def check_model(name_or_path):
     """Refuses (UsageError, naming the file) a model that would fail to load, before anything loads it: a folder
     needs a config.json in JSON and complete safetensors files, a .gguf file must be complete, and a Hub id
     must be in the local cache or answered by the Hub (check_hub_id). Reads headers, never tensors."""
     path = resolve(name_or_path)
     if os.path.isdir(path):
-        config = os.path.join(path, "config.json")
         _hf_folder(name_or_path, path, [])  # config.json is there
-        try:
-            with open(config, encoding="utf-8") as f:
-                json.load(f)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-            raise UsageError(f"{config}: not valid JSON ({e})") from None
+        for name in JSON_FILES:  # each one there is read by transformers, whose error would name no file
+            file = os.path.join(path, name)
+            if name == "config.json" or os.path.isfile(file):
+                try:
+                    with open(file, encoding="utf-8") as f:
+                        json.load(f)
+                except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+                    raise UsageError(f"{file}: not valid JSON ({e})") from None
         for p in _safetensors_files(path):
             check_safetensors(p)
     elif os.path.isfile(path):
@@ -389,7 +396,13 @@ def load_tokenizer(name_or_path):
     if not os.path.isdir(path) and not os.path.isfile(path):
         check_hub_id(path)
     if not path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(path)
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception:
+            if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+                raise UsageError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+                                 "files of the model it was trained from into the folder") from None
+            raise
     folder, fname = os.path.split(os.path.abspath(path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     meta = _gguf_token_ids(path)

@@ -6451,6 +6451,32 @@ def bad_input_files(tiny_run, root):
             f.truncate(os.path.getsize(folder / "model.safetensors") // 2)
     gguf = write_gguf(root / "whole.gguf")
     files["cut_gguf"].write_bytes(open(gguf, "rb").read()[: os.path.getsize(gguf) // 2])
+    # a hand-edited generation_config.json, a cut tokenizer.json, weights saved without their tokenizer
+    for name, edit in (("bad_genconfig", "generation_config.json"), ("cut_tokenizer", "tokenizer.json"),
+                       ("no_tokenizer", None)):
+        files[name] = root / name
+        shutil.copytree(tiny_run["policy"], files[name])
+        if edit:
+            text = (files[name] / edit).read_text()
+            (files[name] / edit).write_text(text.replace("}", ",}", 1) if name == "bad_genconfig" else text[:500])
+        else:
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                os.remove(files[name] / f)
+    # a chat template that refuses a system message (raise_exception), and a prompt file with one on line 3
+    files["strict"] = root / "strict"
+    shutil.copytree(tiny_run["policy"], files["strict"])
+    (files["strict"] / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    files["system"] = root / "system.jsonl"
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(8)]
+    chats[2]["messages"].insert(0, {"role": "system", "content": "be brief"})
+    write_jsonl(files["system"], [json.dumps(c) for c in chats])
+    files["rm_short"] = root / "rm_short"  # a reward model with 8 positions
+    make_reward_model(files["rm_short"])
+    cfg = json.loads((files["rm_short"] / "config.json").read_text())
+    (files["rm_short"] / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=8)))
     return {k: str(v) for k, v in files.items()}
 
 
@@ -6494,6 +6520,13 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(reward_model=f["rm_cut"]), f"--reward_model: {f['rm_cut']}/model.safetensors: truncated"),
         (dict(tiny, max_new_tokens=200), "--max_prompt_len 64 + --max_new_tokens 200 does not fit the context of"),
         (dict(tiny, stop_token_ids=99), f"--stop_token_ids: [99] are no token ids of {tiny_run['policy']}"),
+        (dict(tiny, model=f["bad_genconfig"]), f"--model: {f['bad_genconfig']}/generation_config.json: not valid JSON"),
+        (dict(tiny, model=f["cut_tokenizer"]), f"--model: {f['cut_tokenizer']}/tokenizer.json: not valid JSON"),
+        (dict(tiny, model=f["no_tokenizer"]), f"--model: {f['no_tokenizer']}: no tokenizer (none of tokenizer.json"),
+        (dict(tiny, model=f["strict"], prompts=f["system"]),
+         f"--prompts: {f['system']}:3: the model's chat template refuses these messages: System role not supported"),
+        (dict(tiny, reward_model=f["rm_short"]), "--max_prompt_len 64 + --max_new_tokens 24 does not fit the context "
+                                                 f"of --reward_model {f['rm_short']} (8 positions)"),
         (dict(wandb=True), "--wandb: no credentials for api.wandb.ai"),
         (dict(resume=str(tmp_path / "nowhere")), f"--resume={tmp_path / 'nowhere'}: no such folder"),
     ]
@@ -6677,6 +6710,22 @@ def rng_states_equal(a, b):
 
     return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"]) and a["cuda"] == b["cuda"]
             and all(np.array_equal(x, y) for x, y in zip(a["numpy"], b["numpy"])))
+
+
+def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
+    # as in training: a NaN score from the reward stops the run with the prompt named (statistics.stdev raised an
+    # AttributeError about 'numerator' before)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
+            "total_steps": 1, "eval_prompts": tiny_run["eval_prompts"]}
+    setup = f"""
+import math
+def nan_on_one(record, response):
+    return math.nan if record.get("prompt") == {TINY_EVAL_PROMPTS[1]!r} else 0.5
+"""
+    p = run_script(ppo_script(args, setup, reward_fn="nan_on_one"))
+    assert p.returncode != 0 and "FloatingPointError: eval after step 0: the reward gave non-finite scores to 1 of the " \
+        f"{len(TINY_EVAL_PROMPTS)} prompts of {tiny_run['eval_prompts']} ([nan])" in p.stderr, p.stderr[-2000:]
+    assert TINY_EVAL_PROMPTS[1] in p.stderr.splitlines()[-1]
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
