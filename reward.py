@@ -71,6 +71,7 @@ class RewardCaller:
             raise ValueError(f"reward_timeout must be >= 0 seconds (0: none), not {timeout!r}")
         self.fn, self.workers, self.timeout, self.on_error = fn, workers, float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self.reported = set()  # the kinds of failure already printed (each kind once a run)
 
     def __call__(self, records, responses):
         calls = list(zip(records, responses))
@@ -85,6 +86,11 @@ class RewardCaller:
             if not ok:
                 scores.append(float(self.on_error))
                 errors += 1
+                if type(value) not in self.reported:  # a function that fails on every call is not silent
+                    self.reported.add(type(value))
+                    print(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): {value!r}; "
+                          f"scored --reward_on_error={self.on_error:g} (further {type(value).__name__}s are counted in "
+                          "val/reward_errors only)", flush=True)
             elif isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:  # float, int, numpy scalars,
                 scores.append(float(value))  # a 0-dim array or tensor
             else:

@@ -4778,7 +4778,7 @@ def test_fixed_kl_controller():
 # ==================================================================================================
 
 
-def test_reward_caller_threads_timeouts_and_errors():
+def test_reward_caller_threads_timeouts_and_errors(capsys):
     from reward import RewardCaller
 
     def scrambled(record, response):  # sleeps so that the calls end in another order than they started
@@ -4805,7 +4805,14 @@ def test_reward_caller_threads_timeouts_and_errors():
         assert RewardCaller(flaky, workers, timeout=0.3, on_error=-2.0)([{}] * 6, texts) == (
             [1.0, -2.0, 1.0, -2.0, -2.0, 1.0], 3)
         assert time.time() - t0 < 10, "waited for a call it had given up"
-    assert RewardCaller(flaky, on_error=-2)([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    capsys.readouterr()
+    caller = RewardCaller(flaky, on_error=-2)
+    assert caller([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    assert caller([{}] * 2, ["bad", "bad"]) == ([-2.0, -2.0], 2)
+    said = capsys.readouterr().out.splitlines()  # each kind of failure printed once, the first time
+    assert said == ["reward function test_reward_caller_threads_timeouts_and_errors.<locals>.flaky failed on response 1 "
+                    "('bad'): ConnectionError('judge unreachable'); scored --reward_on_error=-2 (further "
+                    "ConnectionErrors are counted in val/reward_errors only)"], said
     with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
                                            r"ConnectionError\('judge unreachable'\); --reward_on_error"):
         RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
