@@ -447,6 +447,9 @@ def verify(folder, legacy_ok=False):
         missing = [f for f in CHECKPOINT_FILES if not os.path.isfile(os.path.join(folder, f))]
         if legacy_ok and not missing:
             return None
+        if glob.glob(os.path.join(folder, "*.safetensors")) and {".metadata", "trainer.pt"} <= set(missing):
+            return ("a model folder (the HF export, out_dir/actor?), not a training checkpoint: resume from "
+                    "out_dir/checkpoints/step-N or with --resume=auto; an exported model is passed as --model")
         return (f"no {MANIFEST} (the write was cut short, or the checkpoint predates manifests: resume it with "
                 f"--resume={folder})" + (f", and {missing[0]} is missing" if missing else ""))
     try:

@@ -155,8 +155,9 @@ def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=No
 
 
 def _none_left(path, n_dropped, limit, what):
+    flags = "--max_prompt_len" if what == "prompts" else "--max_prompt_len + --max_new_tokens"
     return UsageError(f"{path}: all {n_dropped} {what} are longer than {limit} tokens and were dropped; raise the "
-                      "limit")
+                      f"limit ({flags})")
 
 
 # -----------------------------------------------------------------------------

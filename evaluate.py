@@ -40,7 +40,7 @@ import torch.distributed as dist
 from data import load_prompts
 from gae import kl_estimate, masked_sum
 from rollout import eval_seeds, generate
-from runtime import all_sum, print0, progress
+from runtime import UsageError, all_sum, print0, progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
@@ -52,7 +52,10 @@ def load_eval_prompts(cfg, tokenizer):
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
     if not path:
         return None
-    prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
+    try:
+        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
+    except UsageError as e:
+        raise UsageError(f"--eval_prompts: {e}") from None
     print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
     return prompts
 

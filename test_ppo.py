@@ -6515,7 +6515,8 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
                                  f"{default.get('rollout_batch_size', 16)}"),
         (dict(tiny, max_prompt_len=6), f"--prompts: {tiny_run['prompts']} has 2 prompts of at most 6 tokens (22 longer "
                                        "ones dropped), fewer than --rollout_batch_size=8"),
-        (dict(tiny, max_prompt_len=1), f"--prompts: {tiny_run['prompts']}: all 24 prompts are longer than 1 tokens"),
+        (dict(tiny, max_prompt_len=1), f"--prompts: {tiny_run['prompts']}: all 24 prompts are longer than 1 tokens "
+                                       "and were dropped; raise the limit (--max_prompt_len)"),
         (dict(ptx_coef=0.1, sft_data=str(tmp_path / "sft.jsonl")), "--sft_data: prompt file not found"),
         (dict(model=f["no_config"]), f"--model: {f['no_config']}: no config.json: expected a model folder"),
         (dict(model=f["cut_safetensors"]), f"--model: {f['cut_safetensors']}/model.safetensors: truncated"),
@@ -6536,6 +6537,10 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
                                                  f"of --reward_model {f['rm_short']} (8 positions)"),
         (dict(wandb=True), "--wandb: no credentials for api.wandb.ai"),
         (dict(resume=str(tmp_path / "nowhere")), f"--resume={tmp_path / 'nowhere'}: no such folder"),
+        (dict(tiny, resume=tiny_run["policy"]), f"cannot resume from {tiny_run['policy']}: a model folder (the HF "
+                                                "export, out_dir/actor?), not a training checkpoint"),
+        (dict(tiny, eval_prompts=str(tmp_path / "nowhere.jsonl")),
+         f"--eval_prompts: prompt file not found: {tmp_path / 'nowhere.jsonl'}"),
     ]
     if os.geteuid() != 0:  # root reads any file
         cases.append((dict(prompts=f["unreadable"]),
