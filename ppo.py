@@ -239,6 +239,8 @@ def derive(cfg, rank, W, device):
     need(cfg.reward_model or cfg.reward_fn in REWARD_FNS,
          f"--reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}")
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
+    need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
+         "--ptx_coef > 0, or leave --sft_data out")
     need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0,
          f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")

@@ -6243,7 +6243,8 @@ def test_config_errors_name_the_problem():
                              ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
                              ("--eval_every must be >= 0, not -1", dict(eval_every=-1), 1),
                              ("--eval_temperature must be >= 0, not -0.5", dict(eval_temperature=-0.5), 1),
-                             ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2)]:
+                             ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2),
+                             ("--sft_data is set but --ptx_coef is 0", dict(sft_data="x"), 1)]:
         with pytest.raises(UsageError, match=re.escape(match)):
             ppo.derive(ppo.Config(**kw), 0, world, cpu)
     with pytest.raises(UsageError, match=re.escape("--max_new_tokens='many': expected int")):
