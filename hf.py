@@ -219,9 +219,11 @@ def check_model(name_or_path):
             if name == "config.json" or os.path.isfile(file):
                 try:
                     with open(file, encoding="utf-8") as f:
-                        json.load(f)
+                        obj = json.load(f)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
                     raise UsageError(f"{file}: not valid JSON ({e})") from None
+                if name == "config.json" and not (isinstance(obj, dict) and isinstance(obj.get("model_type"), str)):
+                    raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
         for p in _safetensors_files(path):
             check_safetensors(p)
     elif os.path.isfile(path):

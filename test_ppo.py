@@ -6461,12 +6461,13 @@ def bad_input_files(tiny_run, root):
     files["cut_gguf"].write_bytes(open(gguf, "rb").read()[: os.path.getsize(gguf) // 2])
     # a hand-edited generation_config.json, a cut tokenizer.json, weights saved without their tokenizer
     for name, edit in (("bad_genconfig", "generation_config.json"), ("cut_tokenizer", "tokenizer.json"),
-                       ("no_tokenizer", None)):
+                       ("no_tokenizer", None), ("no_model_type", "config.json")):
         files[name] = root / name
         shutil.copytree(tiny_run["policy"], files[name])
         if edit:
             text = (files[name] / edit).read_text()
-            (files[name] / edit).write_text(text.replace("}", ",}", 1) if name == "bad_genconfig" else text[:500])
+            (files[name] / edit).write_text(text.replace("}", ",}", 1) if name == "bad_genconfig" else text[:500]
+                                            if name == "cut_tokenizer" else text.replace('"model_type"', '"type"'))
         else:
             for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
                 os.remove(files[name] / f)
@@ -6531,6 +6532,7 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(tiny, stop_token_ids=99), f"--stop_token_ids: [99] are no token ids of {tiny_run['policy']}"),
         (dict(tiny, model=f["bad_genconfig"]), f"--model: {f['bad_genconfig']}/generation_config.json: not valid JSON"),
         (dict(tiny, model=f["cut_tokenizer"]), f"--model: {f['cut_tokenizer']}/tokenizer.json: not valid JSON"),
+        (dict(tiny, model=f["no_model_type"]), f"--model: {f['no_model_type']}/config.json: no \"model_type\""),
         (dict(tiny, model=f["no_tokenizer"]), f"--model: {f['no_tokenizer']}: no tokenizer (none of tokenizer.json"),
         (dict(tiny, model=f["strict"], prompts=f["system"]),
          f"--prompts: {f['system']}:3: the model's chat template refuses these messages: System role not supported"),
