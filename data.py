@@ -379,8 +379,8 @@ def load_inputs(cfg):
     if cfg.reward_model:
         rm = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta").config
         flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
-        need(rm.vocab_size == actor.vocab_size, f"--reward_model: policy {cfg.model} (vocab {actor.vocab_size}) and "
-             f"reward model {cfg.reward_model} (vocab {rm.vocab_size}) use different vocabularies")
+        need(rm.vocab_size >= actor.vocab_size, f"--reward_model: {cfg.reward_model} has {rm.vocab_size} token "
+             f"embeddings, fewer than the {actor.vocab_size} of the policy {cfg.model}, which may sample any of them")
         need(cfg.max_prompt_len + cfg.max_new_tokens <= rm.max_position_embeddings, f"--max_prompt_len "
              f"{cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} does not fit the context of --reward_model "
              f"{cfg.reward_model} ({rm.max_position_embeddings} positions), which scores them and the critic starts from")

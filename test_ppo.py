@@ -5005,10 +5005,11 @@ def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
 
 @slow
 def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
-    # a sequence-classification reward model with the policy's tokenizer; the critic starts from it
+    # a sequence-classification reward model with the policy's tokenizer; the critic starts from it. Its embedding
+    # has rows past the tokenizer's (padded to a multiple, as Qwen2.5-7B's is against the 1.5B's): the same tokenizer
     rm_dir = tmp_path / "rm"
     tok = make_tiny_tokenizer(rm_dir)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    cfg = transformers.LlamaConfig(vocab_size=len(tok) + 8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, num_labels=1,
                                    pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
@@ -6482,6 +6483,10 @@ def bad_input_files(tiny_run, root):
     chats = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(8)]
     chats[2]["messages"].insert(0, {"role": "system", "content": "be brief"})
     write_jsonl(files["system"], [json.dumps(c) for c in chats])
+    files["rm_small_vocab"] = root / "rm_small_vocab"  # an embedding with fewer rows than the policy's
+    make_reward_model(files["rm_small_vocab"])
+    cfg = json.loads((files["rm_small_vocab"] / "config.json").read_text())
+    (files["rm_small_vocab"] / "config.json").write_text(json.dumps(dict(cfg, vocab_size=cfg["vocab_size"] - 1)))
     files["rm_short"] = root / "rm_short"  # a reward model with 8 positions
     make_reward_model(files["rm_short"])
     cfg = json.loads((files["rm_short"] / "config.json").read_text())
@@ -6536,6 +6541,8 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(tiny, model=f["no_tokenizer"]), f"--model: {f['no_tokenizer']}: no tokenizer (none of tokenizer.json"),
         (dict(tiny, model=f["strict"], prompts=f["system"]),
          f"--prompts: {f['system']}:3: the model's chat template refuses these messages: System role not supported"),
+        (dict(tiny, reward_model=f["rm_small_vocab"]), f"--reward_model: {f['rm_small_vocab']} has 63 token "
+                                                       "embeddings, fewer than the 64 of the policy"),
         (dict(tiny, reward_model=f["rm_short"]), "--max_prompt_len 64 + --max_new_tokens 24 does not fit the context "
                                                  f"of --reward_model {f['rm_short']} (8 positions)"),
         (dict(wandb=True), "--wandb: no credentials for api.wandb.ai"),
