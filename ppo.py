@@ -24,7 +24,7 @@ Each step:
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
-    7. evaluate  every eval_every steps (and before the first, after the last): held-out prompts (evaluate.py)
+    7. evaluate  every eval_every steps (and before the first, after the last), after the step's checkpoint (evaluate.py)
 
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and divided by their
 number across ALL ranks (a token mean over the minibatch), so the loss and its gradient do not change when a
@@ -483,8 +483,10 @@ def main(cfg: Config, reward_fn=None):
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id)
 
     try:
-        if evalset and first_step == 1:  # the initial weights
-            log.log_eval(*evaluate_at(0, dict(episode=0, epoch=0.0)))
+        done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
+        if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
+            back = 1 if cfg.async_rollout and done else 0
+            log.log_eval(*evaluate_at(done, dict(episode=done * cfg.rollout_batch_size, epoch=sampler.passes(back=back))))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -552,15 +554,15 @@ def main(cfg: Config, reward_fn=None):
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
-            if evalset and due(step, cfg):
-                rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
-                log.log_eval(*evaluate_at(step, counters))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
                                 dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
                 save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
+            if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
+                rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
+                log.log_eval(*evaluate_at(step, counters))
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")

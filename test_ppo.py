@@ -5606,10 +5606,10 @@ def due_and_told(step, cfg):  # the main thread reaches the evaluation after `st
         return True
     return False
 
-def held(*args, **kw):  # the worker's draw of step k > 1 waits for the evaluation after step k - 1 to be due
-    calls.append(1)
+def held(*args, **kw):  # the worker's draw of step k = 2, 3 waits for the evaluation after step k - 1 to be due
+    calls.append(1)  # (step 4's, drawn for the checkpoint, is waited for by the save that precedes evaluation 3)
     k = len(calls)
-    if k > 1 and threading.current_thread().name.startswith("rollout") and events[k - 1].wait(60):
+    if 1 < k <= 3 and threading.current_thread().name.startswith("rollout") and events[k - 1].wait(60):
         time.sleep(1.0)
     return generate(*args, **kw)
 
@@ -6748,6 +6748,36 @@ def nan_on_one(record, response):
     assert p.returncode != 0 and "FloatingPointError: eval after step 0: the reward gave non-finite scores to 1 of the " \
         f"{len(TINY_EVAL_PROMPTS)} prompts of {tiny_run['eval_prompts']} ([nan])" in p.stderr, p.stderr[-2000:]
     assert TINY_EVAL_PROMPTS[1] in p.stderr.splitlines()[-1]
+
+
+@slow
+def test_a_failed_evaluation_loses_no_step(tiny_run, tmp_path):
+    # a step's checkpoint is written before its evaluation, and a resumed run evaluates the step it resumes at first:
+    # the reward failing in the last evaluation leaves the checkpoint and the export, --resume=auto evaluates that
+    # step, and the run's metrics are the uninterrupted run's; likewise a run continued past its total_steps
+    kw = dict(total_steps=2, save_every=1, eval_prompts=tiny_run["eval_prompts"], eval_every=1)
+    _, full = run_ppo(tiny_run, tmp_path / "full", **kw)
+    E = len(TINY_EVAL_PROMPTS)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"), **kw}
+    setup = f"""
+import reward
+calls = []
+def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, evaluation 1, step 2, evaluation 2
+    calls.append(1)
+    if len(calls) > 2 * {E} + 2 * 8:
+        raise ConnectionError("judge unreachable")
+    return reward.sentiment_reward(record, response)
+"""
+    p = run_script(ppo_script(args, setup, reward_fn="fails_in_the_last_evaluation"))
+    assert p.returncode != 0 and "judge unreachable" in p.stderr, p.stderr[-2000:]
+    assert C.verify(tmp_path / "run" / "checkpoints" / "step-000002") is None and (tmp_path / "run" / "actor").is_dir()
+    p, rows = run_ppo(tiny_run, tmp_path / "run", resume="auto", **kw)
+    assert "exporting its actor again" in p.stdout and without_measured(rows) == without_measured(full)
+    assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (1, True), (2, False), (2, True)]
+    assert all(samples_of(tmp_path / "run", s) == samples_of(tmp_path / "full", s) for s in (0, 1, 2))
+    run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
+    _, rows = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)
+    assert without_measured(rows) == without_measured(full)
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
