@@ -24,7 +24,7 @@ Each step:
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
-    7. evaluate  every eval_every steps (and before the first, after the last), after the step's checkpoint (evaluate.py)
+    7. evaluate  every eval_every steps, before the first and after the last; after the checkpoint (evaluate.py)
 
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and divided by their
 number across ALL ranks (a token mean over the minibatch), so the loss and its gradient do not change when a
@@ -485,8 +485,9 @@ def main(cfg: Config, reward_fn=None):
     try:
         done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
         if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
-            back = 1 if cfg.async_rollout and done else 0
-            log.log_eval(*evaluate_at(done, dict(episode=done * cfg.rollout_batch_size, epoch=sampler.passes(back=back))))
+            back = 1 if cfg.async_rollout and done else 0  # the counters as the step logged them
+            counters = dict(episode=done * cfg.rollout_batch_size, epoch=sampler.passes(back=back))
+            log.log_eval(*evaluate_at(done, counters))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
