@@ -481,13 +481,15 @@ def main(cfg: Config, reward_fn=None):
     log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id)
+    export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
+                               base_model=cfg.model)
+    counters = lambda step: dict(episode=step * cfg.rollout_batch_size,  # noqa: E731 -- prompts, passes over them
+                                 epoch=sampler.passes(back=int(cfg.async_rollout and step > 0)))  # async: 1 batch ahead
 
     try:
         done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
         if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
-            back = 1 if cfg.async_rollout and done else 0  # the counters as the step logged them
-            counters = dict(episode=done * cfg.rollout_batch_size, epoch=sampler.passes(back=back))
-            log.log_eval(*evaluate_at(done, counters))
+            log.log_eval(*evaluate_at(done, counters(done)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -544,14 +546,13 @@ def main(cfg: Config, reward_fn=None):
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
                                    run.rows, run.trained, cfg)
             kl_ctl.update(metrics["objective/kl"], run.rows)
-            counters = dict(episode=step * cfg.rollout_batch_size,  # prompts, passes over them (async: one batch ahead)
-                            epoch=sampler.passes(back=1 if cfg.async_rollout else 0))
+            counted = counters(step)
             metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             t4 = time.time()
             metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
-                                             for name in run.trained}, **counters,
+                                             for name in run.trained}, **counted,
                             "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
                             "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
@@ -560,17 +561,17 @@ def main(cfg: Config, reward_fn=None):
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
                                 dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
-                save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
+                export()
             if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
-                log.log_eval(*evaluate_at(step, counters))
+                log.log_eval(*evaluate_at(step, counted))
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
                        f"resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
             print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): exporting its actor again")
-            save_hf(m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
+            export()
     finally:
         rollouts.close()
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
