@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from hf import check_model, check_same_tokenizer, load_tokenizer, read_config, stop_and_pad_ids
-from model import Transformer
+from model import SUPPORTED, Transformer
 from runtime import UsageError, check_wandb, need
 
 # -----------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def load_inputs(cfg):
          + ("not writable" if os.path.isdir(parent) else "a file, not a folder"))
     for name in ("model", "reward_model"):
         if getattr(cfg, name):
-            flag(name, check_model, getattr(cfg, name))
+            flag(name, check_model, getattr(cfg, name), architectures=SUPPORTED)
     check_reward_head(cfg)
     n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key)  # before the tokenizer's seconds
     need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="

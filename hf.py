@@ -10,8 +10,9 @@ which is all a model built on the meta device, and the --dry_run memory plan, ne
 tokenizer, config and weights of a GGUF file share one parse of its header.
 
 Checking. check_model refuses a model that would fail to load, naming the file, in well under a second and before
-anything loads: config.json, each safetensors file's header against its size, a GGUF file's tensor table against
-its size (check_gguf, with struct), a Hub id against the cache or one short request to the Hub (check_hub_id).
+anything loads: config.json (and its model_type), each safetensors file's header against its size, a GGUF file's
+tensor table against its size and its architecture (check_gguf, with struct), a Hub id against the cache or one
+short request to the Hub (check_hub_id).
 
 Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
 float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
@@ -207,11 +208,19 @@ JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")  # one of them holds a vocabulary
 
 
-def check_model(name_or_path):
+def check_model(name_or_path, architectures=None):
     """Refuses (UsageError, naming the file) a model that would fail to load, before anything loads it: a folder
     needs a config.json in JSON and complete safetensors files, a .gguf file must be complete, and a Hub id
-    must be in the local cache or answered by the Hub (check_hub_id). Reads headers, never tensors."""
+    must be in the local cache or answered by the Hub (check_hub_id). Reads headers, never tensors. architectures:
+    the model_types the caller can build (model.SUPPORTED), which config.json's model_type or the GGUF file's
+    general.architecture must be one of."""
     path = resolve(name_or_path)
+
+    def known(arch, file, key):
+        if architectures is not None and arch not in architectures:
+            raise UsageError(f"{file}: {key} {arch!r}, an architecture this code does not implement (it implements "
+                             f"{', '.join(sorted(architectures))})")
+
     if os.path.isdir(path):
         _hf_folder(name_or_path, path, [])  # config.json is there
         for name in JSON_FILES:  # each one there is read by transformers, whose error would name no file
@@ -224,12 +233,14 @@ def check_model(name_or_path):
                     raise UsageError(f"{file}: not valid JSON ({e})") from None
                 if name == "config.json" and not (isinstance(obj, dict) and isinstance(obj.get("model_type"), str)):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
+                if name == "config.json":
+                    known(obj["model_type"], file, "model_type")
         for p in _safetensors_files(path):
             check_safetensors(p)
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise UsageError(f"{path}: a file, but not a .gguf file: expected a model folder, a .gguf file or a Hub id")
-        check_gguf(path)
+        known(check_gguf(path).get("general.architecture"), path, "general.architecture")
     else:
         check_hub_id(path)
 
@@ -263,7 +274,8 @@ def check_gguf(path):
     an element type, a uint64 count and the elements), each tensor's name, uint32 n_dims, uint64 dims, uint32 ggml
     type and uint64 offset into the data, then the data, which starts at the next multiple of general.alignment
     (default 32). Walked with struct over a memory map (0.1 s for SmolLM2's 49k-token vocabulary; transformers'
-    reader takes seconds), the last tensor must end inside the file: a truncated file is named before it loads."""
+    reader takes seconds), the last tensor must end inside the file: a truncated file is named before it loads.
+    Returns the metadata's scalar and string values."""
     import mmap
 
     size = os.path.getsize(path)
@@ -272,21 +284,18 @@ def check_gguf(path):
             raise UsageError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
-                end = _gguf_data_end(buf)
+                end, scalars = _gguf_walk(buf)
             except (struct.error, ValueError, KeyError) as e:
                 raise UsageError(f"{path}: truncated or damaged GGUF file: its header does not read ({e}); "
                                  f"the file has {size} bytes") from None
     if end > size:
         raise UsageError(f"{path}: truncated: its tensors end at byte {end}, the file has {size}")
-
-
-def _gguf_data_end(buf):
-    """The byte where a GGUF file's last tensor ends (check_gguf); struct.error where the header runs past the end."""
-    return _gguf_walk(buf)[0]
+    return scalars
 
 
 def _gguf_walk(buf):
-    """-> (the byte where a GGUF file's last tensor ends, {metadata key: value} of its scalar values)."""
+    """-> (the byte where a GGUF file's last tensor ends, {metadata key: value} of its scalar and string values);
+    struct.error where the header runs past the end."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     pos = 4
@@ -326,8 +335,8 @@ def _gguf_walk(buf):
     for _ in range(n_kv):
         key, kind = value(8), take("I")
         v = value(kind)
-        if kind in GGUF_SCALARS:
-            scalars[key.decode("utf-8", "replace")] = v
+        if kind in GGUF_SCALARS or kind == 8:
+            scalars[key.decode("utf-8", "replace")] = v.decode("utf-8", "replace") if kind == 8 else v
     alignment = scalars.get("general.alignment", 32)
     end = 0
     for _ in range(n_tensors):

@@ -267,13 +267,13 @@ def test_model_files_checked_by_their_headers(tmp_path):
         H.check_model(str(tmp_path / "ok" / "model.safetensors"))
 
 
-def write_gguf(path, alignment=None):
+def write_gguf(path, alignment=None, arch="llama"):
     """A small GGUF file written by the gguf package: metadata of every value type (strings, arrays of strings and
     of numbers, a bool, floats) and tensors of float32, float16 and Q8_0 (32-value blocks of 34 bytes)."""
     import gguf
     import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     if alignment:
         w.add_custom_alignment(alignment)
     w.add_uint32("test.u32", 7), w.add_string("test.s", "hello"), w.add_float64("test.f", 0.5)
@@ -296,21 +296,24 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
     # numpy's "cannot reshape array" or struct.error, naming no file)
     import mmap
 
-    import gguf
     from gguf import GGUFReader
 
     path = write_gguf(tmp_path / "m.gguf", alignment)
     size = os.path.getsize(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        end = H._gguf_data_end(buf)
+        end = H._gguf_walk(buf)[0]
     reader = GGUFReader(path)
     assert end == max(t.data_offset + t.n_bytes for t in reader.tensors) <= size
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         scalars = H._gguf_walk(buf)[1]
     assert scalars == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")  # the header's
-                       and len(f.types) == 1 and f.types[0] != gguf.GGUFValueType.STRING} and scalars["test.i8"] == -3
+                       and len(f.types) == 1} and scalars["test.i8"] == -3 and scalars["test.s"] == "hello"
     assert H._gguf_token_ids(path) == {"bos": 1, "eos": 2, "pad": 0}  # the stop and pad ids read from the header
     H.check_model(path)
+    H.check_model(path, architectures=("llama", "qwen2"))  # general.architecture "llama" is one the caller builds
+    with pytest.raises(UsageError, match=re.escape(f"{path}: general.architecture 'llama', an architecture this code "
+                                                   "does not implement (it implements qwen2, qwen3)")):
+        H.check_model(path, architectures=("qwen3", "qwen2"))
     data = open(path, "rb").read()
     first = min(t.data_offset for t in reader.tensors)
     for cut in sorted({0, 3, 4, 10, 24, 60, first // 2, first - 1, first, (first + end) // 2, end - 1}):
@@ -331,7 +334,7 @@ def test_smollm2_gguf_header():
 
     path = H.resolve("smollm2")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        end = H._gguf_data_end(buf)
+        end = H._gguf_walk(buf)[0]
     reader = GGUFReader(path)
     assert end == max(t.data_offset + t.n_bytes for t in reader.tensors) == os.path.getsize(path)
     ids = {name: reader.get_field(f"tokenizer.ggml.{key}") for name, key in H.GGUF_IDS.items()}
@@ -6461,15 +6464,17 @@ def bad_input_files(tiny_run, root):
             f.truncate(os.path.getsize(folder / "model.safetensors") // 2)
     gguf = write_gguf(root / "whole.gguf")
     files["cut_gguf"].write_bytes(open(gguf, "rb").read()[: os.path.getsize(gguf) // 2])
+    files["rwkv_gguf"] = write_gguf(root / "rwkv6.gguf", arch="rwkv6")  # an architecture transformers cannot read
     # a hand-edited generation_config.json, a cut tokenizer.json, weights saved without their tokenizer
     for name, edit in (("bad_genconfig", "generation_config.json"), ("cut_tokenizer", "tokenizer.json"),
-                       ("no_tokenizer", None), ("no_model_type", "config.json")):
+                       ("no_tokenizer", None), ("no_model_type", "config.json"), ("gpt2", "config.json")):
         files[name] = root / name
         shutil.copytree(tiny_run["policy"], files[name])
         if edit:
             text = (files[name] / edit).read_text()
             (files[name] / edit).write_text(text.replace("}", ",}", 1) if name == "bad_genconfig" else text[:500]
-                                            if name == "cut_tokenizer" else text.replace('"model_type"', '"type"'))
+                                            if name == "cut_tokenizer" else text.replace('"model_type"', '"type"')
+                                            if name == "no_model_type" else text.replace('"llama"', '"gpt2"'))
         else:
             for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
                 os.remove(files[name] / f)
@@ -6529,6 +6534,10 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(model=f["no_config"]), f"--model: {f['no_config']}: no config.json: expected a model folder"),
         (dict(model=f["cut_safetensors"]), f"--model: {f['cut_safetensors']}/model.safetensors: truncated"),
         (dict(model=f["cut_gguf"]), f"--model: {f['cut_gguf']}: truncated"),
+        (dict(model=f["rwkv_gguf"]), f"--model: {f['rwkv_gguf']}: general.architecture 'rwkv6', an architecture this "
+                                     "code does not implement (it implements llama, mistral, qwen2, qwen3)"),
+        (dict(tiny, reward_model=f["gpt2"]), f"--reward_model: {f['gpt2']}/config.json: model_type 'gpt2', an "
+                                             "architecture this code does not implement"),
         (dict(model="no-such-org/no-such-model"), "--model: 'no-such-org/no-such-model' is no local folder or file, "
                                                   "and no network reached the Hub (http://127.0.0.1:9"),
         (dict(reward_model=tiny_run["policy"]), f"--reward_model={tiny_run['policy']} is LlamaForCausalLM, not a "
