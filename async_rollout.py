@@ -33,7 +33,8 @@ were when step k's training began. The learner at theta_{k+1} then trains on dat
   with a neighbour running, took 15.4 s a step against 9.9 for 1 + 2. On 2 cores no split beat the synchronous
   step: generation takes its core-seconds from training. On CUDA the thread count does not matter.
 - CUDA. The worker generates on its own stream, so the decode's kernels (CUDA graphs when compiled: recorded on the
-  worker's thread, which runs every rollout, its first included) run beside the training kernels. The stream waits for
+  worker's thread, which runs every rollout, its first included, and the evaluations' generation: generate_beside)
+  run beside the training kernels. The stream waits for
   the weight copy before it generates; the main thread's stream waits for the stream before it reads the batch, whose
   tensors are marked as used there (record_stream) so that the caching allocator does not hand them back to the
   worker's stream early. Phases end on the current stream only (runtime.phase_end), not on the whole device.
@@ -122,22 +123,24 @@ class Rollouts:
                              seeds=seeds.to(run.device), micro_batch_size=run.rollout_micro,
                              max_prompt_len=cfg.max_prompt_len, progress=progress(f"step {step} rollout"))
 
-    def _work(self, job):
-        """On the worker thread: generates job's batch, on its own stream on CUDA."""
+    def _work(self, job, fn):
+        """On the worker thread: job["ro"] = fn(), a Rollout, generated on the worker's own stream on CUDA."""
         job["start"] = time.time()
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            job["ro"] = self._generate(job["rows"], job["seeds"], job["step"])
+            job["ro"] = fn()
             if self.stream is not None:
                 self.stream.synchronize()  # only this thread waits: the end time is when the GPU finished
         job["end"] = time.time()
 
-    def _launch(self, step, lag):
-        rows, seeds = self._draw(step)
-        job = dict(rows=rows, seeds=seeds, lag=lag, step=step)
+    def _submit(self, job, fn):
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.run.device))  # the weights just copied into gen
-        job["future"] = self.pool.submit(self._work, job)
+        job["future"] = self.pool.submit(self._work, job, fn)
         return job
+
+    def _launch(self, step, lag):
+        rows, seeds = self._draw(step)
+        return self._submit(dict(rows=rows, seeds=seeds, lag=lag, step=step), lambda: self._generate(rows, seeds, step))
 
     def _wait(self, job):
         if "future" in job:
@@ -170,6 +173,16 @@ class Rollouts:
         hidden = max(0.0, min(job["end"], job["waited"]) - job["start"]) if "start" in job else 0.0
         self.metrics = {"val/policy_lag": job["lag"], "time/rollout_overlap": hidden}
         return job["rows"], job["ro"]
+
+    def generate_beside(self, *args, **kwargs):
+        """self.generate(*args, **kwargs) where the rollouts are generated: on CUDA with --async_rollout, on the
+        worker's thread and stream, else here. An evaluation (evaluate.py) generates through it, after wait(), so that
+        its compiled decode replays the rollouts' CUDA graphs: inductor's cudagraph trees keep a manager and a memory
+        pool per thread (cudagraph_trees.get_container), and a second thread would record every graph again into a
+        second pool, beside the one --dry_run plans. On a CPU it stays on the main thread, which has the cores."""
+        if self.stream is None:
+            return self.generate(*args, **kwargs)
+        return self._wait(self._submit({}, lambda: self.generate(*args, **kwargs)))["ro"]
 
     def wait(self):
         """Waits for the batch being drawn ahead, if one is: the generation copy is then free for another use (an

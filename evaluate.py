@@ -66,11 +66,12 @@ def due(step, cfg):
 
 
 @torch.no_grad()
-def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id):
+def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id, generate=generate):
     """The actor m["actor"] after `step` steps on every prompt of `prompts` (a data.PromptSet) -> (metrics, rows):
     the eval/* numbers with step and `counters` (episode, epoch), and one dict per prompt in the file's order.
     reward: a reward.RewardCaller, or None with a reward model. score_batch: ppo.score_batch, the training loop's
-    scoring forward (passed in: this file sits below ppo.py), run here without the critic."""
+    scoring forward (passed in: this file sits below ppo.py), run here without the critic. generate: rollout.generate,
+    or ppo.py's async_rollout.Rollouts.generate_beside, which runs it where the rollouts are generated."""
     t0 = time.time()
     E, W = len(prompts), run.world
     k = math.ceil(E / W)

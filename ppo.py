@@ -479,8 +479,8 @@ def main(cfg: Config, reward_fn=None):
         history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr.get("run_id", run_id)
         print0(f"resumed from {ckpt} at step {tr['step']}")
     log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
-    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
-                                    run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id)
+    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg, run=run,
+                                    tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id, generate=rollouts.generate_beside)
     export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
                                base_model=cfg.model)
     counters = lambda step: dict(episode=step * cfg.rollout_batch_size,  # noqa: E731 -- prompts, passes over them

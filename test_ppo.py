@@ -4899,10 +4899,10 @@ def ppo_script(args, setup, reward_fn=None, after=""):
             f"{after.strip()}\n")
 
 
-def run_script(script, timeout=300):
-    """python -c script in the checkout, one thread, its output captured."""
+def run_script(script, timeout=300, env=None):
+    """python -c script in the checkout, one thread, its output captured; env: variables set besides."""
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def run_in_terminal(cmd, timeout, **kw):
@@ -5610,10 +5610,10 @@ def due_and_told(step, cfg):  # the main thread reaches the evaluation after `st
     return False
 
 def held(*args, **kw):  # the worker's draw of step k = 2, 3 waits for the evaluation after step k - 1 to be due
-    calls.append(1)  # (step 4's, drawn for the checkpoint, is waited for by the save that precedes evaluation 3)
-    k = len(calls)
-    if 1 < k <= 3 and threading.current_thread().name.startswith("rollout") and events[k - 1].wait(60):
-        time.sleep(1.0)
+    if threading.current_thread().name.startswith("rollout"):  # (an evaluation generates on the main thread on a CPU)
+        calls.append(1)  # (step 4's, drawn for the checkpoint, is waited for by the save that precedes evaluation 3)
+        if 1 < len(calls) <= 3 and events[len(calls) - 1].wait(60):
+            time.sleep(1.0)
     return generate(*args, **kw)
 
 ppo.due, ppo.generate = due_and_told, held
@@ -5665,6 +5665,35 @@ def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
     run_ppo(tiny_run, tmp_path / "part", total_steps=2, async_rollout=True, **kw)
     _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", async_rollout=True, **kw)
     assert_close_runs(no_mem(full), no_mem(resumed), tmp_path / "full", tmp_path / "part")
+
+
+@needs_cuda
+def test_cuda_async_evaluation_replays_the_rollouts_decode_graphs(tiny_run, tmp_path):
+    # inductor's cudagraph trees keep a manager, and a memory pool, per thread: the evaluations of an async run
+    # generate on the worker's thread, as its rollouts do, so the run records its decode graphs once, into one pool;
+    # and they score what the synchronous run's evaluations score (step 1 is synchronous in both)
+    kw = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, inference_micro_batch_size=4, dtype="auto",
+              eval_prompts=tiny_run["eval_prompts"], eval_every=1)
+    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1, env={"TRITON_INTERPRET": "0"}, **kw)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "async"),
+            "total_steps": 2, "async_rollout": True, **kw}
+    setup = """
+import threading
+import torch._inductor.cudagraph_trees as trees
+made, init = [], trees.CUDAGraphTreeManager.__init__
+
+def counted(self, *args, **kwargs):
+    made.append(threading.current_thread().name)
+    init(self, *args, **kwargs)
+
+trees.CUDAGraphTreeManager.__init__ = counted
+"""
+    p = run_script(ppo_script(args, setup, after="print('graph tree managers', json.dumps(made))"), env={"TRITON_INTERPRET": "0"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    made = json.loads(p.stdout.split("graph tree managers ")[-1])
+    assert len(made) == 1 and made[0].startswith("rollout"), made
+    evals = lambda rows: [r for r in rows if "eval/score" in r]  # noqa: E731
+    assert_close_runs(evals(sync), evals(read_metrics(tmp_path / "async"))[:2])
 
 
 # -- advantage estimators without a critic, several samples per prompt, a fork's estimator ---------------------
