@@ -429,15 +429,17 @@ def _groups(score, n):
 
 def grpo_scores(score, n, eps=1e-6):
     """(B,) -> (s - mean) / (std + eps) within each group of n consecutive rows (Shao et al. 2024, GRPO; the
-    unbiased std, as TRL and OpenRLHF use)."""
-    s = _groups(score, n)
-    return ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + eps)).flatten()
+    unbiased std, as TRL and OpenRLHF use). In float64: a group of equal float32 scores sums exactly there, so it
+    gets 0, where float32's mean may miss the score by an ulp and (s - mean) / (ulp + eps) is of order 1."""
+    s = _groups(score, n).double()
+    return ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + eps)).flatten().to(score.dtype)
 
 
 def rloo_scores(score, n):
-    """(B,) -> s minus the mean of the other n - 1 samples of its group (Ahmadian et al. 2024, RLOO)."""
-    s = _groups(score, n)
-    return (s - (s.sum(1, keepdim=True) - s) / (n - 1)).flatten()
+    """(B,) -> s minus the mean of the other n - 1 samples of its group (Ahmadian et al. 2024, RLOO); in float64,
+    so that a group of equal scores gets exactly 0, as in grpo_scores."""
+    s = _groups(score, n).double()
+    return (s - (s.sum(1, keepdim=True) - s) / (n - 1)).flatten().to(score.dtype)
 
 
 @advantage_estimator("gae", critic=True)

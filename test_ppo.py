@@ -4722,6 +4722,22 @@ def test_critic_free_advantages_match_brute_force(name, n, gamma):
             fn(score[:-1], kl_reward[:-1], None, mask[:-1], cfg)
 
 
+def test_group_baselines_give_a_group_of_equal_scores_zero():
+    # a group whose samples all scored the same carries no signal: grpo and rloo give it exactly 0, for any score and
+    # group size (in float32, 8 x 0.7 got +0.056 each and 3 x 1000.1 got 0.81: the mean missed by an ulp)
+    from gae import grpo_scores, rloo_scores
+
+    g = torch.Generator().manual_seed(0)
+    for n in range(2, 17):
+        equal = (torch.rand(64, 1, generator=g) * 2000 - 1000).expand(64, n).flatten()
+        equal[: 4 * n] = torch.tensor([0.7, 1000.1, 0.3, -2.2]).repeat_interleave(n)
+        for fn in (grpo_scores, rloo_scores):
+            out = fn(equal, n)
+            assert out.dtype == torch.float32 and torch.equal(out, torch.zeros_like(out)), (n, fn.__name__, out.abs().max())
+    s = torch.randn(24, generator=g)  # and the float32 result of any group is the float64 one, rounded
+    assert torch.equal(grpo_scores(s, 6), grpo_scores(s.double(), 6).float())
+
+
 def test_gae_estimator_is_the_gae_of_the_shaped_rewards():
     # the default estimator: GAE of -beta * kl_t + score on the last token, whitened when asked; ret for the critic
     from gae import ADVANTAGE_ESTIMATORS
