@@ -374,6 +374,8 @@ def attend_rows(q, k, v, real):
         y = attend(qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], None, "sdpa")
         return y[0].transpose(0, 1)  # (L, nh, hs)
 
+    if q.size(0) == 0:  # a batch of padding alone: no token to attend
+        return q.new_zeros(q.shape)
     if real.runs:  # every row's real tokens consecutive: split into the runs (one cat in the backward), in order
         sizes = [at.stop - at.start if kind == "row" else at for kind, at in real.runs]
         parts = zip(*(t.split(sizes) for t in (q, k, v)))

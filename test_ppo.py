@@ -846,8 +846,9 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(tmp_path, monkeypatc
 @pytest.mark.parametrize("gqa", [True, False])
 def test_rows_with_holes_and_both_paddings_attend_as_the_rule_says(tmp_path, monkeypatch, gqa):
     # attend_rows on masks PPO never makes as well: a row whose real tokens have holes (their indices, not a slice),
-    # right padding, a row of one token, an all-padding row; against the padded layout's math kernel, and the
-    # same rows' hidden states bit for bit in another batch (oneDNN's products: MKL's may round a row by its place)
+    # right padding, a row of one token, an all-padding row (and batch); against the padded layout's math kernel,
+    # and the same rows' hidden states bit for bit in another batch (oneDNN's products: MKL's may round a row by its
+    # place)
     monkeypatch.setattr(M, "CPU_MATMUL", "onednn")
     model = tiny(tmp_path, "qwen3", gqa)
     g = torch.Generator().manual_seed(5)
@@ -869,6 +870,10 @@ def test_rows_with_holes_and_both_paddings_attend_as_the_rule_says(tmp_path, mon
     assert max_diff(out[mask.bool()], ref[mask.bool()]) < 1e-5 and torch.isfinite(out).all()
     assert torch.equal(consecutive[mask[[0, 2, 4]].bool()], out[mask.bool()][torch.cat([
         torch.arange(0, 5), torch.arange(11, 12), torch.arange(12, 21)])])  # the same rows' bits either way
+    with torch.no_grad():  # a batch of nothing but padding: no real token, no attention, the same shape
+        none = run(model, "sdpa", idx[[3, 3]], attention_mask=mask[[3, 3]], position_ids=pos[[3, 3]],
+                   return_hidden=True)
+    assert none.shape == (2, 11, out.size(-1)) and torch.isfinite(none).all()
 
 
 def prefill_decode(model, impl, idx, mask, pos, P, S, whole_cache):
