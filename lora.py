@@ -24,7 +24,9 @@ Dropout (--lora_dropout, default 0 as PPO keeps dropout off) acts on the adapter
 graph (training), never in scoring, generation or evaluation. The first minibatch's ratio is then 1 only at step 1
 (B = 0 there, so the adapters add nothing): later, the clip acts on the dropout's noise too. Its masks
 come from the global RNG, which checkpoints save per rank: a resumed run repeats the uninterrupted one on the same
-number of ranks, but a run with dropout is not invariant to the rank count as a run without it is.
+number of ranks, but a run with dropout is not invariant to the rank count as a run without it is. ppo.py refuses
+it with --async_rollout on a GPU: the worker's CUDA-graph recordings mark the default CUDA generator as capturing,
+and its compiles put back the RNG states they found (dynamo's convert_frame), under the training thread's draws.
 
     python bench.py lora_generation   # generation with the adapters merged into the generation copy, or not
 """

@@ -219,9 +219,8 @@ def derive(cfg, rank, W, device):
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
         need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
-                           is_correction=list(IS_CORRECTIONS),
-                           lr_schedule=["constant", "linear"], dtype=["auto", "bf16", "fp32"],
-                           activation_checkpointing=["auto", "on", "off"]).items():
+                           is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
+                           dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
     for k in ("model", "prompts", "prompt_key", "messages_key", "out_dir") + (("wandb_project",) if cfg.wandb else ()):
         need(getattr(cfg, k).strip(), f"--{k} must not be empty")
@@ -253,6 +252,8 @@ def derive(cfg, rank, W, device):
          "--target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
          f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
+    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with --async_rollout"
+         " on a GPU: the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
     local_rollout = cfg.rollout_batch_size // W

@@ -6383,6 +6383,13 @@ def test_every_number_is_checked_against_its_range():
     edges = dict(seed=2**32 - 1, gamma=0.0, lam=1.0, lr=0.0, critic_lr=0.0, kl_coef=0.0, score_clip=0.0, save_every=0,
                  ppo_epochs=1, total_steps=1, temperature=1e-3, entropy_coef=-0.01, non_stop_penalty=-1.0)
     ppo.derive(ppo.Config(**edges), 0, 1, cpu)  # the ends of the ranges pass
+    # LoRA's dropout draws from the default generator, which an async worker's compiles rewind (dynamo restores the
+    # RNG states it found) and, on CUDA, its CUDA-graph recordings mark as capturing: refused together on a GPU only
+    async_dropout = ppo.Config(async_rollout=True, lora_rank=4, lora_dropout=0.1)
+    with pytest.raises(UsageError, match="--lora_dropout with --async_rollout on a GPU"):
+        ppo.derive(async_dropout, 0, 1, torch.device("cuda"))
+    ppo.derive(async_dropout, 0, 1, cpu)  # a CPU worker compiles nothing (rollout.generate compiles on CUDA only)
+    ppo.derive(dataclasses.replace(async_dropout, async_rollout=False), 0, 1, torch.device("cuda"))
 
 
 def test_reward_model_without_a_score_head_is_refused(tiny_run, group, tmp_path):
