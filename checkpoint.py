@@ -12,7 +12,7 @@ Training checkpoints:
     out_dir/checkpoints/step-000040/   .metadata + *.distcp  actor, critic and both optimizers (DCP, sharded; under
                                                          LoRA the adapters and the critic's head: trained_only)
                                        trainer.pt            step, schedulers, KL controller, samplers, metrics
-                                       rng-rank{r}.pt        the global RNGs of rank r (python, numpy, torch, cuda)
+                                       rng-rank{r}.pt        the global RNGs of rank r (python, numpy, torch, its GPU's)
                                        config.json           the Config the run was started with
     out_dir/actor/                     the actor in HF format and its checkpoint's dtype (hf.save_hf)
     out_dir/actor-lora/                under LoRA, the actor's adapters alone in PEFT's format (hf.write_peft_adapter)
@@ -346,8 +346,10 @@ def _claim(out_dir, resume, overwrite, ckpt):
 
 
 def rng_state():
+    """This rank's global RNGs; of CUDA's, its own device's generator alone (runtime.setup makes it the current
+    device): a state per visible GPU would not restore where fewer are visible (set_rng_state_all's IndexError)."""
     return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
 
 
 def set_rng_state(state):
@@ -355,7 +357,7 @@ def set_rng_state(state):
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # the current device's
 
 
 def trained_only(cfg):

@@ -6797,8 +6797,36 @@ def rng_states_equal(a, b):
     """Two checkpoints' rng-rank{r}.pt contents (python, numpy, torch, cuda) are the same."""
     import numpy as np
 
-    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"]) and a["cuda"] == b["cuda"]
+    same_cuda = a["cuda"] is b["cuda"] is None or a["cuda"] is not None and b["cuda"] is not None and torch.equal(
+        a["cuda"], b["cuda"])
+    return (a["python"] == b["python"] and torch.equal(a["torch"], b["torch"]) and same_cuda
             and all(np.array_equal(x, y) for x, y in zip(a["numpy"], b["numpy"])))
+
+
+def test_rng_state_holds_this_ranks_gpu_alone(monkeypatch):
+    # a checkpoint written where each rank saw 8 GPUs resumes where each sees 1 (another node, CUDA_VISIBLE_DEVICES):
+    # the rank's own device's CUDA generator is saved and restored, not one state per visible device, which
+    # torch.cuda.set_rng_state_all restores by index (IndexError past device_count). torch.cuda stood in for here
+    import checkpoint
+
+    visible, restored = [8], []
+
+    def set_one(state, device="cuda"):
+        index = torch.device(device).index if not isinstance(device, int) else device
+        if index is not None and index >= visible[0]:
+            raise IndexError(f"device {index} of {visible[0]}")
+        restored.append((index, state))
+
+    mine = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": mine.clone())
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [mine.clone() + i for i in range(visible[0])])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_one)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: [set_one(x, i) for i, x in enumerate(states)])
+    state = checkpoint.rng_state()
+    visible[0] = 1
+    checkpoint.set_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0][1], mine)
 
 
 def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
