@@ -388,22 +388,21 @@ def build(cfg, run):
     prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad", rows_r * P * block_forward_bytes(c, cb))
     sampling = (f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}", SAMPLING_BYTES * rows_r * V)
     # lora.full_parameters gathers one parameter at a time (all-gather output + padded chunk), in its stored
-    # dtype; --offload_optimizer: the shards and so the gathers are on the CPU (gloo), only the copy crosses
-    if off:
-        sync = [("gathered and merged on the CPU, copied to the GPU (--offload_optimizer)", 0)]
-    elif not lora:
-        sync = [("the largest actor parameter gathered in fp32 (all-gather output + padded chunk)",
-                 4 * actor.largest(W) * (W + 1) // W)]
+    # dtype; --offload_optimizer: each shard is first copied to the GPU and gathered there (one chunk more)
+    chunks, copied = (W + 2, " + its shard copied from the CPU") if off else (W + 1, "")
+    if not lora:
+        sync = [(f"the largest actor parameter gathered in fp32 (all-gather output + padded chunk{copied})",
+                 4 * actor.largest(W) * chunks // W)]
     else:
         # a target's merge: its gathered base W (out, in) and, from lora.merge's W.float() + scale * (B @ A), three
         # float32 (out, in) tensors at once: W.float() and B @ A, then scale x it, then W.float() + that
         (out, cols), n = max(((s, cdiv(s[0], W) * W * s[1]) for k, s in actor.block.items()
                               if k.endswith(".weight") and k.removesuffix("weight") + "lora_A.weight" in actor.block),
                              key=lambda t: t[1])
-        sync = [max((f"the largest actor parameter gathered in {dtype} (all-gather output + padded chunk)",
-                     cb * actor.largest(W) * (W + 1) // W),
+        sync = [max((f"the largest actor parameter gathered in {dtype} (all-gather output + padded chunk{copied})",
+                     cb * actor.largest(W) * chunks // W),
                     (f"merging the largest target ({out} x {cols}): its gathered {dtype} weight + 3 fp32 copies",
-                     cb * n * (W + 1) // W + 12 * out * cols), key=lambda t: t[1])]
+                     cb * n * chunks // W + 12 * out * cols), key=lambda t: t[1])]
     p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [
         ("weight sync" + (", LoRA merged" if lora else ""), sync),
         ("prefill", [prefill]),
@@ -522,7 +521,7 @@ def build(cfg, run):
         facts["h2d"] = (n_s * (twice * blocks(actor) + (2 if shared else 1) * (blocks(critic) if critic else 0))
                         + (1 + n_t) * sum(m.stored(m.root, W, cb) for m in trained)
                         + n_t * sum(2 * blocks(m) for m in trained) + (n_t * blocks(actor) if lora and kl else 0)
-                        + cb * actor.base_numel())  # the weight sync: the merged actor into the generation copy
+                        + blocks(actor) + actor.stored(actor.root, W, cb))  # the weight sync: the shards as stored
         facts["d2h"] = n_t * 4 * sum(m.shard(W, "trained") for m in trained)  # each backward's fp32 grad shards
         facts["n_s"], facts["n_t"] = n_s, n_t
         facts["pinned"] = sum(m.stored(m.root, W, cb) + blocks(m) + 12 * m.shard(W, "trained") for m in trained)

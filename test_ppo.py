@@ -7832,6 +7832,10 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     assert g["d2h"] == g["n_t"] * grads and g["n_t"] == 512 // W // 2
     assert f"pinned host memory {min(8, W) * g['pinned'] / plan.GiB:.1f} GiB per node ({min(8, W)} rank" in text
     assert max(q.peak(ph) for ph in q.phases) < max(p.peak(ph) for ph in p.phases)
+    # the weight sync gathers on the GPU either way (lora.full_parameters copies an offloaded shard there first)
+    ((sync_on,),), ((sync_off,),) = ([t for name, t in x.phases[0][2] if name.startswith("weight sync")]
+                                     for x in (p, q))
+    assert sync_off[1] > sync_on[1] > 0 and "its shard copied from the CPU" in sync_off[0]
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
