@@ -848,8 +848,9 @@ if __name__ == "__main__":
 
         tok = load_tokenizer(path)
         model = Transformer.from_pretrained(path).eval()
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = torch.tensor([list(ids["input_ids"] if isinstance(ids, dict) else ids)])
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_dict=False)  # token ids (transformers 5 returns a BatchEncoding else)
+        ids = torch.tensor([list(ids)])
         with torch.no_grad():
             for _ in range(new_tokens):  # plain loop without a cache; rollout.py is the fast path
                 ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)

@@ -123,7 +123,7 @@ class Config:
     mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
     micro_batch_size: int = 8  # sequences per forward/backward on one rank (capped at the rank's minibatch share)
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
-    rollout_micro_batch_size: int = 32  # prompts generated at once on one rank (capped at its share): sizes the KV cache
+    rollout_micro_batch_size: int = 32  # rows (samples) generated at once on a rank (capped at its share): the KV cache
     async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables

