@@ -518,8 +518,11 @@ def check_config(folder, cfg):
             and not same_setting(k, saved, now)}
     if diff:
         changed = [k for k in diff if saved[k] == now[k]]  # the same path, other contents
+        python = "reward_fn" in diff and any(str(v).startswith("python:") for v in diff["reward_fn"])
         raise UsageError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}"
-                         + (f"; the file of {changed} has changed since (sha256)" if changed else ""))
+                         + (f"; the file of {changed} has changed since (sha256)" if changed else "")
+                         + ("; a reward function from Python is ppo.main(cfg, reward_fn=f)'s, recorded by its name"
+                            if python else ""))
     newer = {k: (default[k], now[k]) for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
              and now[k] != default[k]}
     if newer:

@@ -14,7 +14,7 @@ KL estimators, d_t = logp_t - ref_logp_t (Schulman, "Approximating KL divergence
     k2 = d^2 / 2                biased, >= 0
     k3 = exp(-d) - 1 + d        unbiased, >= 0
     exact = sum_v pi(v) (log pi(v) - log ref(v))   over the whole vocabulary (kernels/kl.py)
-  All four live in one table, KL_ESTIMATORS.
+  They live in one table, KL_ESTIMATORS, where a fork adds its own.
 
 Per-token reward (Ziegler et al. 2019; Stiennon et al. 2020):
     r_t = -beta * kl_t                          for every response token
@@ -214,25 +214,27 @@ def score_on_last_token(score, mask):
 
 # -----------------------------------------------------------------------------
 # importance weights for the sampler-trainer mismatch: one function per mode, chosen by --is_correction
-# Each takes log_r (B, T) = old_logp - sampler_logp (0 off the mask), the mask, and the parameters, and returns
-# (w, cut): the weights and the tokens it truncated or zeroed, (B, T) each; is_weights cleans them off the mask.
+# Each takes log_r (B, T) = old_logp - sampler_logp (0 off the mask), the mask, and the Config (its is_* settings,
+# or a field of a fork's own), and returns (w, cut): the weights and the tokens it truncated or zeroed, (B, T) each;
+# is_weights cleans them off the mask.
 
 
-def _tis(log_r, mask, cap, band, seq_band):
+def _tis(log_r, mask, cfg):
     r = log_r.exp()
-    return r.clamp(max=cap), r > cap
+    return r.clamp(max=cfg.is_cap), r > cfg.is_cap
 
 
-def _icepop(log_r, mask, cap, band, seq_band):
-    r = log_r.exp()
-    keep = (r >= band[0]) & (r <= band[1])
+def _icepop(log_r, mask, cfg):
+    r, (lo, hi) = log_r.exp(), cfg.is_band
+    keep = (r >= lo) & (r <= hi)
     return torch.where(keep, r, 0.0), ~keep
 
 
-def _seq_mask(log_r, mask, cap, band, seq_band):
-    w, cut = _tis(log_r, mask, cap, band, seq_band)
+def _seq_mask(log_r, mask, cfg):
+    w, cut = _tis(log_r, mask, cfg)
     geo = (log_r.sum(-1) / mask.sum(-1).clamp(min=1)).exp()  # (B,) geometric mean of r over each response
-    keep = ((geo >= seq_band[0]) & (geo <= seq_band[1]))[:, None]  # (B, 1)
+    lo, hi = cfg.is_seq_band
+    keep = ((geo >= lo) & (geo <= hi))[:, None]  # (B, 1)
     return torch.where(keep, w, 0.0), cut | ~keep
 
 
@@ -240,14 +242,15 @@ IS_CORRECTIONS = {
     "tis": _tis,
     "icepop": _icepop,
     "seq_mask": _seq_mask,
-    "none": lambda log_r, mask, cap, band, seq_band: (torch.ones_like(log_r), torch.zeros_like(mask)),
+    "none": lambda log_r, mask, cfg: (torch.ones_like(log_r), torch.zeros_like(mask)),
 }
 
 
-def is_weights(old_logp, sampler_logp, mask, mode="tis", cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01)):
+def is_weights(old_logp, sampler_logp, mask, cfg):
     """-> (w, cut), (B, T) each: the detached weight on each response token's policy-gradient term
-    (IS_CORRECTIONS[mode] of r = exp(old_logp - sampler_logp)), and the tokens whose weight was truncated or
-    zeroed (val/is_clipfrac); w is 0 and cut False off the mask, whatever the inputs hold there (NaN included).
+    (IS_CORRECTIONS[cfg.is_correction] of r = exp(old_logp - sampler_logp)), and the tokens whose weight was
+    truncated or zeroed (val/is_clipfrac); w is 0 and cut False off the mask, whatever the inputs hold there (NaN
+    included). cfg: the run's Config (is_correction, is_cap, is_band, is_seq_band), or anything with those fields.
 
     A zeroed token (icepop outside its band, seq_mask's dropped responses) stays in the loss's denominator:
     the loss is sum_t w_t pg_t / (response tokens of the minibatch), the importance-sampling estimate of the
@@ -256,6 +259,7 @@ def is_weights(old_logp, sampler_logp, mask, mode="tis", cap=2.0, band=(0.5, 5.0
     fraction rejected: a minibatch with most of its tokens out of band, the one least like pi_old, would
     take a full-sized step on its few survivors. It also keeps the denominator what it is without the
     correction: known from the mask before any forward, and the same on any number of ranks or micro-batches."""
+    mode = cfg.is_correction
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"unknown importance-weight mode {mode!r}, expected one of {list(IS_CORRECTIONS)}")
     if old_logp.shape != sampler_logp.shape:
@@ -263,7 +267,7 @@ def is_weights(old_logp, sampler_logp, mask, mode="tis", cap=2.0, band=(0.5, 5.0
     mask = _check_mask(mask, old_logp.shape)
     dtype = _float_dtype(old_logp, sampler_logp)
     log_r = torch.where(mask, old_logp.detach().to(dtype) - sampler_logp.detach().to(dtype), 0.0)  # (B, T)
-    w, cut = IS_CORRECTIONS[mode](log_r, mask, cap, band, seq_band)
+    w, cut = IS_CORRECTIONS[mode](log_r, mask, cfg)
     return torch.where(mask, w, 0.0), cut & mask
 
 
@@ -406,10 +410,11 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_ranks=True):
 ADVANTAGE_ESTIMATORS = {}  # name -> estimator function (its .critic says whether it needs a critic)
 
 
-def advantage_estimator(name, critic=False):
-    """Decorator: registers an estimator under `name`, for --advantage_estimator=name."""
+def advantage_estimator(name, critic=False, groups=False):
+    """Decorator: registers an estimator under `name`, for --advantage_estimator=name. critic: it needs the critic's
+    values; groups: it compares a prompt's samples, so the run needs --samples_per_prompt >= 2 (ppo.derive)."""
     def register(fn):
-        fn.critic = critic
+        fn.critic, fn.groups = critic, groups
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
     return register
@@ -448,13 +453,13 @@ def gae_advantages(score, kl_reward, values, mask, cfg):
     return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), ret
 
 
-@advantage_estimator("grpo")
+@advantage_estimator("grpo", groups=True)
 def grpo_advantages(score, kl_reward, values, mask, cfg):
     s = grpo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
     return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
 
 
-@advantage_estimator("rloo")
+@advantage_estimator("rloo", groups=True)
 def rloo_advantages(score, kl_reward, values, mask, cfg):
     s = rloo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
     return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None

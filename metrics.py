@@ -17,7 +17,7 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
     (ret None) no value metric is logged; with --is_correction=none no importance-weight metric."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
-    w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)
+    w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg)
 
     seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
            **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))

@@ -59,6 +59,7 @@ import math
 
 import torch
 
+from data import check_reward_head
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
@@ -532,6 +533,14 @@ def _gib(b):
     return b / GiB
 
 
+def dry_run(cfg, run):
+    """python ppo.py --dry_run=N: the reward model's score head checked, the plan printed; -> dict(fits=...)."""
+    check_reward_head(cfg)
+    text, fits = report(cfg, run)
+    print(text)
+    return dict(fits=fits)
+
+
 def report(cfg, run):
     """-> (text, fits): the per-GPU plan for run.world GPUs of cfg.gpu_memory_gb GiB. Its last line reads
     `peak 61.3 GiB per GPU of 80: fits` (or `: does not fit`); fits means peak + reserve <= gpu_memory_gb."""
@@ -559,18 +568,16 @@ def report(cfg, run):
                  f"{run.infer_micro} and training {run.local_micro} rows at a time,")
     lines.append(f"{'':15}rows of {f['T']} tokens ({cfg.max_prompt_len} prompt + {cfg.max_new_tokens} response)")
     persistent = sum(b for _, b in p.persistent)
-    lines.append("persistent (in every phase)")
-    lines += [row(label, b) for label, b in p.persistent] + [row("total", persistent)]
+    lines += ["persistent (in every phase)", *(row(label, b) for label, b in p.persistent), row("total", persistent)]
     peaks = []
-    for phase in p.phases:
-        title, always, moments = phase
+    for title, always, moments in p.phases:
         lines.append(title)
         lines += [row(label, b) for label, b in always]
         for name, terms in moments:
             lines.append(f"  {name}:")
             lines += [row(label, b, indent=4) for label, b in terms]
         worst = max(moments, key=lambda m: sum(b for _, b in m[1]))[0]
-        peaks.append(p.peak(phase))
+        peaks.append(p.peak((title, always, moments)))
         lines.append(row(f"peak: persistent + {'the above + ' if always else ''}{worst}", peaks[-1]))
     peak = max(peaks)
     reserve = RESERVE_GIB * GiB + FRAGMENTATION * peak
@@ -582,7 +589,7 @@ def report(cfg, run):
         rpn = min(8, W)  # ranks per node: 8 GPUs a node, or all W
         lines.append(f"--offload_optimizer, per step and GPU: {_gib(f['h2d']):.2f} GiB host->device (the trained "
                      f"models' shards at every gather, {f['n_s']} scoring and {f['n_t']} training micro-batches,\n  "
-                     f"and the merged actor into the generation copy), {_gib(f['d2h']):.2f} GiB device->host (fp32 "
+                     f"and the actor's for the weight sync), {_gib(f['d2h']):.2f} GiB device->host (fp32 "
                      f"gradient shards after each backward);\n  pinned host memory {_gib(rpn * f['pinned']):.1f} GiB "
                      f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: "
                      f"{'actor and critic' if f['critic'] else 'actor'} shards, grads, AdamW states)")

@@ -51,7 +51,7 @@ import random
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from async_rollout import Rollouts
-from data import PromptSampler, check_reward_head, left_pad, load_inputs, micro_batches, minibatch_rows
+from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, masked_sum, shape_rewards)
@@ -69,7 +69,7 @@ from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
-from reward import REWARD_FNS, RewardCaller
+from reward import REWARD_FNS, RewardCaller, python_name
 from rollout import generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
                      print0, progress, run_command, setup_distributed)
@@ -230,8 +230,8 @@ def derive(cfg, rank, W, device):
     need(cfg.mini_batch_size % W == 0, f"--mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks")
     need(rows % cfg.mini_batch_size == 0, f"--rollout_batch_size x --samples_per_prompt = {rows} rows must be a "
                                           f"multiple of mini_batch_size {cfg.mini_batch_size}")
-    need(n >= 2 or cfg.advantage_estimator not in ("grpo", "rloo"), f"--advantage_estimator={cfg.advantage_estimator} "
-         "baselines a sample by its group: needs samples_per_prompt >= 2")
+    need(n >= 2 or not ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].groups, f"--advantage_estimator="
+         f"{cfg.advantage_estimator} baselines a sample by its group: needs samples_per_prompt >= 2")
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     need((cfg.mini_batch_size // W) % local_micro == 0,
          f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
@@ -364,7 +364,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     pg = torch.max(pg_losses, pg_losses2)
     if cfg.dual_clip > 0:
         pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
-    pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg.is_correction, cfg.is_cap, cfg.is_band, cfg.is_seq_band)[0]
+    pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg)[0]
     actor_tok = pg - cfg.entropy_coef * pol["entropy"]
     if cfg.kl_loss_coef > 0:
         actor_tok = actor_tok + cfg.kl_loss_coef * pol["kl"]
@@ -431,17 +431,16 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
 
 
 def main(cfg: Config, reward_fn=None):
-    """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn."""
+    """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn; the run records it
+    as cfg.reward_fn = "python:module.name", so that a resume without it (or with another) is refused by name."""
+    need(not (reward_fn and cfg.reward_model), "main(cfg, reward_fn=...) and --reward_model both give the reward")
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         import plan
 
-        run = derive(cfg, 0, cfg.dry_run, torch.device("cuda"))  # sizes as on a GPU
-        check_reward_head(cfg)
-        text, fits = plan.report(cfg, run)
-        print(text)
-        return dict(fits=fits)
+        return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
+    cfg = replace(cfg, reward_fn=python_name(reward_fn)) if reward_fn else cfg  # what the saved config records
     with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
         tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
         evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None

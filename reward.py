@@ -3,7 +3,8 @@ Reward functions: (prompt record, response text) -> one float score, for runs wi
 
 The record is the prompt's whole JSONL object, so a reward that checks a reference answer reads
 record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REWARD_FNS) or any callable from
-Python: main(cfg, reward_fn=f). A reward model, when given (--reward_model), replaces the function. ppo.py calls
+Python: main(cfg, reward_fn=f), recorded in the run's config as python:module.name (python_name), so that a resume
+must pass it again. A reward model, when given (--reward_model), replaces the function. ppo.py calls
 each through call_reward, which refuses anything but one number, naming the function and what it returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
@@ -43,6 +44,12 @@ def sentiment_reward(record, response):
 
 
 REWARD_FNS = {"sentiment": sentiment_reward}
+
+
+def python_name(fn):
+    """How a run records a reward function passed from Python (ppo.main(cfg, reward_fn=fn)) in its config:
+    "python:module.qualname", which a resume must give again."""
+    return f"python:{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', None) or type(fn).__name__}"
 
 
 # -----------------------------------------------------------------------------

@@ -49,7 +49,7 @@ import lora
 import runtime
 import model as M
 import plan
-from data import PromptSampler, check_jsonl, left_pad, load_prompts, load_sft
+from data import PromptSampler, check_jsonl, check_reward_head, left_pad, load_prompts, load_sft
 from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_gae_reference, final_score, kl_estimate,
                  masked_mean, masked_sum, masked_var, masked_whiten, random_prefix_mask, shape_rewards)
 from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_kl,
@@ -4442,6 +4442,11 @@ def test_kl_estimators_against_float64():
 # ---- importance weights for the sampler-trainer mismatch ---------------------------------------
 
 
+def is_cfg(mode="tis", cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01)):
+    """The Config fields gae.is_weights reads (the defaults: ppo.Config's)."""
+    return types.SimpleNamespace(is_correction=mode, is_cap=cap, is_band=band, is_seq_band=seq_band)
+
+
 def test_is_weights_hand_computed():
     # r = exp(old_logp - sampler_logp) set per token; masked slots hold NaN and inf, which must reach nothing.
     #   row 0: r = 2.5, 0.4, 1.0     geometric mean 1.0: seq_mask keeps it
@@ -4464,21 +4469,21 @@ def test_is_weights_hand_computed():
     }
     assert set(want) == set(gae.IS_CORRECTIONS)
     for mode, (w_want, cut_want) in want.items():
-        w, cut = gae.is_weights(old_logp, sampler_logp, mask, mode, cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01))
+        w, cut = gae.is_weights(old_logp, sampler_logp, mask, is_cfg(mode))
         torch.testing.assert_close(w, torch.tensor(w_want), rtol=1e-6, atol=0, msg=mode)
         assert cut.dtype == torch.bool and cut.tolist() == torch.tensor(cut_want, dtype=torch.bool).tolist(), mode
     # a band's edges are inside it (r = 1 exactly where old_logp == sampler_logp); a wider sequence band keeps
     # row 1; no gradient flows into the weights
-    w, cut = gae.is_weights(old_logp, sampler_logp, mask, "icepop", band=(1.0, 1.0))
+    w, cut = gae.is_weights(old_logp, sampler_logp, mask, is_cfg("icepop", band=(1.0, 1.0)))
     assert w.tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1]] and cut.sum() == 5
-    w, _ = gae.is_weights(old_logp, sampler_logp, mask, "seq_mask", seq_band=(0.9, 1.05))
+    w, _ = gae.is_weights(old_logp, sampler_logp, mask, is_cfg("seq_mask", seq_band=(0.9, 1.05)))
     assert w[1, :2].tolist() == pytest.approx([1.1, 1.0], rel=1e-6) and (w[2] == 0).all()
     logp = old_logp.clone().requires_grad_()
-    assert not gae.is_weights(logp, sampler_logp, mask)[0].requires_grad
+    assert not gae.is_weights(logp, sampler_logp, mask, is_cfg())[0].requires_grad
     with pytest.raises(ValueError, match="unknown importance-weight mode 'is'"):
-        gae.is_weights(old_logp, sampler_logp, mask, "is")
+        gae.is_weights(old_logp, sampler_logp, mask, is_cfg("is"))
     with pytest.raises(ValueError, match=r"sampler_logp \(3, 3\) differ in shape"):
-        gae.is_weights(old_logp, sampler_logp[:, :3], mask)
+        gae.is_weights(old_logp, sampler_logp[:, :3], mask, is_cfg())
 
 
 # ---- shaped rewards ---------------------------------------------------------
@@ -5799,6 +5804,50 @@ def sign_advantages(score, kl_reward, values, mask, cfg):
     assert m["policy/approxkl_avg"] > 0 and not any(k in m for k in CRITIC_METRICS)
 
 
+def test_a_group_estimator_of_a_fork_is_refused_without_groups():
+    # the check that a group baseline has groups reads the estimator's registration, not a list of the built-in names
+    import gae
+    import ppo
+
+    @gae.advantage_estimator("median_of_group", groups=True)
+    def median_advantages(score, kl_reward, values, mask, cfg):
+        s = score.view(-1, cfg.samples_per_prompt)
+        return torch.where(mask, (s - s.median(1, keepdim=True).values).flatten()[:, None], 0.0), None
+
+    try:
+        with pytest.raises(UsageError, match="--advantage_estimator=median_of_group baselines a sample by its group"):
+            ppo.derive(ppo.Config(advantage_estimator="median_of_group"), 0, 1, torch.device("cpu"))
+        ppo.derive(ppo.Config(advantage_estimator="median_of_group", samples_per_prompt=2), 0, 1, torch.device("cpu"))
+    finally:
+        del gae.ADVANTAGE_ESTIMATORS["median_of_group"]
+    assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "rloo"]
+
+
+@slow
+def test_a_reward_function_from_python_is_recorded_and_needed_on_resume(tiny_run, tmp_path):
+    # ppo.main(cfg, reward_fn=f) records f in the config the run saves, as cfg.reward_fn = "python:module.name" (it
+    # said "sentiment", the default f replaced, and `python ppo.py --resume=auto` then continued the run scoring
+    # with the sentiment reward); a resume without f is refused by name, one with f continues
+    import ppo
+
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 1}
+    setup = "def length_reward(record, response):\n    return float(len(response))\n"
+    p = run_script(ppo_script(args, setup, reward_fn="length_reward"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    saved = json.loads((out / "checkpoints" / "step-000001" / "config.json").read_text())
+    assert saved["reward_fn"] == "python:__main__.length_reward"
+    p, _ = run_ppo(tiny_run, out, total_steps=2, resume="auto", check=False)
+    assert p.returncode == 2 and "'reward_fn': ('python:__main__.length_reward', 'sentiment')" in p.stderr, p.stderr
+    assert "ppo.main(cfg, reward_fn=f)" in p.stderr and len(read_metrics(out)) == 1
+    p = run_script(ppo_script({**args, "total_steps": 2, "resume": "auto"}, setup, reward_fn="length_reward"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    with pytest.raises(UsageError, match=r"main\(cfg, reward_fn=...\) and --reward_model both give the reward"):
+        ppo.main(ppo.Config(reward_model=tiny_run["policy"]), reward_fn=len)
+
+
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -6409,7 +6458,7 @@ def test_reward_model_without_a_score_head_is_refused(tiny_run, group, tmp_path)
         ppo.load_inputs(cfg)
     with pytest.raises(UsageError, match=match):
         ppo.main(dataclasses.replace(cfg, dry_run=1))
-    ppo.check_reward_head(dataclasses.replace(cfg, reward_model=make_reward_model(tmp_path / "rm")))  # a trained head
+    check_reward_head(dataclasses.replace(cfg, reward_model=make_reward_model(tmp_path / "rm")))  # a trained head
     asked = dataclasses.replace(cfg, reward_model_random_head=True)
     ppo.load_inputs(asked)
     run = ppo.derive(asked, 0, 1, torch.device("cpu"))
