@@ -296,17 +296,24 @@ class StopSignal:
     """SIGTERM / SIGINT (what a cluster sends before preemption) only set a flag: the step in flight
     finishes, then every rank checkpoints at the same step and exits. A second signal stops the process at
     once (a step that hangs, in a reward function say): the last complete checkpoint stays as it was, and
-    what the interrupted write left is removed at the next start."""
+    what the interrupted write left is removed at the next start. A signal within SAME_REQUEST_S of the first
+    is the same request arriving twice: a scheduler's scancel signals torchrun and its workers, and torchrun
+    passes it on; Ctrl-C in a terminal reaches the workers and torchrun, which sends them SIGTERM."""
+    SAME_REQUEST_S = 2.0
 
     def __init__(self):
-        self.received = []
+        self.received, self.first = [], None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self.first is not None and now - self.first < self.SAME_REQUEST_S:
+            return
         self.received.append(signum)
         if len(self.received) == 1:  # os.write: print() may be in the middle of a write this handler interrupted
-            os.write(2, f"signal {signum}: stopping after the step in flight, with a checkpoint; send it again "
-                        "to stop at once\n".encode())
+            self.first = now
+            os.write(2, f"signal {signum}: stopping after the step in flight, with a checkpoint, once every rank "
+                        f"ends it; send it again ({self.SAME_REQUEST_S:g} s or more later) to stop at once\n".encode())
         else:
             os.write(2, f"signal {signum} again: stopping now; the last complete checkpoint is kept\n".encode())
             os._exit(128 + signum)
