@@ -300,7 +300,8 @@ def _claim(out_dir, resume, overwrite, ckpt):
         else:
             raise FolderInUse(f"--out_dir={out_dir} is in use by another run: PID {holder.get('pid')} on host "
                               f"{holder.get('host')}, since {holder.get('since')} ({lock}); wait for it or stop it, "
-                              "or use another --out_dir")
+                              "or use another --out_dir (a run on another host is not checked from here: if that "
+                              "host went down with the run, delete the lock)")
     used = _holds_a_run(out_dir) if os.path.isdir(out_dir) else ""
     own = ckpt is not None and (os.path.realpath(os.path.dirname(os.path.normpath(ckpt)))
                                 == os.path.realpath(os.path.join(out_dir, "checkpoints")))

@@ -509,7 +509,7 @@ def main(cfg: Config, reward_fn=None):
                 scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
                 sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
-                raise FloatingPointError(f"step {step}: the reward gave non-finite scores: {sc['score'].tolist()}")
+                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: {sc['score'].tolist()}")
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
             score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used

@@ -14,6 +14,7 @@ val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
+import math
 import numbers
 import re
 import threading
@@ -65,8 +66,8 @@ class RewardCaller:
     Python cannot stop a thread, so a given-up call runs on in its (daemon) thread, its result dropped, and a fresh
     thread takes its place in the pool. The scores come back in the order of the responses whatever order the calls
     end in: for a function of its arguments alone, the workers change the time and nothing else.
-    A call that raised or timed out is scored on_error and counted; with on_error None it stops the run, naming
-    the function, the response and the error. A call that returns something other than a real number is a
+    A call that raised, timed out or returned NaN or inf is scored on_error and counted; with on_error None it
+    stops the run, naming the function, the response and the error. A call that returns something other than a real number is a
     TypeError whatever on_error says: that is a bug of the function, not a flaky verifier."""
 
     def __init__(self, fn, workers=1, timeout=0.0, on_error=None):
@@ -87,6 +88,9 @@ class RewardCaller:
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
         scores, errors = [], 0
         for i, (ok, value) in enumerate(results):
+            if ok and (isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0) \
+                    and not math.isfinite(float(value)):  # NaN or inf: a failed call, named, or scored on_error
+                ok, value = False, FloatingPointError(f"returned {float(value)}")
             if not ok and self.on_error is None:
                 raise RuntimeError(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): "
                                    f"{value!r}; --reward_on_error=X scores such responses X instead") from value

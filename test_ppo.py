@@ -4857,6 +4857,14 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         with pytest.raises(TypeError, match=r"reward function .*<lambda> returned " + re.escape(shown) +
                                             r" for response 0 \('x'\); it must return a float"):
             RewardCaller(lambda r, t: bad, 2, on_error=0.0)([{}], ["x"])
+    # NaN or inf is a failed call: named (with the response), or scored on_error and counted
+    def nan_on_bad(record, response):
+        return float("nan") if response == "bad" else float("-inf") if response == "worse" else 1.0
+
+    with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\): FloatingPointError\('returned "
+                                           r"nan'\); --reward_on_error"):
+        RewardCaller(nan_on_bad)([{}] * 2, ["ok", "bad"])
+    assert RewardCaller(nan_on_bad, 2, on_error=0.0)([{}] * 3, ["bad", "ok", "worse"]) == ([0.0, 1.0, 0.0], 2)
     with pytest.raises(ValueError, match="reward_workers must be an int >= 1, not 0"):
         RewardCaller(flaky, workers=0)
     with pytest.raises(ValueError, match="reward_timeout must be >= 0"):
@@ -6885,8 +6893,8 @@ def test_rng_state_holds_this_ranks_gpu_alone(monkeypatch):
 
 
 def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
-    # as in training: a NaN score from the reward stops the run with the prompt named (statistics.stdev raised an
-    # AttributeError about 'numerator' before)
+    # as in training: a NaN score from the reward stops the run with the response named (statistics.stdev raised an
+    # AttributeError about 'numerator' before); a reward model's NaN is named by evaluate, with the prompt
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
             "total_steps": 1, "eval_prompts": tiny_run["eval_prompts"]}
     setup = f"""
@@ -6895,6 +6903,18 @@ def nan_on_one(record, response):
     return math.nan if record.get("prompt") == {TINY_EVAL_PROMPTS[1]!r} else 0.5
 """
     p = run_script(ppo_script(args, setup, reward_fn="nan_on_one"))
+    assert p.returncode != 0 and "RuntimeError: reward function nan_on_one failed on response 1 (" in p.stderr \
+        and "FloatingPointError('returned nan'); --reward_on_error" in p.stderr, p.stderr[-2000:]
+    setup = f"""
+import math
+import reward
+call = reward.RewardCaller.__call__
+def nan_on_one(self, records, responses):  # scores as a reward model's NaN reaches evaluate
+    scores, errors = call(self, records, responses)
+    return [math.nan if r.get("prompt") == {TINY_EVAL_PROMPTS[1]!r} else x for r, x in zip(records, scores)], errors
+reward.RewardCaller.__call__ = nan_on_one
+"""
+    p = run_script(ppo_script({**args, "out_dir": str(tmp_path / "run2")}, setup))
     assert p.returncode != 0 and "FloatingPointError: eval after step 0: the reward gave non-finite scores to 1 of the " \
         f"{len(TINY_EVAL_PROMPTS)} prompts of {tiny_run['eval_prompts']} ([nan])" in p.stderr, p.stderr[-2000:]
     assert TINY_EVAL_PROMPTS[1] in p.stderr.splitlines()[-1]
