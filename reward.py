@@ -16,6 +16,7 @@ val/reward_errors).
 """
 import math
 import numbers
+import os
 import re
 import threading
 import time
@@ -67,8 +68,10 @@ class RewardCaller:
     thread takes its place in the pool. The scores come back in the order of the responses whatever order the calls
     end in: for a function of its arguments alone, the workers change the time and nothing else.
     A call that raised, timed out or returned NaN or inf is scored on_error and counted; with on_error None it
-    stops the run, naming the function, the response and the error. A call that returns something other than a real number is a
-    TypeError whatever on_error says: that is a bug of the function, not a flaky verifier."""
+    stops the run, naming the function, the response and the error. A call that returns something other than a
+    real number is a TypeError whatever on_error says: that is a bug of the function, not a flaky verifier."""
+
+    SLOW_S = 60.0  # without a timeout, a call running this long is reported (once)
 
     def __init__(self, fn, workers=1, timeout=0.0, on_error=None):
         if not callable(fn):
@@ -80,6 +83,7 @@ class RewardCaller:
         self.fn, self.workers, self.timeout, self.on_error = fn, workers, float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
+        self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
 
     def __call__(self, records, responses):
         calls = list(zip(records, responses))
@@ -110,11 +114,35 @@ class RewardCaller:
         return scores, errors
 
     def _call(self, record, response):
-        """(True, what fn returned) or (False, the exception it raised)."""
+        """(True, what fn returned) or (False, the exception it raised). Without a timeout, a call still running
+        after SLOW_S seconds is reported once (_watch)."""
+        key = object()
+        self.running[key] = (time.monotonic(), response)
+        if not self.timeout and self.watcher is None:
+            self.watcher = threading.Thread(target=self._watch, name=f"reward-watch-{self.name}", daemon=True)
+            self.watcher.start()
         try:
             return True, self.fn(record, response)
         except Exception as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised
             return False, e
+        finally:
+            del self.running[key]
+
+    def _watch(self):
+        """A daemon thread: names a call that runs past SLOW_S with no timeout to end it. On several ranks the
+        others wait for this one in their next collective, until the process group's timeout (30 minutes) ends
+        the job and names one of them."""
+        reported = set()
+        while True:
+            time.sleep(self.SLOW_S / 4)
+            now, rank = time.monotonic(), os.environ.get("RANK")
+            for key, (t0, response) in list(self.running.items()):
+                if now - t0 >= self.SLOW_S and key not in reported:
+                    reported.add(key)
+                    print(f"{f'rank {rank}: ' if rank else ''}reward function {self.name} has run {now - t0:.0f} s on "
+                          f"a response ({response!r:.80}) and is waited for; --reward_timeout gives up such calls",
+                          flush=True)
+            reported &= set(self.running)  # the calls that ended
 
     def _threads(self, calls):
         """The calls' results in the pool of threads, each (True, value) or (False, exception)."""

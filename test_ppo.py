@@ -4857,6 +4857,13 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         with pytest.raises(TypeError, match=r"reward function .*<lambda> returned " + re.escape(shown) +
                                             r" for response 0 \('x'\); it must return a float"):
             RewardCaller(lambda r, t: bad, 2, on_error=0.0)([{}], ["x"])
+    # without a timeout, a call that runs long is named once, while it runs (on N ranks the others wait for it)
+    slow = RewardCaller(lambda r, t: time.sleep(0.8) or 1.0)
+    slow.SLOW_S = 0.2
+    capsys.readouterr()
+    assert slow([{}] * 2, ["zzz", "yyy"]) == ([1.0, 1.0], 0)
+    said = capsys.readouterr().out
+    assert said.count("has run") == 2 and "s on a response ('zzz') and is waited for; --reward_timeout" in said, said
     # NaN or inf is a failed call: named (with the response), or scored on_error and counted
     def nan_on_bad(record, response):
         return float("nan") if response == "bad" else float("-inf") if response == "worse" else 1.0
