@@ -5,7 +5,7 @@ The record is the prompt's whole JSONL object, so a reward that checks a referen
 record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REWARD_FNS) or any callable from
 Python: main(cfg, reward_fn=f), recorded in the run's config as python:module.name (python_name), so that a resume
 must pass it again. A reward model, when given (--reward_model), replaces the function. ppo.py calls
-each through call_reward, which refuses anything but one number, naming the function and what it returned.
+each through RewardCaller, which refuses anything but one number, naming the function and what it returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
 verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised or timed out is
