@@ -79,6 +79,17 @@ def _read_jsonl(path):
         raise UsageError(f"{path}: no prompts found (the file is empty or only blank lines)")
 
 
+def _utf8(text, where, what):
+    """text, which JSON may hold with an unpaired surrogate ("\\ud800": half of an emoji cut off), which no tokenizer
+    encodes: refused here, named, rather than by the batched tokenizer call without a line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: {what} holds an unpaired surrogate ({text[e.start]!r} at character {e.start}), "
+                         "which is no UTF-8 text: half of a character cut off?") from None
+    return text
+
+
 def _messages_from(obj, where, prompt_key, messages_key):
     """The line as a chat list, checking types; a `prompt` string becomes one user message."""
     if prompt_key in obj and messages_key in obj:
@@ -87,7 +98,7 @@ def _messages_from(obj, where, prompt_key, messages_key):
         prompt = obj[prompt_key]
         if not isinstance(prompt, str) or not prompt.strip():
             raise UsageError(f"{where}: '{prompt_key}' must be a non-empty string, got {prompt!r:.60}")
-        return [{"role": "user", "content": prompt}]
+        return [{"role": "user", "content": _utf8(prompt, where, f"'{prompt_key}'")}]
     if messages_key in obj:
         msgs = obj[messages_key]
         if not isinstance(msgs, list) or not msgs:
@@ -96,17 +107,22 @@ def _messages_from(obj, where, prompt_key, messages_key):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise UsageError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
                                  f"got {m!r:.60}")
+            _utf8(m["content"], where, f"'{messages_key}'[{i}]")
         return msgs
     raise UsageError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
 
 
 def _render(tokenizer, msgs, is_prompt_string):
-    """Chat list -> prompt text, ready to be followed by the model's answer."""
+    """Chat list -> prompt text, ready to be followed by the model's answer. A list that ends with an assistant turn
+    is a prefill: the answer continues it (transformers' continue_final_message, as TRL does), rather than opening
+    a second, empty assistant turn after it."""
+    prefill = msgs[-1]["role"] == "assistant"
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill)
     if is_prompt_string:
         return msgs[0]["content"]
-    return "\n".join(f"{m['role']}: {m['content']}" for m in msgs) + "\nassistant:"
+    return "\n".join(f"{m['role']}: {m['content']}" for m in msgs) + ("" if prefill else "\nassistant:")
 
 
 def _tokenize(tokenizer, texts):
@@ -128,7 +144,7 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
             extra = obj.get(extra_key)
             if not isinstance(extra, str) or not extra.strip():
                 raise UsageError(f"{where}: '{extra_key}' must be a non-empty string, got {extra!r:.60}")
-            extras.append(extra)
+            extras.append(_utf8(extra, where, f"'{extra_key}'"))
         records.append(obj)
         linenos.append(lineno)
         if tokenizer is not None:

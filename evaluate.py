@@ -42,7 +42,7 @@ from gae import kl_estimate, masked_sum
 from rollout import eval_seeds, generate
 from runtime import UsageError, all_sum, print0, progress
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))  # realpath: the key is compared with realpath(--prompts)
 SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
 
 

@@ -2047,10 +2047,40 @@ def test_prompt_and_messages_with_chat_template(tok, tmp_path):
 
 def test_without_chat_template(tok_plain, tmp_path):
     msgs = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hi"}]
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "describe my day."}, {"messages": msgs}])
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a good"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "describe my day."}, {"messages": msgs}, {"messages": prefill}])
     ps = load_prompts(path, tok_plain, max_prompt_len=100)
-    assert ps.texts == ["describe my day.", "system: be brief.\nuser: hi\nassistant:"]
-    assert ps.ids == [ids_of("describe my day."), ids_of("system: be brief. user: hi assistant:")]
+    assert ps.texts == ["describe my day.", "system: be brief.\nuser: hi\nassistant:", "user: hi\nassistant: a good"]
+    assert ps.ids[:2] == [ids_of("describe my day."), ids_of("system: be brief. user: hi assistant:")]
+
+
+def test_a_final_assistant_turn_is_continued(tok, tmp_path):
+    # messages ending with an assistant turn are a prefill that the answer continues (continue_final_message, as
+    # TRL renders them), not followed by a second, empty assistant header
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a good"}]
+    ps = load_prompts(write_jsonl(tmp_path / "p.jsonl", [{"messages": prefill}]), tok, max_prompt_len=100)
+    assert ps.texts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\na good"]
+    assert ps.texts[0] == tok.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+
+
+def test_an_unpaired_surrogate_is_named_with_its_line(tok, tmp_path):
+    # "\ud800" is valid JSON (what JSON.stringify writes for an emoji cut in half) but no UTF-8 text: the batched
+    # tokenizer call raised a TypeError naming no line; now the quick check names it, in any field the tokenizer reads
+    lines = ['{"prompt": "hi"}', '{"prompt": "cut \\ud83d here"}']
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    for load in (lambda: check_jsonl(str(path)), lambda: load_prompts(str(path), tok, 100)):
+        with pytest.raises(UsageError, match=re.escape(f"{path}:2: 'prompt' holds an unpaired surrogate ('\\ud83d' at "
+                                                       "character 4)")):
+            load()
+    chat = tmp_path / "c.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\\udc00"}]}\n')
+    with pytest.raises(UsageError, match=r"c.jsonl:1: 'messages'\[1\] holds an unpaired surrogate"):
+        check_jsonl(str(chat))
+    sft = tmp_path / "s.jsonl"
+    sft.write_text('{"prompt": "ok", "response": "fine \\ud800"}\n')
+    with pytest.raises(UsageError, match=r"s.jsonl:1: 'response' holds an unpaired surrogate"):
+        check_jsonl(str(sft), extra_key="response")
 
 
 def test_custom_keys(tok, tmp_path):
