@@ -392,8 +392,17 @@ def load_inputs(cfg):
     ctx = actor.max_position_embeddings
     need(cfg.max_prompt_len + cfg.max_new_tokens <= ctx, f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens "
          f"{cfg.max_new_tokens} does not fit the context of {cfg.model} ({ctx} positions)")
+
+    def within_window(name, c):  # sliding attention over the last w tokens: on up to w tokens, full attention
+        w = c.sliding_window
+        need(w is None or cfg.max_prompt_len + cfg.max_new_tokens <= w, f"--max_prompt_len {cfg.max_prompt_len} + "
+             f"--max_new_tokens {cfg.max_new_tokens} exceeds the sliding attention window of --{name} "
+             f"{getattr(cfg, name)} ({w} tokens), past which model.py does not implement it")
+
+    within_window("model", actor)
     if cfg.reward_model:
         rm = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta").config
+        within_window("reward_model", rm)
         flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
         need(rm.vocab_size >= actor.vocab_size, f"--reward_model: {cfg.reward_model} has {rm.vocab_size} token "
              f"embeddings, fewer than the {actor.vocab_size} of the policy {cfg.model}, which may sample any of them")

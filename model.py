@@ -643,7 +643,7 @@ class Transformer(nn.Module):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         q_slots = cache_pos if cache_pos is not None else torch.arange(T, device=idx.device)
         w = self.config.sliding_window
-        if w is not None and (q_slots.max().item() if cache_pos is None else attention_mask.size(1)) >= w:
+        if w is not None and (q_slots.max().item() + 1 if cache_pos is None else attention_mask.size(1)) > w:
             raise ValueError(f"sequence longer than the sliding window ({w}) is not supported")
         # the mask is built once per forward and shared by every layer
         impl = self.attn_impl or default_attn_impl(idx.device, self.config.head_dim)

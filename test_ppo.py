@@ -703,6 +703,26 @@ def tiny(tmp_path, family, gqa=True):
     return Transformer.from_pretrained(str(tmp_path)).eval()
 
 
+def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path):
+    # Mistral's sliding_window w: a token attends to the last w tokens, so sequences of up to w tokens (a cache of w
+    # slots) are full causal attention, which model.py computes; one token more is refused. Decoding with a mask
+    # over the whole cache of w slots, as the compiled decode does, was refused before (the cache's width taken as
+    # a sequence longer than the window)
+    make_checkpoint(tmp_path, "mistral", sliding_window=64)
+    model = Transformer.from_pretrained(str(tmp_path)).eval()
+    free = Transformer.from_pretrained(str(tmp_path)).eval()
+    free.config.sliding_window = None
+    idx, mask, pos = ragged_batch([40, 23], 64)
+    with torch.no_grad():
+        a = prefill_decode(model, "sdpa", idx, mask, pos, 40, 64, whole_cache=True)
+        b = prefill_decode(free, "sdpa", idx, mask, pos, 40, 64, whole_cache=True)
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        model(torch.randint(3, V, (1, 64)))
+        with pytest.raises(ValueError, match=r"sequence longer than the sliding window \(64\)"):
+            model(torch.randint(3, V, (1, 65)))
+
+
 def run(model, impl, *args, **kw):
     model.attn_impl = impl
     try:
@@ -6622,6 +6642,10 @@ def bad_input_files(tiny_run, root):
     gguf = write_gguf(root / "whole.gguf")
     files["cut_gguf"].write_bytes(open(gguf, "rb").read()[: os.path.getsize(gguf) // 2])
     files["rwkv_gguf"] = write_gguf(root / "rwkv6.gguf", arch="rwkv6")  # an architecture transformers cannot read
+    files["sliding"] = root / "sliding"  # attention over the last 8 tokens only
+    shutil.copytree(tiny_run["policy"], files["sliding"])
+    config = json.loads((files["sliding"] / "config.json").read_text())
+    (files["sliding"] / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
     # a hand-edited generation_config.json, a cut tokenizer.json, weights saved without their tokenizer
     for name, edit in (("bad_genconfig", "generation_config.json"), ("cut_tokenizer", "tokenizer.json"),
                        ("no_tokenizer", None), ("no_model_type", "config.json"), ("gpt2", "config.json")):
@@ -6693,6 +6717,8 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(model=f["cut_gguf"]), f"--model: {f['cut_gguf']}: truncated"),
         (dict(model=f["rwkv_gguf"]), f"--model: {f['rwkv_gguf']}: general.architecture 'rwkv6', an architecture this "
                                      "code does not implement (it implements llama, mistral, qwen2, qwen3)"),
+        (dict(tiny, model=f["sliding"]), "--max_prompt_len 64 + --max_new_tokens 24 exceeds the sliding attention "
+                                         f"window of --model {f['sliding']} (8 tokens)"),
         (dict(tiny, reward_model=f["gpt2"]), f"--reward_model: {f['gpt2']}/config.json: model_type 'gpt2', an "
                                              "architecture this code does not implement"),
         (dict(model="no-such-org/no-such-model"), "--model: 'no-such-org/no-such-model' is no local folder or file, "
