@@ -572,6 +572,7 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         raise ValueError("saving needs the transformers config the model was loaded with")
     dtype = dtype or model.config.checkpoint_dtype or torch.float32
     hf = model.hf_config.__class__.from_dict(model.hf_config.to_dict())
+    source = getattr(model.hf_config, "_name_or_path", None)  # the checkpoint read: its generation defaults
     hf.architectures = [_arch_name(hf.model_type, model.head)]
     hf.dtype = dtype
     for k in ("quantization_config", "_name_or_path"):
@@ -614,7 +615,7 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         hf.save_pretrained(tmp)
         if model.head != "value":
-            _generation_config(hf, tokenizer, stop_ids, pad_id).save_pretrained(tmp)
+            _generation_config(hf, tokenizer, stop_ids, pad_id, source).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -718,15 +719,28 @@ def write_peft_adapter(model, folder, base_model, master=True):
                 f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _generation_config(hf, tokenizer, stop_ids, pad_id):
-    """The transformers GenerationConfig of an export (write_pretrained): bos, eos and pad ids, nothing else."""
+def _generation_config(hf, tokenizer, stop_ids, pad_id, source=None):
+    """The transformers GenerationConfig of an export (write_pretrained): the source checkpoint's own (its
+    generation_config.json: a folder's, or a Hub id's in the local cache), whose sampling defaults (temperature,
+    top_p, repetition_penalty, ...) a server or generate() reads, with the run's bos, eos and pad ids."""
     from transformers import GenerationConfig
 
-    bos = getattr(hf, "bos_token_id", None)
-    bos = bos if bos is not None else getattr(tokenizer, "bos_token_id", None)
-    eos = getattr(hf, "eos_token_id", None) if stop_ids is None else [int(i) for i in stop_ids]
-    pad = getattr(hf, "pad_token_id", None) if pad_id is None else int(pad_id)
-    return GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    file = None
+    if source and os.path.isdir(source):
+        file = os.path.join(source, "generation_config.json")
+    elif source and source.count("/") == 1 and not source.startswith(("/", ".", "~")):  # a Hub id: the cache only
+        from huggingface_hub import try_to_load_from_cache
+
+        file = try_to_load_from_cache(source, "generation_config.json")
+    gen = GenerationConfig.from_pretrained(os.path.dirname(file)) if isinstance(file, str) and os.path.isfile(file) \
+        else GenerationConfig()
+    for key, run_value in (("bos_token_id", None), ("eos_token_id", stop_ids), ("pad_token_id", pad_id)):
+        if run_value is not None:  # the run's stop ids and pad id
+            setattr(gen, key, [int(i) for i in run_value] if key == "eos_token_id" else int(run_value))
+        elif getattr(gen, key, None) is None:  # nor in the source's file: the config's (as transformers derives it)
+            value = getattr(hf, key, None)
+            setattr(gen, key, value if value is not None else getattr(tokenizer, key, None))
+    return gen
 
 
 @torch.no_grad()
@@ -736,13 +750,15 @@ def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size
     at a time, rank 0 writes each file once it is complete and renames the folder into place
     (write_pretrained). An actor with LoRA adapters is written merged there, and its adapters alone in PEFT's
     format to `folder`-lora (write_peft_adapter; base_model: the checkpoint trained from, else the folder its
-    config was read from). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
+    config was read from; a local one, or the embedded model's .gguf file, as an absolute path). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
     dtype = actor.config.checkpoint_dtype or torch.float32
     check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
                 * dtype.itemsize / dist.get_world_size(), "the HF export")
     write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0,
                      stop_ids=stop_ids, pad_id=pad_id)
     if getattr(actor, "lora", None) is not None:
-        base_model = base_model or getattr(actor.hf_config, "_name_or_path", None)
+        base_model = resolve(base_model or getattr(actor.hf_config, "_name_or_path", None))
+        if os.path.exists(base_model):  # a local folder or .gguf file (the embedded model's): from anywhere
+            base_model = os.path.abspath(base_model)
         write_peft_adapter(actor, os.fspath(folder).rstrip(os.sep) + "-lora", base_model, master=dist.get_rank() == 0)
     dist.barrier()  # no rank goes on (or reads the export) before rank 0 has renamed it into place

@@ -1522,6 +1522,9 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     # the run stops at any of several ids (Llama-3: <|eot_id|> and the config's <|end_of_text|>); the export's
     # generation_config.json lists them all, so transformers' generate stops where the run did
     make_checkpoint(tmp_path / "src", "llama3.1")  # config: bos 1, eos 2, pad 0
+    defaults = dict(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 9], pad_token_id=0, **defaults).save_pretrained(
+        tmp_path / "src")  # the source's sampling defaults, which a server reads from the export
     model = perturbed(Transformer.from_pretrained(str(tmp_path / "src"))).eval()
     prompt, N = [5, 17, 42, 8], 12
     ours = generate(model, [prompt], N, temperature=0).tokens[0, len(prompt):].tolist()  # greedy, no stop
@@ -1531,7 +1534,9 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     H.write_pretrained(model, tmp_path / "out", make_tiny_tokenizer(tmp_path / "tok"), stop_ids=stop, pad_id=pad)
     gen = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
     assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (stop, pad, 1)
-    model.save_pretrained(tmp_path / "plain")  # no ids given: the config's own, as transformers derives them
+    assert all(getattr(gen, k) == v for k, v in defaults.items())
+    (tmp_path / "src" / "generation_config.json").unlink()
+    model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
     assert (plain.eos_token_id, plain.pad_token_id, plain.bos_token_id) == (2, 0, 1)
     x = torch.tensor([prompt])
@@ -1840,7 +1845,7 @@ def test_peft_loads_our_adapter_with_our_logits(tmp_path):
         assert (ours - plain).abs()[real].max() > 0.1
 
 
-def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group):
+def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group, monkeypatch):
     # FSDP2 on a group of one: save_hf writes out/actor (merged) and out/actor-lora (PEFT); the run folder
     # check names both
     from torch.distributed.device_mesh import init_device_mesh
@@ -1857,6 +1862,10 @@ def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group):
     H.save_hf(actor, None, str(out / "actor") + os.sep, base_model="org/base-model")
     with open(out / "actor-lora" / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == "org/base-model"
+    monkeypatch.chdir(tmp_path)  # a relative local path is recorded absolute
+    H.save_hf(actor, None, str(out / "actor"), base_model="src")
+    with open(out / "actor-lora" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == str(tmp_path / "src")
     assert "an exported actor-lora/" in C._holds_a_run(str(out))
     H.save_hf(C.shard(Transformer.from_pretrained(str(tmp_path / "src")), init_device_mesh("cpu", (1,)),
                       torch.float32), None, str(tmp_path / "full" / "actor"))
