@@ -2083,6 +2083,20 @@ def test_without_chat_template(tok_plain, tmp_path):
     assert ps.ids[:2] == [ids_of("describe my day."), ids_of("system: be brief. user: hi assistant:")]
 
 
+def test_tokenized_in_chunks_as_in_one_call(tok, tmp_path, monkeypatch):
+    # prompts and SFT responses go through the tokenizer TOKENIZE_ROWS at a time: the ids of one call over the file
+    import data
+
+    rows = [{"prompt": " ".join(["hi", "a good day"][: 1 + i % 2] * (1 + i % 3)), "response": "a good"} for i in range(7)]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    whole = load_prompts(path, tok, 100).ids, load_sft(path, tok, 100).pairs
+    monkeypatch.setattr(data, "TOKENIZE_ROWS", 2)
+    assert (load_prompts(path, tok, 100).ids, load_sft(path, tok, 100).pairs) == whole
+    assert whole[0] == tok([tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                                    add_generation_prompt=True) for r in rows],
+                           add_special_tokens=False)["input_ids"]
+
+
 def test_a_final_assistant_turn_is_continued(tok, tmp_path):
     # messages ending with an assistant turn are a prefill that the answer continues (continue_final_message, as
     # TRL renders them), not followed by a second, empty assistant header
