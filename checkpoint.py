@@ -52,10 +52,11 @@ from runtime import UsageError, check_space, print0
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
 # logs and saves, how batches are cut into micro-batches (the loss is a token mean over the minibatch and
 # sampling noise is keyed by row, so that split changes nothing but float rounding), and where memory goes
-# (recomputed blocks, offloaded frozen models).
+# (recomputed blocks, offloaded frozen models); and the learning rates, which load() sets on the optimizers (the way
+# on after non-finite updates).
 # total_steps may change too, except under the linear LR schedule, whose horizon it is (check_config).
 MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every", "wandb", "wandb_project", "out_dir",
-                        "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size",
+                        "resume", "max_bad_updates", "keep_checkpoints", "micro_batch_size", "lr", "critic_lr",
                         "inference_micro_batch_size", "rollout_micro_batch_size", "activation_checkpointing",
                         "offload_frozen", "offload_optimizer", "dry_run", "gpu_memory_gb"}
 MAY_CHANGE_ON_RESUME |= {"overwrite"}
@@ -251,7 +252,7 @@ def _holds_a_run(out_dir):
     found = []
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        with open(metrics) as f:
+        with open(metrics, "rb") as f:  # lines, whatever bytes a crash or an editor left in them
             found.append(f"metrics.jsonl with {sum(1 for _ in f)} steps")
     root = os.path.join(out_dir, "checkpoints")
     steps = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
@@ -259,6 +260,35 @@ def _holds_a_run(out_dir):
         found.append(f"checkpoints {', '.join(steps)}")
     found += [f"an exported {d}/" for d in ("actor", "actor-lora") if os.path.isdir(os.path.join(out_dir, d))]
     return "; ".join(found)
+
+
+def _set_aside_later_steps(out_dir, ckpt):
+    """--resume=PATH to one of out_dir's checkpoints with later ones beside it (the run goes back, say to before
+    a reward bug): the later checkpoints, the export (written with the latest), the sample rows after the step and
+    a copy of metrics.jsonl move to out_dir/after-step-N.old-<time>, never deleted. Left in place, --resume=auto
+    would take the newest again after the next interruption, and rotation would keep them over the new ones."""
+    step = int(os.path.basename(os.path.normpath(ckpt)).removeprefix("step-"))
+    root = os.path.join(out_dir, "checkpoints")
+    later = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and int(n.removeprefix("step-")) > step)
+    if not later:
+        return
+    aside = os.path.join(out_dir, f"after-step-{step}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(aside, "checkpoints"))
+    for n in later:
+        os.replace(os.path.join(root, n), os.path.join(aside, "checkpoints", n))
+    for name in ("actor", "actor-lora"):
+        if os.path.isdir(os.path.join(out_dir, name)):
+            os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+    samples = os.path.join(out_dir, "samples")
+    for n in sorted(os.listdir(samples)) if os.path.isdir(samples) else []:  # step-000012.jsonl: an evaluation's rows
+        os.makedirs(os.path.join(aside, "samples"), exist_ok=True)
+        if n == "train.jsonl":  # (runtime.Logger cuts both back to the step)
+            shutil.copy2(os.path.join(samples, n), os.path.join(aside, "samples", n))
+        elif re.fullmatch(r"step-\d+\.jsonl", n) and int(n[5:-6]) >= step:
+            os.replace(os.path.join(samples, n), os.path.join(aside, "samples", n))
+    if os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
+        shutil.copy2(os.path.join(out_dir, "metrics.jsonl"), os.path.join(aside, "metrics.jsonl"))
+    print(f"--resume={ckpt}: the later {', '.join(later)}, the export and their metrics moved to {aside}", flush=True)
 
 
 def claim(out_dir, resume, overwrite, ckpt):
@@ -330,6 +360,8 @@ def _claim(out_dir, resume, overwrite, ckpt):
     for name in ("actor", "actor-lora"):  # an export killed while it replaced the previous one: the new one completed
         if finish_write(os.path.join(out_dir, name)):
             print(f"completed the interrupted replacement of {os.path.join(out_dir, name)}", flush=True)
+    if own and resume != "auto":
+        _set_aside_later_steps(out_dir, ckpt)
 
     def release():
         try:
@@ -397,7 +429,8 @@ def save(folder, modules, trainer, cfg):
         ours = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and _run_id(os.path.join(root, n))
                       == trainer["run_id"])
         for n in ours[: max(len(ours) - cfg.keep_checkpoints, 0)]:  # keep this run's newest keep_checkpoints
-            shutil.rmtree(os.path.join(root, n))
+            os.replace(os.path.join(root, n), os.path.join(root, n + ".tmp"))  # a removal cut short: claim ends it
+            shutil.rmtree(os.path.join(root, n + ".tmp"))
     dist.barrier()
 
 
@@ -551,9 +584,11 @@ def same_setting(k, saved, now):
     return saved[k] == now[k]
 
 
-def load(folder, modules, cfg):
-    """Loads models and optimizers in place (any number of ranks) from a folder find() returned; returns the
-    trainer dict."""
+def load(folder, modules, cfg, stateful=None):
+    """Loads models and optimizers in place (any number of ranks) from a folder find() returned, and each object of
+    `stateful` ({key: object with load_state_dict, or None}: schedulers, samplers, ...) from the trainer dict,
+    which it returns. The learning rates are cfg's (a resume may change --lr and --critic_lr, e.g. lower them after
+    non-finite updates), at the schedule's position: the same floats as the saved ones when cfg's are the saved."""
     state = {}
     for name, (model, opt) in modules.items():
         state[name], state[name + "_optim"] = get_state_dict(model, opt, options=trained_only(cfg))
@@ -568,4 +603,14 @@ def load(folder, modules, cfg):
     else:  # a rank the saving run did not have: seeded from what it does know
         seed = cfg.seed * 1_000_003 + trainer["step"] * 1009 + dist.get_rank()
         random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
+    for k, obj in (stateful or {}).items():
+        if obj is not None:
+            obj.load_state_dict(trainer[k])
+    for name, (_, opt) in modules.items():
+        sched, lr = (stateful or {}).get(f"{name}_sched"), cfg.lr if name == "actor" else cfg.critic_lr
+        if sched is not None:  # what LambdaLR computes: base lr x lambda(its step)
+            sched.base_lrs = [lr] * len(opt.param_groups)
+            for g, f in zip(opt.param_groups, sched.lr_lambdas):
+                g["initial_lr"], g["lr"] = lr, lr * f(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
     return trainer

@@ -470,15 +470,12 @@ def main(cfg: Config, reward_fn=None):
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
-    history, first_step, run_id = [], 1, uuid.uuid4().hex  # run_id: whose checkpoints rotation may delete
+    tr = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)  # run_id: whose checkpoints rotation may delete
     if ckpt:
-        tr = checkpoint.load(ckpt, models, cfg)
-        for k, obj in stateful.items():
-            if obj is not None:
-                obj.load_state_dict(tr[k])
-        history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr.get("run_id", run_id)
+        tr = dict(tr, **checkpoint.load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
         print0(f"resumed from {ckpt} at step {tr['step']}")
-    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), 0
+    history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr["run_id"]
+    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), tr.get("bad_in_a_row", 0)
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg, run=run,
                                     tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id, generate=rollouts.generate_beside)
     export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
@@ -538,7 +535,7 @@ def main(cfg: Config, reward_fn=None):
                         raise FloatingPointError(
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
-                            "is untouched: lower the learning rate and resume")
+                            "is untouched: resume with a lower --lr (and --critic_lr)")
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
@@ -560,7 +557,8 @@ def main(cfg: Config, reward_fn=None):
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                                dict(trainer, step=step, metrics=log.history, run_id=run_id), cfg)
+                                dict(trainer, step=step, metrics=log.history, run_id=run_id, bad_in_a_row=bad_in_a_row),
+                                cfg)
                 export()
             if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from

@@ -232,9 +232,10 @@ class Logger:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir)
             self.samples = os.path.join(cfg.out_dir, "samples")
             last = max((m["step"] for m in history), default=-1)  # what a resumed run has already logged
+            evaluated = {m["step"] for m in history if "eval/score" in m}  # (a checkpoint precedes its evaluation)
             for name in os.listdir(self.samples) if os.path.isdir(self.samples) else []:
                 n = re.fullmatch(r"step-(\d+)\.jsonl", name)
-                if n and int(n[1]) > last:
+                if n and (int(n[1]) > last or int(n[1]) == last and last not in evaluated):
                     os.remove(os.path.join(self.samples, name))
             train = os.path.join(self.samples, "train.jsonl")
             if os.path.exists(train):

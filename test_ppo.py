@@ -6323,6 +6323,82 @@ shutil.disk_usage = full_after_the_first_save
 
 
 @slow
+@slow
+def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_path):
+    # --resume=PATH to an earlier checkpoint of out_dir (going back, say, to before a reward bug): the later
+    # checkpoints, the export and the later evaluations' rows move aside with a copy of metrics.jsonl. Left in place,
+    # rotation deleted the new branch's checkpoints in their favour and --resume=auto went back onto them
+    out = tmp_path / "run"
+    kw = dict(save_every=2, keep_checkpoints=3, eval_prompts=tiny_run["eval_prompts"], eval_every=2)
+    _, first = run_ppo(tiny_run, out, total_steps=6, **kw)
+    six = folder_bytes(out / "checkpoints" / "step-000006")
+    p, rows = run_ppo(tiny_run, out, total_steps=5, resume=str(out / "checkpoints" / "step-000002"), **kw)
+    aside, = glob.glob(str(out / "after-step-2.old-*"))
+    assert f"the later step-000004, step-000006, the export and their metrics moved to {aside}" in p.stdout
+    assert sorted(os.listdir(os.path.join(aside, "checkpoints"))) == ["step-000004", "step-000006"]
+    assert folder_bytes(os.path.join(aside, "checkpoints", "step-000006")) == six
+    assert os.path.isdir(os.path.join(aside, "actor")) and read_metrics(aside) == first
+    assert sorted(os.listdir(os.path.join(aside, "samples"))) == [f"step-00000{k}.jsonl" for k in (2, 4, 6)]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000002", "step-000004", "step-000005"]  # the branch's
+    assert [(r["step"], "eval/score" in r) for r in rows][-3:] == [(4, True), (5, False), (5, True)]
+    p, _ = run_ppo(tiny_run, out, total_steps=5, resume="auto", **kw)
+    assert "resumed from" in p.stdout and "step-000005" in p.stdout
+
+
+def test_logger_cuts_back_an_evaluation_the_history_lacks(tmp_path):
+    # a checkpoint is written before its step's evaluation: resumed there, the evaluation's rows go with its line
+    import ppo
+
+    cfg = ppo.Config(out_dir=str(tmp_path))
+    for evaluated in (False, True):
+        os.makedirs(tmp_path / "samples", exist_ok=True)
+        for k in (1, 2, 3):
+            (tmp_path / "samples" / f"step-00000{k}.jsonl").write_text("{}\n")
+        history = [{"step": 1}, {"step": 2}] + ([{"step": 2, "eval/score": 0.5}] if evaluated else [])
+        runtime.Logger(cfg, history, True)
+        assert sorted(os.listdir(tmp_path / "samples")) == [f"step-00000{k}.jsonl" for k in ((1, 2) if evaluated
+                                                                                              else (1,))]
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage')  # no UTF-8: counted, not decoded
+    assert C._holds_a_run(str(tmp_path)).startswith("metrics.jsonl with 2 steps")
+
+
+@slow
+def test_bad_updates_in_a_row_span_a_resume_and_a_lower_lr_resumes(tiny_run, tmp_path):
+    # the count of non-finite updates in a row is in the checkpoint: a run stopped with 2 of --max_bad_updates=3
+    # behind it stops at the first bad update after its resume, as the uninterrupted run does (it started again at
+    # 0, and such a run went on). The advice the error gives, resume with a lower --lr (refused before as another
+    # config), is taken: the optimizers step at the new rates from the resumed step on
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 2, "save_every": 2, "max_bad_updates": 3}
+    setup = """
+import os
+update, calls = ppo.update, [0]
+bad = {int(k) for k in os.environ["BAD_UPDATES"].split(",") if k}
+
+def marked(*args, **kw):  # the updates counted in BAD_UPDATES (4 a step) count as skipped
+    out = update(*args, **kw)
+    calls[0] += 1
+    return dict(out, skipped=out["skipped"] or calls[0] in bad)
+
+ppo.update = marked
+"""
+    p = run_script(ppo_script(args, setup), env={"BAD_UPDATES": "7,8"})  # the last two of step 2
+    assert p.returncode == 0, p.stderr[-3000:]
+    trainer = torch.load(out / "checkpoints" / "step-000002" / "trainer.pt", weights_only=False)
+    assert trainer["bad_in_a_row"] == 2
+    p = run_script(ppo_script({**args, "total_steps": 4, "resume": "auto"}, setup), env={"BAD_UPDATES": "1"})
+    assert p.returncode != 0 and "step 3: 3 updates in a row with a non-finite gradient" in p.stderr, p.stderr[-2000:]
+    assert "resume with a lower --lr (and --critic_lr)" in p.stderr
+    lr = TINY_ARGS["lr"] / 3
+    p = run_script(ppo_script({**args, "total_steps": 4, "resume": "auto", "lr": lr, "critic_lr": lr}, setup),
+                   env={"BAD_UPDATES": ""})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in rows] == [TINY_ARGS["lr"]] * 2 + [lr] * 2 and rows[3]["critic_lr"] == lr
+
+
 def test_a_second_signal_stops_a_hanging_step_at_once(tiny_run, tmp_path):
     # the reward function hangs in step 2; SIGTERM asks for a checkpoint after the step (which never ends),
     # a second SIGTERM stops the process: step 1's checkpoint is intact and resumes
