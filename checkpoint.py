@@ -267,8 +267,10 @@ def _set_aside_later_steps(out_dir, ckpt):
     a reward bug): the later checkpoints, the export (written with the latest), the sample rows after the step and
     a copy of metrics.jsonl move to out_dir/after-step-N.old-<time>, never deleted. Left in place, --resume=auto
     would take the newest again after the next interruption, and rotation would keep them over the new ones."""
-    step = int(os.path.basename(os.path.normpath(ckpt)).removeprefix("step-"))
-    root = os.path.join(out_dir, "checkpoints")
+    name = os.path.basename(os.path.realpath(ckpt))  # a link's target
+    if not STEP_DIR.fullmatch(name):  # (a copy named otherwise: no step to compare with)
+        return
+    step, root = int(name.removeprefix("step-")), os.path.join(out_dir, "checkpoints")
     later = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and int(n.removeprefix("step-")) > step)
     if not later:
         return
@@ -389,8 +391,12 @@ def set_rng_state(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])  # the current device's
+    cuda = state["cuda"]
+    if isinstance(cuda, (list, tuple)):  # written before: one state per visible GPU, the rank's own at its index
+        cuda = cuda[torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.current_device() < len(
+            cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)  # the current device's
 
 
 def trained_only(cfg):
@@ -418,7 +424,7 @@ def save(folder, modules, trainer, cfg):
     if rank == 0:
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg)), f, indent=1)
+            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg), python_reward_recorded=True), f, indent=1)
     dist.barrier()
     if rank == 0:
         write_manifest(tmp, trainer["run_id"], trainer["step"])
@@ -577,10 +583,13 @@ def input_hashes(cfg):
 def same_setting(k, saved, now):
     """Whether field k of a checkpoint's config (saved) is the one of the run resuming it (now, both as JSON). A data
     file is the same when its contents are, wherever it lies; a checkpoint written before input_sha256 existed
-    compares the paths, as the run that wrote it did (the config-evolution rule of check_config)."""
+    compares the paths, as the run that wrote it did (the config-evolution rule of check_config). One written
+    before a reward function from Python was recorded (python_reward_recorded) takes the one passed now."""
     hashes = saved.get("input_sha256", {})
     if k in INPUT_FILES and k in hashes:
         return bool(now[k]) and os.path.isfile(now[k]) and file_sha256(now[k]) == hashes[k]
+    if k == "reward_fn" and now[k].startswith("python:") and not saved.get("python_reward_recorded"):
+        return True  # written before a function passed from Python was recorded: its config named the built-in one
     return saved[k] == now[k]
 
 

@@ -615,7 +615,8 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         hf.save_pretrained(tmp)
         if model.head != "value":
-            _generation_config(hf, tokenizer, stop_ids, pad_id, source).save_pretrained(tmp)
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                f.write(json.dumps(_generation_config(hf, tokenizer, stop_ids, pad_id, source), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -720,11 +721,10 @@ def write_peft_adapter(model, folder, base_model, master=True):
 
 
 def _generation_config(hf, tokenizer, stop_ids, pad_id, source=None):
-    """The transformers GenerationConfig of an export (write_pretrained): the source checkpoint's own (its
-    generation_config.json: a folder's, or a Hub id's in the local cache), whose sampling defaults (temperature,
-    top_p, repetition_penalty, ...) a server or generate() reads, with the run's bos, eos and pad ids."""
-    from transformers import GenerationConfig
-
+    """The generation_config.json of an export (write_pretrained), as a dict: the source checkpoint's own (a folder's,
+    or a Hub id's in the local cache), whose sampling defaults (temperature, top_p, repetition_penalty, ...) a server
+    or generate() reads, with the run's bos, eos and pad ids. Written as read, not through transformers'
+    GenerationConfig, whose save refuses combinations it loads with a warning (temperature without do_sample)."""
     file = None
     if source and os.path.isdir(source):
         file = os.path.join(source, "generation_config.json")
@@ -732,14 +732,16 @@ def _generation_config(hf, tokenizer, stop_ids, pad_id, source=None):
         from huggingface_hub import try_to_load_from_cache
 
         file = try_to_load_from_cache(source, "generation_config.json")
-    gen = GenerationConfig.from_pretrained(os.path.dirname(file)) if isinstance(file, str) and os.path.isfile(file) \
-        else GenerationConfig()
+    gen = {}
+    if isinstance(file, str) and os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            gen = json.load(f)
     for key, run_value in (("bos_token_id", None), ("eos_token_id", stop_ids), ("pad_token_id", pad_id)):
         if run_value is not None:  # the run's stop ids and pad id
-            setattr(gen, key, [int(i) for i in run_value] if key == "eos_token_id" else int(run_value))
-        elif getattr(gen, key, None) is None:  # nor in the source's file: the config's (as transformers derives it)
+            gen[key] = [int(i) for i in run_value] if key == "eos_token_id" else int(run_value)
+        elif gen.get(key) is None:  # nor in the source's file: the config's (as transformers derives it)
             value = getattr(hf, key, None)
-            setattr(gen, key, value if value is not None else getattr(tokenizer, key, None))
+            gen[key] = value if value is not None else getattr(tokenizer, key, None)
     return gen
 
 

@@ -235,7 +235,7 @@ def derive(cfg, rank, W, device):
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     need((cfg.mini_batch_size // W) % local_micro == 0,
          f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
-    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS,
+    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:"),
          f"--reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}")
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
@@ -432,15 +432,18 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
 
 def main(cfg: Config, reward_fn=None):
     """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn; the run records it
-    as cfg.reward_fn = "python:module.name", so that a resume without it (or with another) is refused by name."""
-    need(not (reward_fn and cfg.reward_model), "main(cfg, reward_fn=...) and --reward_model both give the reward")
+    as cfg.reward_fn = "python:module.name", so that a resume without it (or with another name) is refused."""
+    given = reward_fn is not None
+    need(not (given and cfg.reward_model), "main(cfg, reward_fn=...) and --reward_model both give the reward")
+    need(given or not cfg.reward_fn.startswith("python:"), f"--reward_fn={cfg.reward_fn} is a function passed from "
+         "Python: pass it again, ppo.main(cfg, reward_fn=...)")
+    cfg = replace(cfg, reward_fn=python_name(reward_fn)) if given else cfg  # what the saved config records
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         import plan
 
         return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
-    cfg = replace(cfg, reward_fn=python_name(reward_fn)) if reward_fn else cfg  # what the saved config records
     with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
         tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
         evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None

@@ -14,6 +14,7 @@ val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
+import functools
 import math
 import numbers
 import os
@@ -50,8 +51,12 @@ REWARD_FNS = {"sentiment": sentiment_reward}
 
 def python_name(fn):
     """How a run records a reward function passed from Python (ppo.main(cfg, reward_fn=fn)) in its config:
-    "python:module.qualname", which a resume must give again."""
-    return f"python:{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', None) or type(fn).__name__}"
+    "python:module.qualname", which a resume must give again; a functools.partial by its function's (with
+    "(partial)"), a callable object by its class's. A name only: two lambdas of a module, or two partials of one
+    function, are not told apart."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
+    return f"python:{getattr(inner, '__module__', None) or '?'}.{name}" + ("(partial)" if inner is not fn else "")
 
 
 # -----------------------------------------------------------------------------
@@ -136,12 +141,15 @@ class RewardCaller:
         while True:
             time.sleep(self.SLOW_S / 4)
             now, rank = time.monotonic(), os.environ.get("RANK")
-            for key, (t0, response) in list(self.running.items()):
-                if now - t0 >= self.SLOW_S and key not in reported:
-                    reported.add(key)
-                    print(f"{f'rank {rank}: ' if rank else ''}reward function {self.name} has run {now - t0:.0f} s on "
-                          f"a response ({response!r:.80}) and is waited for; --reward_timeout gives up such calls",
-                          flush=True)
+            slow = sorted(((t0, response, key) for key, (t0, response) in list(self.running.items())
+                           if now - t0 >= self.SLOW_S and key not in reported), key=lambda c: c[0])
+            if slow:  # one line for those found at once (a pool of workers)
+                t0, response, _ = slow[0]
+                more = f" (and {len(slow) - 1} more calls past {self.SLOW_S:g} s)" if len(slow) > 1 else ""
+                print(f"{f'rank {rank}: ' if rank else ''}reward function {self.name} has run {now - t0:.0f} s on "
+                      f"a response ({response!r:.80}){more} and is waited for; --reward_timeout gives up such calls",
+                      flush=True)
+                reported |= {key for _, _, key in slow}
             reported &= set(self.running)  # the calls that ended
 
     def _threads(self, calls):

@@ -571,9 +571,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     m = _check_sizes(B, P, micro_batch_size, max_prompt_len, prompt_mask)
     seeds = _row_seeds(seeds, B, generator, device)  # (B,)
     W = head_weight(model)  # (V, H), float32 on a CPU: converted once, not at every token
-    S = (P if max_prompt_len is None else max_prompt_len) + max_new_tokens
+    S = need = (P if max_prompt_len is None else max_prompt_len) + max_new_tokens
     if compile or max_prompt_len is not None:
         S = math.ceil(S / CACHE_MULTIPLE) * CACHE_MULTIPLE
+    w = model.config.sliding_window
+    if w is not None and need <= w < S:  # a cache as wide as the window, not past it: full attention (model.py)
+        S = w
     static = compile and cuda
     # one cache for all micro-batches; compiled: micro_batch_size rows even for fewer prompts (one shape)
     caches = _kv_cache(model, m if compile else min(m, B), S, model.lm_head_weight.dtype, device, static)

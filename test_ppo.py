@@ -703,7 +703,7 @@ def tiny(tmp_path, family, gqa=True):
     return Transformer.from_pretrained(str(tmp_path)).eval()
 
 
-def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path):
+def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path, monkeypatch):
     # Mistral's sliding_window w: a token attends to the last w tokens, so sequences of up to w tokens (a cache of w
     # slots) are full causal attention, which model.py computes; one token more is refused. Decoding with a mask
     # over the whole cache of w slots, as the compiled decode does, was refused before (the cache's width taken as
@@ -721,6 +721,16 @@ def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path):
         model(torch.randint(3, V, (1, 64)))
         with pytest.raises(ValueError, match=r"sequence longer than the sliding window \(64\)"):
             model(torch.randint(3, V, (1, 65)))
+    # generation's cache, rounded up to CACHE_MULTIPLE slots, stops at a window it would pass (40 of 64): the
+    # compiled decode reads the whole cache
+    import rollout
+
+    widths, kv_cache = [], rollout._kv_cache
+    monkeypatch.setattr(rollout, "_kv_cache", lambda m, rows, S, *a: widths.append(S) or kv_cache(m, rows, S, *a))
+    make_checkpoint(tmp_path / "w40", "mistral", sliding_window=40)
+    for folder in (tmp_path / "w40", tmp_path):
+        generate(Transformer.from_pretrained(str(folder)).eval(), [[5, 6, 7]], 24, max_prompt_len=16)
+    assert widths == [40, 64]
 
 
 def run(model, impl, *args, **kw):
@@ -1535,6 +1545,11 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     gen = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
     assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (stop, pad, 1)
     assert all(getattr(gen, k) == v for k, v in defaults.items())
+    # a source file transformers loads with a warning but would refuse to save (temperature without do_sample)
+    (tmp_path / "src" / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6, "eos_token_id": 2}')
+    H.write_pretrained(model, tmp_path / "lax", None, stop_ids=stop, pad_id=pad)
+    lax = json.loads((tmp_path / "lax" / "generation_config.json").read_text())
+    assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": pad}
     (tmp_path / "src" / "generation_config.json").unlink()
     model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
@@ -5929,6 +5944,8 @@ def test_a_reward_function_from_python_is_recorded_and_needed_on_resume(tiny_run
     p, _ = run_ppo(tiny_run, out, total_steps=2, resume="auto", check=False)
     assert p.returncode == 2 and "'reward_fn': ('python:__main__.length_reward', 'sentiment')" in p.stderr, p.stderr
     assert "ppo.main(cfg, reward_fn=f)" in p.stderr and len(read_metrics(out)) == 1
+    p, _ = run_ppo(tiny_run, tmp_path / "cli", reward_fn=saved["reward_fn"], check=False)  # the saved config's flag
+    assert p.returncode == 2 and "--reward_fn=python:__main__.length_reward is a function passed from Python" in p.stderr
     p = run_script(ppo_script({**args, "total_steps": 2, "resume": "auto"}, setup, reward_fn="length_reward"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
@@ -6345,6 +6362,39 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_
     assert "resumed from" in p.stdout and "step-000005" in p.stdout
 
 
+def test_going_back_through_a_link_or_a_renamed_copy(tmp_path, monkeypatch):
+    # the checkpoint named through a link is its target's step; a copy named otherwise has no step to go back to
+    # (nothing set aside), and neither raises
+    import shutil
+
+    root = tmp_path / "out" / "checkpoints"
+    for n in ("step-000002", "step-000004"):
+        os.makedirs(root / n)
+    os.symlink(root / "step-000002", root / "good")
+    shutil.copytree(root / "step-000002", root / "step-000002-keep")
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "T")
+    C._set_aside_later_steps(str(tmp_path / "out"), str(root / "step-000002-keep"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoints"]
+    C._set_aside_later_steps(str(tmp_path / "out"), str(root / "good") + os.sep)
+    assert os.listdir(tmp_path / "out" / "after-step-2.old-T" / "checkpoints") == ["step-000004"]
+
+
+def test_reward_functions_are_recorded_by_name():
+    import reward
+
+    def judge(record, response):
+        return 1.0
+
+    class Judge:
+        def __call__(self, record, response):
+            return 1.0
+
+    names = [reward.python_name(f) for f in (judge, functools.partial(judge, strict=True), Judge())]
+    assert names == [f"python:{__name__}.test_reward_functions_are_recorded_by_name.<locals>.judge",
+                     f"python:{__name__}.test_reward_functions_are_recorded_by_name.<locals>.judge(partial)",
+                     f"python:{__name__}.test_reward_functions_are_recorded_by_name.<locals>.Judge"]
+
+
 def test_logger_cuts_back_an_evaluation_the_history_lacks(tmp_path):
     # a checkpoint is written before its step's evaluation: resumed there, the evaluation's rows go with its line
     import ppo
@@ -6482,6 +6532,21 @@ def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
     with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
         C.check_config(str(tmp_path), ppo.Config())
     C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+
+
+def test_a_checkpoint_from_before_python_rewards_were_recorded_resumes_with_one(tmp_path):
+    # its config named the built-in reward the function replaced: the function passed now is taken; a checkpoint
+    # that records its reward (python_reward_recorded) is held to it
+    import dataclasses
+
+    import ppo
+
+    saved = json.loads(json.dumps(dataclasses.asdict(ppo.Config())))
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, python_reward_recorded=True)))
+    with pytest.raises(UsageError, match=r"'reward_fn': \('sentiment', 'python:__main__.judge'\)"):
+        C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
 
 
 def test_importance_weight_flags_are_checked():
@@ -7052,6 +7117,11 @@ def test_rng_state_holds_this_ranks_gpu_alone(monkeypatch):
     visible[0] = 1
     checkpoint.set_rng_state(state)
     assert len(restored) == 1 and torch.equal(restored[0][1], mine)
+    # a checkpoint written before, with a state per visible GPU: the rank's own (its current device's index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    restored.clear()
+    checkpoint.set_rng_state(dict(state, cuda=[mine + i for i in range(8)]))
+    assert len(restored) == 1 and torch.equal(restored[0][1], mine + 3)
 
 
 def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
