@@ -721,19 +721,14 @@ def write_peft_adapter(model, folder, base_model, master=True):
 
 
 def _generation_config(hf, tokenizer, stop_ids, pad_id, source=None):
-    """The generation_config.json of an export (write_pretrained), as a dict: the source checkpoint's own (a folder's,
-    or a Hub id's in the local cache), whose sampling defaults (temperature, top_p, repetition_penalty, ...) a server
-    or generate() reads, with the run's bos, eos and pad ids. Written as read, not through transformers'
-    GenerationConfig, whose save refuses combinations it loads with a warning (temperature without do_sample)."""
-    file = None
-    if source and os.path.isdir(source):
-        file = os.path.join(source, "generation_config.json")
-    elif source and source.count("/") == 1 and not source.startswith(("/", ".", "~")):  # a Hub id: the cache only
-        from huggingface_hub import try_to_load_from_cache
-
-        file = try_to_load_from_cache(source, "generation_config.json")
+    """The generation_config.json of an export (write_pretrained), as a dict: the source checkpoint's own (its
+    folder's: a Hub model's config is read from its downloaded snapshot folder, _hf_folder), whose sampling defaults
+    (temperature, top_p, repetition_penalty, ...) a server or generate() reads, with the run's bos, eos and pad ids.
+    Written as read, not through transformers' GenerationConfig, whose save refuses combinations it loads with a
+    warning (temperature without do_sample)."""
+    file = os.path.join(source, "generation_config.json") if source and os.path.isdir(source) else None
     gen = {}
-    if isinstance(file, str) and os.path.isfile(file):
+    if file and os.path.isfile(file):
         with open(file, encoding="utf-8") as f:
             gen = json.load(f)
     for key, run_value in (("bos_token_id", None), ("eos_token_id", stop_ids), ("pad_token_id", pad_id)):
