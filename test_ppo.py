@@ -2717,6 +2717,9 @@ def test_logprob_entropy_kl_computes_each_models_logits_once(monkeypatch):
     ref_hidden.requires_grad_(False)
     with torch.no_grad(), pytest.raises(ValueError, match="vocabulary must agree"):
         linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight[:-1])
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(  # (the fallback it claimed then refused labels)
+            "hidden is on cpu and ref_hidden on meta: the two models' hidden states and heads must be on one device")):
+        linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden.to("meta"), ref_weight.to("meta"))
     with torch.no_grad(), pytest.raises(ValueError, match="labels must lie in"):
         linear_logprob_entropy_kl(hidden, weight, labels + V, ref_hidden, ref_weight)
     with torch.no_grad():  # no rows: four empty vectors
@@ -3099,6 +3102,7 @@ def test_shared_row_takes_away_exactly_what_all_rows_share(dtype):
     assert c[0] == w[0, 0] and (c[1:3] != 0).all() and (c[3:] == 0).all()
     assert torch.equal((w - c).double(), w.double() - c.double())  # no rounding
     assert (w - c)[:, 0].abs().max() == 0 and (w - c)[:, 1].abs().max() <= 1.0
+    assert shared_row(w[:, 3:]) is None  # no column shared: nothing to take away (no W - 0 copied per chunk)
 
 
 # -----------------------------------------------------------------------------
@@ -3214,6 +3218,26 @@ def test_cuda_kernels_match_float64(dtype, tiles, N, H, V, offset):
     # the ops' defaults for the dtype, or the interpreter's tiles
     cfg = {"default": None, "small": TILES}[tiles]
     check_against_float64(kernels_against_float64("cuda", dtype, cfg, N, H, V, offset), dtype, offset)
+
+
+@needs_cuda
+def test_cuda_dh_accumulates_in_place():
+    # the backwards' dh += dz W (bf16 operands, float32 dh): one addmm into dh on CUDA, no float32 (N, H) product
+    # made and added per vocab chunk (16 N H bytes of traffic each, and its memory)
+    from kernels.utils import _addmm_has_out_dtype, addmm_f32
+
+    assert _addmm_has_out_dtype(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, k, device="cuda", generator=g).bfloat16() for n, k in ((8192, 1024), (1024, 4096)))
+    out = torch.randn(8192, 4096, device="cuda", generator=g)
+    want = out.double() + a.double() @ b.double()
+    addmm_f32(out.clone(), a, b)  # (cuBLAS's workspace)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    addmm_f32(out, a, b)
+    assert torch.cuda.max_memory_allocated() - before < out.numel()  # a float32 copy would be 4 bytes an entry
+    assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 # GPU_CASES at interpreter sizes: N across row blocks and chunks, V across vocab tiles and chunks

@@ -59,8 +59,8 @@ import triton.language as tl
 from kernels.logprob_entropy import fold_tile, linear_logprob_entropy, merge_stats, shift_and_pick
 from kernels.utils import (
     TileConfig,
-    add_label_term,
     accum_dtype,
+    add_label_term,
     aligned_rows,
     cdiv,
     check_config,
@@ -74,6 +74,7 @@ from kernels.utils import (
     dot_precision,
     gemm_operand,
     logits_tile,
+    on_its_device,
     pad_rows,
     pipeline_stages,
     prepare_grad,
@@ -239,6 +240,7 @@ def _stages(cfg, hidden, ref_hidden):
     return pipeline_stages(cfg, max(hidden.element_size(), ref_hidden.element_size()), n_operand_pairs=2)
 
 
+@on_its_device
 def _forward_triton(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConfig):
     N, H = hidden.shape
     V, RH = weight.shape[0], ref_hidden.shape[1]
@@ -258,6 +260,7 @@ def _forward_triton(hidden, weight, ref_hidden, ref_weight, scale, cfg: TileConf
     return kl, torch.stack([m, log_s, mr, log_sr])
 
 
+@on_its_device
 def _backward_triton(hidden, weight, ref_hidden, ref_weight, norm, kl, g, scale, need_dh, need_dw, cfg):
     N, H = hidden.shape
     BN, BV = cfg.block_n, cfg.block_v
@@ -458,6 +461,7 @@ def _score_fwd_kernel(
     tl.store(out + 7 * plane, b, mask=row_ok)
 
 
+@on_its_device
 def _score_triton(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: TileConfig):
     """One launch over both heads, with linear_logprob_entropy's tiles and splits for `cfg` (so the actor's numbers
     and the reference's logprob are its, bit for bit under the interpreter); the splits merged as it merges them."""
@@ -575,6 +579,7 @@ def _score_bwd_kernel(
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@on_its_device
 def _score_backward_triton(hidden, weight, labels, ref_hidden, ref_weight, norm, entropy, kl, g_lp, g_ent, g_kl,
                            scale, need_dh, need_dw, cfg):
     N, H = hidden.shape
@@ -660,7 +665,8 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
     dz for all three losses (4 products instead of 7): the torch path in linear_logprob_entropy's chunks, the
     Triton path in kernels with its tiles and splits, so that the first three come out as linear_logprob_entropy
     gives them with the same config and backend (bit for bit on the torch path and under the Triton interpreter;
-    test_cuda_kernels_match_float64 checks a GPU). Models of different dtypes or devices make the three calls."""
+    test_cuda_kernels_match_float64 checks a GPU). Models of different dtypes make the three calls; the two models
+    must share a device."""
     where = "linear_logprob_entropy_kl"
     check_linear(where, "hidden", hidden, "weight", weight)
     check_linear(where, "ref_hidden", ref_hidden, "ref_weight", ref_weight)
@@ -668,6 +674,9 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
         raise ValueError(f"{where}: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} against "
                          f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}: the rows "
                          "and the vocabulary must agree")
+    if ref_hidden.device != hidden.device:
+        raise ValueError(f"{where}: hidden is on {hidden.device} and ref_hidden on {ref_hidden.device}: the two models' "
+                         "hidden states and heads must be on one device")
     if torch.is_grad_enabled() and (ref_hidden.requires_grad or ref_weight.requires_grad):
         raise ValueError(f"{where}: the reference is frozen and gets no gradient, but ref_hidden or ref_weight "
                          "requires grad; compute it under torch.no_grad() or pass .detach()")
@@ -677,7 +686,7 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
     N = hidden.shape[0]
     check_label_vector(where, labels, hidden, weight.shape[0])
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _score_fwd_kernel)
-    if hidden.dtype != ref_hidden.dtype or ref_hidden.device != hidden.device or N == 0:
+    if hidden.dtype != ref_hidden.dtype or N == 0:
         logprob, entropy = linear_logprob_entropy(hidden, weight, labels, temperature, backend, cfg)
         with torch.no_grad():
             ref_logprob, _ = linear_logprob_entropy(ref_hidden, ref_weight, labels, temperature, backend, config)

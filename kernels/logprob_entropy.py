@@ -64,8 +64,8 @@ import triton.language as tl
 
 from kernels.utils import (
     TileConfig,
-    add_label_term,
     accum_dtype,
+    add_label_term,
     aligned_rows,
     cdiv,
     check_config,
@@ -79,6 +79,7 @@ from kernels.utils import (
     dot_precision,
     gemm_operand,
     logits_tile,
+    on_its_device,
     pad_rows,
     pipeline_stages,
     prepare_grad,
@@ -218,6 +219,7 @@ def _logprob_entropy_bwd_kernel(
 # Triton launchers
 
 
+@on_its_device
 def _forward_triton(hidden, weight, labels, scale, cfg: TileConfig):
     N, H = hidden.shape
     V = weight.shape[0]
@@ -239,6 +241,7 @@ def _forward_triton(hidden, weight, labels, scale, cfg: TileConfig):
     return logprob, entropy, m, log_s
 
 
+@on_its_device
 def _backward_triton(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_ent, scale, need_dh, need_dw, cfg):
     N, H = hidden.shape
     BN, BV = cfg.block_n, cfg.block_v

@@ -9,6 +9,7 @@ backwards' chunk loops (`torch_backward`, `triton_backward`), which take each op
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -163,6 +164,19 @@ def check_labels(where: str, labels: torch.Tensor, vocab: int, sync=None) -> Non
         torch._assert_async(((labels >= 0) & (labels < vocab)).all(), f"{where}: labels must lie in [0, {vocab})")
 
 
+def on_its_device(launcher):
+    """A Triton launcher run with hidden's GPU as the current CUDA device: Triton launches on the current device and
+    its current stream, whatever device the tensors are on (another GPU's tensors: an illegal address, or a read
+    unordered with that GPU's stream)."""
+    @functools.wraps(launcher)
+    def run(hidden, *args, **kw):
+        if not hidden.is_cuda:
+            return launcher(hidden, *args, **kw)
+        with torch.cuda.device(hidden.device):
+            return launcher(hidden, *args, **kw)
+    return run
+
+
 def resolve_backend(where: str, backend: str, device: torch.device, dtypes, kernel) -> str:
     """auto: Triton on CUDA (float32/16, bfloat16 inputs), chunked torch elsewhere. An explicit
     "triton" on CPU tensors needs the interpreter, which Triton picks when the kernel is decorated:
@@ -181,6 +195,10 @@ def resolve_backend(where: str, backend: str, device: torch.device, dtypes, kern
                 f"{where}: backend='triton' on {device.type} tensors needs the Triton interpreter: "
                 "set TRITON_INTERPRET=1 before importing `kernels`"
             )
+    if backend == "triton" and device.type == "cuda" and interpreted(kernel):
+        warnings.warn(f"{where}: TRITON_INTERPRET=1 with CUDA tensors: the Triton kernels run on the interpreter "
+                      "(on the host, far slower than compiled, and storing bf16 by truncation); unset it before "
+                      "importing `kernels` for the compiled ones", stacklevel=3)
     return backend
 
 
@@ -222,8 +240,9 @@ def grad_operand(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gemm_operand(dz)
 
 
-def shared_row(weight: torch.Tensor) -> torch.Tensor:
-    """c (H,), in weight's dtype: the part of W's V rows that they all share, where taking it away is exact.
+def shared_row(weight: torch.Tensor):
+    """c (H,), in weight's dtype: the part of W's V rows that they all share, where taking it away is exact; None
+    where no column is (a trained head's columns mix signs), so that the backwards copy no W - 0 per chunk.
 
     Each row of dz sums to 0 (softmax is shift invariant: adding a_i to every logit of row i changes no
     output), so dh = dz W = dz (W - 1 c^T) for any c, and the backwards multiply dz by W - 1 c^T. The
@@ -235,7 +254,8 @@ def shared_row(weight: torch.Tensor) -> torch.Tensor:
     c = weight.sum(0, dtype=accum_dtype(weight.dtype)).div_(weight.shape[0]).to(weight.dtype)
     lo, hi = weight.amin(0), weight.amax(0)  # on a CPU 6x faster than aminmax(dim=0) over a (V, H) head
     exact = torch.where(c > 0, (lo >= c / 2) & (hi <= 2 * c), (hi <= c / 2) & (lo >= 2 * c))
-    return torch.where(exact, c, 0.0)
+    c = torch.where(exact, c, 0.0)
+    return c if bool(c.any()) else None  # (one host sync a backward)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,10 +278,27 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+@functools.lru_cache(maxsize=None)
+def _addmm_has_out_dtype(device: torch.device) -> bool:
+    """Whether torch.addmm(c, a, b, out_dtype=float32, out=c) adds a half product into a float32 c in place on
+    this device (CUDA in torch 2.8+; checked by value, once)."""
+    a, c = torch.full((16, 16), 0.5, device=device, dtype=torch.bfloat16), torch.ones(16, 16, device=device)
+    try:
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (TypeError, RuntimeError, NotImplementedError):  # older torch, or no such kernel on this device
+        return False
+    return bool((c == 5.0).all())  # 1 + 16 * 0.25
+
+
 def addmm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out += a @ b, out float32/64: in place (no temporary) when the operands already have out's dtype."""
+    """out += a @ b, out float32/64: in place (no temporary) when the operands already have out's dtype, and for
+    half operands into float32 where torch has addmm(out_dtype=) (without it, a float32 product of out's size is
+    made and added: dh's traffic, N x H x 4 bytes three times a vocab chunk)."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
         out.addmm_(a, b)
+    elif a.dtype in HALF_DTYPES and a.dtype == b.dtype and out.dtype == torch.float32 and \
+            _addmm_has_out_dtype(out.device):
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     else:
         out += mm_f32(a, b).to(out.dtype)
 
@@ -400,7 +437,7 @@ def torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hid
     N, V = hidden.shape[0], weight.shape[0]
     dh = torch.zeros(hidden.shape, device=hidden.device, dtype=dt) if need_dh else None
     dw = torch.zeros(weight.shape, device=weight.device, dtype=dt) if need_dw else None
-    w_shared = shared_row(weight) if need_dh else None  # (H,)
+    w_shared = shared_row(weight) if need_dh else None  # (H,), or None
     dz_buf = torch.empty(aligned_rows(R) * C, device=hidden.device, dtype=dt)
     for r0 in range(0, N, R):
         r1 = min(r0 + R, N)
@@ -417,7 +454,7 @@ def torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hid
             chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz_pad[:n])
             g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see EMULATE_CUDA)
             if need_dh:
-                addmm_rows(dh_c, g_op, w_op - w_shared)  # (n_pad, C) @ (C, H); exact subtraction
+                addmm_rows(dh_c, g_op, w_op if w_shared is None else w_op - w_shared)  # (n_pad, C) @ (C, H); exact
             if need_dw:
                 addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
         if need_dh and n != n_pad:
@@ -452,14 +489,14 @@ def triton_backward(hidden, weight, need_dh, need_dw, vc, launch_dz):
     dh = torch.zeros(n_pad, H, device=hidden.device, dtype=torch.float32) if need_dh else None
     dw = torch.empty(V, H, device=weight.device, dtype=weight.dtype) if need_dw else None
     h_op = gemm_operand(hidden)
-    w_shared = shared_row(weight) if need_dh else None  # (H,)
+    w_shared = shared_row(weight) if need_dh else None  # (H,), or None
     for v0 in range(0, V, vc):
         v1 = min(v0 + vc, V)
         dz_pad = dz_buf[:, : v1 - v0]
         launch_dz(dz_pad[:N], v0, v1)
         g_op = grad_operand(dz_pad, weight.dtype)
         if need_dh:  # dz (W - 1 c^T) = dz W, see shared_row: (n_pad, Vc) @ (Vc, H), fp32 accumulation
-            addmm_rows(dh, g_op, gemm_operand(weight[v0:v1] - w_shared))
+            addmm_rows(dh, g_op, gemm_operand(weight[v0:v1] if w_shared is None else weight[v0:v1] - w_shared))
         if need_dw:
             dw[v0:v1] = (g_op[:N].T @ h_op).to(dw.dtype)  # (Vc, N) @ (N, H): each row of dW done in one GEMM
     return (dh[:N].to(hidden.dtype) if need_dh else None), dw
