@@ -286,7 +286,7 @@ def _set_aside_later_steps(out_dir, ckpt):
         os.makedirs(os.path.join(aside, "samples"), exist_ok=True)
         if n == "train.jsonl":  # (runtime.Logger cuts both back to the step)
             shutil.copy2(os.path.join(samples, n), os.path.join(aside, "samples", n))
-        elif re.fullmatch(r"step-\d+\.jsonl", n) and int(n[5:-6]) >= step:
+        elif re.fullmatch(r"step-\d+\.jsonl", n) and int(n[5:-6]) > step:  # (step's own: runtime.Logger keeps it)
             os.replace(os.path.join(samples, n), os.path.join(aside, "samples", n))
     if os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
         shutil.copy2(os.path.join(out_dir, "metrics.jsonl"), os.path.join(aside, "metrics.jsonl"))

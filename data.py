@@ -364,7 +364,7 @@ def load_inputs(cfg):
             raise UsageError(f"--{name}: {e}") from None
 
     if cfg.wandb:
-        check_wandb()
+        check_wandb(cfg.wandb_project)
     parent = os.path.abspath(cfg.out_dir)
     while not os.path.exists(parent):  # the folder, or its nearest ancestor that exists (makedirs makes the rest)
         parent = os.path.dirname(parent)

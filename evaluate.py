@@ -107,7 +107,7 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
                                  f"{bad[0]['prompt']!r:.100}")
     col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
     metrics = {"step": step, **counters, "eval/score": statistics.fmean(col("score")),
-               "eval/score_std": statistics.stdev(col("score")) if E > 1 else 0.0,
+               "eval/score_std": statistics.stdev(col("score")) if E > 1 else math.nan,  # (null)
                "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
                "eval/stop_rate": statistics.fmean(col("stopped"))}
     if reward is not None:

@@ -5,11 +5,19 @@ Per-minibatch statistics (the losses, clip fractions, ratios) are token means ov
 over every minibatch of the step, not the last one's (CleanRL logs the last minibatch's and calls it the mean).
 """
 import functools
+from math import nan
 
 import torch
 
 from gae import KL_ESTIMATORS, is_weights, kl_estimate, masked_sum, masked_var
 from runtime import all_sum
+
+
+def finite_mean(x, dim=None):
+    """The mean of x's finite entries (over dim, else all; NaN where none is): a skipped update's non-finite loss or
+    gradient norm would make the step's mean NaN, hiding the updates that were fine."""
+    x = torch.where(x.isfinite(), x, nan)
+    return x.nanmean() if dim is None else x.nanmean(dim)
 
 
 def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained, cfg):
@@ -35,8 +43,8 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     n_resp = tot_tok[-1].item()
     n_mb = torch.tensor([u["n_tokens"] for u in updates], dtype=torch.float64)[:, None]
     per_mb = dict(zip(keys, (tot_mb / n_mb).T))  # (n_mb,) token means of each minibatch
-    avg = {k: v.mean().item() for k, v in per_mb.items()}
-    norms = torch.stack([u["norms"] for u in updates]).mean(0).tolist()
+    avg = {k: finite_mean(v).item() for k, v in per_mb.items()}
+    norms = finite_mean(torch.stack([u["norms"] for u in updates]), 0).tolist()  # (val/skipped_updates counts the rest)
     slots, pad = all_sum([sc["slots"] + sum(u["slots"][0] for u in updates),
                           sc["pad"] + sum(u["slots"][1] for u in updates)]).tolist()  # scoring and training forwards
     out = {k: v / B_all for k, v in zip(seq, tot_seq.tolist())}
@@ -54,9 +62,9 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
         "perf/padding_frac": pad / slots,
     })
     if ret is not None:
+        var = float(masked_var(ret, mask))  # 0 when every return is the same: nothing to explain (NaN, as CleanRL)
         out.update({"loss/value_avg": avg["value_loss"], "val/clipfrac_avg": avg["vf_clipfrac"],
-                    "val/explained_var": 1.0 - float(masked_var(ret - sc["values"], mask))
-                    / max(float(masked_var(ret, mask)), 1e-12)})
+                    "val/explained_var": 1.0 - float(masked_var(ret - sc["values"], mask)) / var if var > 0 else nan})
     named = {"policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac"}
     out.update({f"loss/{k}_avg": v for k, v in avg.items() if k not in named})  # ptx, and a fork's own terms
     return out

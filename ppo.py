@@ -478,7 +478,7 @@ def main(cfg: Config, reward_fn=None):
         tr = dict(tr, **checkpoint.load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
         print0(f"resumed from {ckpt} at step {tr['step']}")
     history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr["run_id"]
-    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0), StopSignal(), tr.get("bad_in_a_row", 0)
+    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal(), tr.get("bad_in_a_row", 0)
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg, run=run,
                                     tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id, generate=rollouts.generate_beside)
     export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
@@ -560,10 +560,9 @@ def main(cfg: Config, reward_fn=None):
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
                 checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                                dict(trainer, step=step, metrics=log.history, run_id=run_id, bad_in_a_row=bad_in_a_row),
-                                cfg)
+                                dict(trainer, step=step, run_id=run_id, bad_in_a_row=bad_in_a_row, **log.state()), cfg)
                 export()
-            if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
+            if evalset and due(step, cfg) and not stopping:  # after the checkpoint (if due): a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counted))
             if stopping:

@@ -5,7 +5,9 @@ log and stopping on a signal. Plumbing that ppo.py calls so that its main loop r
 knows about models.
 """
 import inspect
+import io
 import json
+import math
 import os
 import re
 import shutil
@@ -183,16 +185,20 @@ def hold_to_types(cfg):
         setattr(cfg, f.name, v)
 
 
-def check_wandb():
-    """--wandb: the package and credentials are there, checked before any model loads (wandb.init would stop the
-    run after minutes of loading, or wait for a key at a prompt). Credentials: WANDB_API_KEY (or an identity token
-    file), a netrc entry for the server (what `wandb login` writes), or WANDB_MODE=offline / disabled."""
+def check_wandb(project):
+    """--wandb: the package, the project's name (wandb's rules) and credentials are there, checked before any model
+    loads (wandb.init would stop the run after minutes of loading, or wait for a key at a prompt). Credentials:
+    WANDB_API_KEY (or an identity token file), a netrc entry for the server (what `wandb login` writes), or
+    WANDB_MODE=offline / disabled."""
     import importlib.util
     import netrc
     from urllib.parse import urlparse
 
     if importlib.util.find_spec("wandb") is None:
         raise UsageError("--wandb needs the wandb package: pip install wandb")
+    bad = sorted(set(project) & set("/\\#?%:"))
+    need(not bad and len(project) <= 128, f"--wandb_project={project!r}: wandb takes at most 128 characters, none of "
+                                          f"/ \\ # ? % : ({'found ' + ' '.join(bad) if bad else 'too long'})")
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
             os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return
@@ -214,45 +220,80 @@ def check_wandb():
 class Logger:
     """metrics.jsonl (rewritten to the steps the models have seen on resume), stdout, wandb if asked; samples in
     out_dir/samples: train.jsonl (the sample printed every sample_every steps) and step-N.jsonl (an evaluation's
-    rows), cut back to the resumed step as the metrics are."""
+    rows), cut back to the resumed step as the metrics are. wandb_id: the wandb run the checkpoint logged to, which
+    a resumed run continues, unless it goes back to an earlier step with --resume=PATH (a new run, named so). A
+    line's non-finite numbers are written as null (JSON has no NaN); wandb failing mid-run leaves the run going."""
 
-    def __init__(self, cfg, history, master):
+    def __init__(self, cfg, history, master, wandb_id=None):
         self.cfg, self.history, self.master = cfg, history, master
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        self.wandb = None
-        if master:
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(json.dumps(m) + "\n" for m in history)
-            os.replace(self.path + ".tmp", self.path)
-            if cfg.wandb:
-                try:
-                    import wandb
-                except ImportError as e:
-                    raise ImportError("--wandb needs the wandb package: pip install wandb") from e
-                self.wandb = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir)
-            self.samples = os.path.join(cfg.out_dir, "samples")
-            last = max((m["step"] for m in history), default=-1)  # what a resumed run has already logged
-            evaluated = {m["step"] for m in history if "eval/score" in m}  # (a checkpoint precedes its evaluation)
-            for name in os.listdir(self.samples) if os.path.isdir(self.samples) else []:
-                n = re.fullmatch(r"step-(\d+)\.jsonl", name)
-                if n and (int(n[1]) > last or int(n[1]) == last and last not in evaluated):
-                    os.remove(os.path.join(self.samples, name))
-            train = os.path.join(self.samples, "train.jsonl")
-            if os.path.exists(train):
-                with open(train) as f:  # a line a kill -9 cut short (no newline: only the last can be) goes too
-                    kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= last]
-                with open(train + ".tmp", "w") as f:
-                    f.writelines(kept)
-                os.replace(train + ".tmp", train)
+        self.samples = os.path.join(cfg.out_dir, "samples")
+        self.wandb = self.wandb_id = None
+        last = max((m["step"] for m in history), default=-1)  # what a resumed run has already logged
+        before = read_jsonl(self.path) if history else []  # the earlier run's lines, those after its checkpoint too
+        if not any("eval/score" in m and m["step"] == last for m in history) and os.path.exists(
+                os.path.join(self.samples, f"step-{last:06d}.jsonl")):  # the checkpoint's evaluation, written after it
+            history += [m for m in before if m["step"] == last and "eval/score" in m][-1:]  # (every rank reads it)
+        if not master:
+            return
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(jsonl(m) for m in history)
+        os.replace(self.path + ".tmp", self.path)
+        if cfg.wandb:
+            went_back = cfg.resume != "auto" and any(m.get("step", -1) > last for m in before)
+            self.wandb_id = None if went_back else wandb_id
+            self.wandb = self._start_wandb(self.wandb_id, last if went_back else None)
+            self.wandb_id = self.wandb.id if self.wandb is not None else self.wandb_id
+        evaluated = {m["step"] for m in history if "eval/score" in m}  # (a checkpoint precedes its evaluation)
+        for name in os.listdir(self.samples) if os.path.isdir(self.samples) else []:
+            n = re.fullmatch(r"step-(\d+)\.jsonl", name)
+            if n and (int(n[1]) > last or int(n[1]) == last and last not in evaluated):
+                os.remove(os.path.join(self.samples, name))
+        train = os.path.join(self.samples, "train.jsonl")
+        if os.path.exists(train):
+            with open(train) as f:  # a line a kill -9 cut short (no newline: only the last can be) goes too
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= last]
+            with open(train + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(train + ".tmp", train)
+
+    def _start_wandb(self, wandb_id, went_back):
+        """wandb.init: the run wandb_id continued, or a new one named after out_dir (+ the step it went back to);
+        offline (`wandb sync` uploads it later) when the server cannot be reached, without wandb if that fails too."""
+        import wandb
+
+        name = os.path.basename(os.path.abspath(self.cfg.out_dir))
+        name += f"-from-step-{went_back}" if went_back is not None else ""
+        kw = dict(project=self.cfg.wandb_project, config=asdict(self.cfg), dir=self.cfg.out_dir, name=name,
+                  id=wandb_id, resume="allow" if wandb_id else None, allow_val_change=True)
+        for mode in (None, "offline"):
+            try:
+                return wandb.init(mode=mode, **kw)
+            except Exception as e:  # noqa: BLE001 -- the dashboard is not worth the run: say so and go on
+                print(f"wandb.init{'' if mode is None else ' offline'} failed ({type(e).__name__}: {e})", flush=True)
+        print("logging without wandb: metrics.jsonl and samples/ hold every line", flush=True)
+        return None
+
+    def _to_wandb(self, row):
+        """wandb.log(row()) at the row's step, unless wandb already has a later one (a resumed run repeats the
+        steps logged after its checkpoint, with the same numbers); wandb failing stops wandb, not the run."""
+        try:
+            m = row()
+            if m["step"] >= self.wandb.step:
+                self.wandb.log(m, step=m["step"])
+        except Exception as e:  # noqa: BLE001
+            print(f"wandb failed ({type(e).__name__}: {e}); logging on without it: metrics.jsonl holds every line",
+                  flush=True)
+            self.wandb = None
 
     def log(self, m, sample=None):
         self.history.append(m)
         if not self.master:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(jsonl(m))
         if self.wandb is not None:
-            self.wandb.log(m, step=m["step"])
+            self._to_wandb(lambda: m)
         if m["step"] % self.cfg.log_every == 0:
             vloss = f"| vloss {m['loss/value_avg']:.4f} " if "loss/value_avg" in m else ""  # with a critic
             print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} | kl {m['objective/kl']:+.3f} "
@@ -272,25 +313,49 @@ class Logger:
         if not self.master:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(jsonl(m))
         os.makedirs(self.samples, exist_ok=True)
         path = os.path.join(self.samples, f"step-{m['step']:06d}.jsonl")
         with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(jsonl(r) for r in rows)
         os.replace(path + ".tmp", path)
         if self.wandb is not None:
             import wandb
 
-            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
-            self.wandb.log({**m, "eval/samples": table}, step=m["step"])
-        se = m["eval/score_std"] / len(rows) ** 0.5
-        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se:.3f} | kl {m['eval/kl']:+.3f} "
+            self._to_wandb(lambda: {**m, "eval/samples": wandb.Table(columns=list(rows[0]),
+                                                                     data=[list(r.values()) for r in rows])})
+        se = f"{m['eval/score_std'] / len(rows) ** 0.5:.3f}" if len(rows) > 1 else "n/a"  # (one prompt: no spread)
+        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} | kl {m['eval/kl']:+.3f} "
               f"| len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} | {len(rows)} prompts "
               f"| {m['time/eval']:.1f}s", flush=True)
 
+    def state(self):
+        """What a checkpoint keeps of the log: the metrics so far and the wandb run a resumed run continues."""
+        return dict(metrics=self.history, wandb_id=self.wandb_id)
+
     def close(self):
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:  # noqa: BLE001 -- the run is over and metrics.jsonl complete
+                print(f"wandb.finish failed ({type(e).__name__}: {e})", flush=True)
+
+
+def jsonl(m):
+    """A metrics.jsonl line: non-finite numbers as null (json.dumps writes NaN, which JSON has not)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}) + "\n"
+
+
+def read_jsonl(path):
+    """The rows of a metrics.jsonl, the lines that parse: a kill can cut the last one short."""
+    rows = []
+    with open(path, errors="replace") if os.path.isfile(path) else io.StringIO() as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
 
 
 class StopSignal:

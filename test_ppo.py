@@ -25,6 +25,7 @@ import json
 import math
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -4787,8 +4788,6 @@ def test_whiten_two_processes_equals_one(tmp_path):
 def brute_force_advantages(name, score, kl_reward, mask, n, gamma):
     """float64 Python loops: the group baseline (or none) on the sequence score, then A_t = sum_{u >= t}
     gamma^(u-t) r_u with r_u = kl_reward_u + [u last] score'; reinforce_pp then whitens over every token."""
-    import statistics
-
     B, T = mask.shape
     s = [float(x) for x in score]
     if name in ("grpo", "rloo"):
@@ -5091,11 +5090,13 @@ def run_in_terminal(cmd, timeout, **kw):
 
 
 def read_metrics(out_dir):
+    """The rows of out_dir/metrics.jsonl, read as strict JSON (NaN and Infinity are not JSON: a reader in another
+    language refuses the line)."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line, parse_constant=lambda c: pytest.fail(f"{path}: {c} in {line}")) for line in f]
 
 
 def logged_lines(out_dir):
@@ -6364,7 +6365,6 @@ shutil.disk_usage = full_after_the_first_save
 
 
 @slow
-@slow
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_path):
     # --resume=PATH to an earlier checkpoint of out_dir (going back, say, to before a reward bug): the later
     # checkpoints, the export and the later evaluations' rows move aside with a copy of metrics.jsonl. Left in place,
@@ -6372,16 +6372,18 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_
     out = tmp_path / "run"
     kw = dict(save_every=2, keep_checkpoints=3, eval_prompts=tiny_run["eval_prompts"], eval_every=2)
     _, first = run_ppo(tiny_run, out, total_steps=6, **kw)
-    six = folder_bytes(out / "checkpoints" / "step-000006")
+    six, two = folder_bytes(out / "checkpoints" / "step-000006"), samples_of(out, 2)
     p, rows = run_ppo(tiny_run, out, total_steps=5, resume=str(out / "checkpoints" / "step-000002"), **kw)
     aside, = glob.glob(str(out / "after-step-2.old-*"))
     assert f"the later step-000004, step-000006, the export and their metrics moved to {aside}" in p.stdout
     assert sorted(os.listdir(os.path.join(aside, "checkpoints"))) == ["step-000004", "step-000006"]
     assert folder_bytes(os.path.join(aside, "checkpoints", "step-000006")) == six
     assert os.path.isdir(os.path.join(aside, "actor")) and read_metrics(aside) == first
-    assert sorted(os.listdir(os.path.join(aside, "samples"))) == [f"step-00000{k}.jsonl" for k in (2, 4, 6)]
+    assert sorted(os.listdir(os.path.join(aside, "samples"))) == [f"step-00000{k}.jsonl" for k in (4, 6)]
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000002", "step-000004", "step-000005"]  # the branch's
-    assert [(r["step"], "eval/score" in r) for r in rows][-3:] == [(4, True), (5, False), (5, True)]
+    assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True), (3, False),
+                                                              (4, False), (4, True), (5, False), (5, True)]
+    assert rows[3] == first[3] and samples_of(out, 2) == two  # the checkpoint's own evaluation stays with it
     p, _ = run_ppo(tiny_run, out, total_steps=5, resume="auto", **kw)
     assert "resumed from" in p.stdout and "step-000005" in p.stdout
 
@@ -6434,6 +6436,78 @@ def test_logger_cuts_back_an_evaluation_the_history_lacks(tmp_path):
                                                                                               else (1,))]
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage')  # no UTF-8: counted, not decoded
     assert C._holds_a_run(str(tmp_path)).startswith("metrics.jsonl with 2 steps")
+
+
+def test_a_skipped_update_leaves_the_step_metrics_finite(tiny_run, tmp_path):
+    # the step's grad norms and losses averaged every update, a skipped one's NaN too: metrics.jsonl got a bare NaN
+    # (not JSON) and lost the updates that were fine. The finite ones are averaged; a non-finite number is null
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 1}
+    setup = """
+update, calls = ppo.update, [0]
+
+def second_is_nan(*args, **kw):  # the step's 2nd update reports a NaN loss and gradient, as a skipped one does
+    out = update(*args, **kw)
+    calls[0] += 1
+    print("NORM", out["norms"][0].item(), flush=True)
+    if calls[0] == 2:
+        nan = float("nan")
+        out = dict(out, skipped=True, norms=out["norms"] * nan, sums={k: v * nan for k, v in out["sums"].items()})
+    return out
+
+ppo.update = second_is_nan
+"""
+    p = run_script(ppo_script(args, setup))
+    assert p.returncode == 0, p.stderr[-3000:]
+    norms = [float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("NORM")]
+    (row,) = read_metrics(out)  # strict JSON
+    assert len(norms) == 4 and row["val/skipped_updates"] == 1
+    assert row["val/grad_norm_actor"] == pytest.approx(statistics.fmean(norms[:1] + norms[2:]), rel=1e-12)
+    assert all(math.isfinite(row[k]) for k in ("loss/policy_avg", "loss/value_avg", "val/ratio", "policy/clipfrac_avg"))
+    assert runtime.jsonl({"a": float("nan"), "b": -float("inf"), "c": 1.5}) == '{"a": null, "b": null, "c": 1.5}\n'
+
+
+def test_wandb_failing_leaves_the_run_going(monkeypatch, tmp_path, capsys):
+    # wandb.init raising (a server that cannot be reached, after minutes of loading) ended the run; so did a
+    # wandb.log raising mid-run, before that step's checkpoint. init falls back to offline, then to no wandb; a
+    # failing log stops wandb alone, and metrics.jsonl holds every line
+    import ppo
+
+    inits, logged, finished = [], [], []
+
+    class Run:
+        id, step = "abc123", 0
+
+        def log(self, m, step):
+            if len(logged) == 1:
+                raise ConnectionResetError("Connection lost")
+            logged.append(step)
+
+        def finish(self):
+            finished.append(1)
+
+    def init(mode=None, **kw):
+        inits.append((mode, kw["name"], kw["id"]))
+        if mode is None or fails_offline:
+            raise TimeoutError("Timed out")
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    cfg = ppo.Config(out_dir=str(tmp_path / "run"), wandb=True, log_every=100)
+    os.makedirs(cfg.out_dir)
+    for fails_offline in (True, False):
+        log = runtime.Logger(cfg, [], True)
+        assert (log.wandb is None) == fails_offline and inits[-2:] == [(None, "run", None), ("offline", "run", None)]
+    for step in (1, 2, 3):
+        log.log({"step": step, "x": 1.0})
+    log.close()
+    out = capsys.readouterr().out
+    assert "wandb.init failed (TimeoutError: Timed out)" in out and "wandb.init offline failed" in out
+    assert "logging without wandb: metrics.jsonl and samples/ hold every line" in out
+    assert "wandb failed (ConnectionResetError: Connection lost); logging on without it" in out
+    assert logged == [1] and not finished and log.wandb is None and [r["step"] for r in read_metrics(cfg.out_dir)] == [1, 2, 3]
+    assert log.state()["wandb_id"] == "abc123"
 
 
 @slow
@@ -6736,19 +6810,23 @@ def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     with pytest.raises(UsageError, match=re.escape(f"--wandb: no credentials for api.wandb.ai: run `wandb login` (it "
                                                    f"writes {tmp_path / 'netrc'})")):
-        runtime.check_wandb()
+        runtime.check_wandb("ppo")
     (tmp_path / "netrc").write_text("machine example.com login user password pw\n")
     with pytest.raises(UsageError, match="no credentials"):
-        runtime.check_wandb()
+        runtime.check_wandb("ppo")
     (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
-    runtime.check_wandb()
+    runtime.check_wandb("ppo")
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
     with pytest.raises(UsageError, match="no credentials for wandb.example.org"):
-        runtime.check_wandb()
+        runtime.check_wandb("ppo")
     for k, v in (("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled"), ("WANDB_API_KEY", "0123")):
         monkeypatch.setenv(k, v)
-        runtime.check_wandb()
+        runtime.check_wandb("ppo")
         monkeypatch.delenv(k)
+    for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)")):  # wandb.init's own rules
+        with pytest.raises(UsageError, match=re.escape(f"--wandb_project={name!r}: wandb takes at most 128 characters, "
+                                                       f"none of / \\ # ? % : {found}")):
+            runtime.check_wandb(name)
 
 
 def test_resume_compares_data_files_by_content(tmp_path):
@@ -7104,6 +7182,43 @@ def test_wandb_logs_offline(tiny_run, tmp_path):
     assert config["rollout_batch_size"] == TINY_ARGS["rollout_batch_size"] and config["wandb_project"] == "ppo-test"
 
 
+@slow
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                    reason="needs the optional package wandb (pip install wandb), which --wandb imports")
+def test_a_resumed_run_continues_its_wandb_run_and_keeps_its_last_evaluation(tiny_run, tmp_path):
+    # a resumed run started a second, unnamed wandb run; a run extended past its end (--total_steps raised) lost
+    # its last evaluation, written after its checkpoint and no longer due. Now: the same wandb run, named after
+    # out_dir, and the evaluation kept; going back to an earlier checkpoint starts a new wandb run, named so
+    out = tmp_path / "run"
+    kw = dict(wandb=True, wandb_project="ppo-test", save_every=1, eval_prompts=tiny_run["eval_prompts"], eval_every=3,
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+
+    def wandb_runs():  # {folder: (run id, display name, the steps its history logged)}, in the order started
+        runs = {}
+        for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))):
+            records = read_wandb_records(path)
+            (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"][:1]
+            steps = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
+                     for i in r.history.item if ("/".join(i.nested_key) or i.key) == "_step"]
+            runs[os.path.basename(os.path.dirname(path))] = (run.run_id, run.display_name, steps)
+        return list(runs.values())
+
+    run_ppo(tiny_run, out, total_steps=2, **kw)  # evaluations at 0 and 2 (the last step)
+    (first,) = wandb_runs()
+    assert first[1:] == ("run", [0, 1, 2])
+    last_eval = samples_of(out, 2)
+    _, rows = run_ppo(tiny_run, out, total_steps=3, resume="auto", **kw)  # step 2 no longer due: its evaluation kept
+    assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True), (3, False),
+                                                              (3, True)]
+    assert samples_of(out, 2) == last_eval
+    assert wandb_runs()[1] == (first[0], "run", [3])  # the same run, from the step after its last
+    _, rows = run_ppo(tiny_run, out, total_steps=3, resume=str(out / "checkpoints" / "step-000002"), **kw)
+    assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (2, False), (2, True), (3, False),
+                                                              (3, True)]
+    third = wandb_runs()[2]
+    assert third[0] != first[0] and third[1:] == ("run-from-step-2", [3])
+
+
 # -- held-out evaluation, samples, counters, progress bars, slow rewards -----------------------------------
 
 
@@ -7208,8 +7323,6 @@ def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, eva
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
-    import statistics
-
     from reward import sentiment_reward
 
     # a run that evaluates (sampled, every step; the reward in 4 threads; a sample each step; on a terminal) trains
