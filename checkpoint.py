@@ -569,6 +569,10 @@ def check_config(folder, cfg):
         raise UsageError(f"checkpoint {folder} was written before " + ", ".join(f"--{k}" for k in newer) + " existed, "
                          "so its run used the default (or checkpoint.BEFORE_FIELD's value); resuming with another "
                          f"value would change the run. (default, now): {newer}")
+    if cfg.lora_dropout > 0 and saved.get("micro_batch_size", cfg.micro_batch_size) != cfg.micro_batch_size:
+        print0(f"note: --lora_dropout with --micro_batch_size={cfg.micro_batch_size}, where {folder}'s run had "
+               f"{saved['micro_batch_size']}: the dropout masks are drawn per micro-batch (lora.seed_dropout), so the "
+               "resumed run draws others than the uninterrupted one would (the same in distribution)")
     if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps:
         raise UsageError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="

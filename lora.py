@@ -23,8 +23,10 @@ W + (alpha / r) B A, computed in float32 and rounded once (`merge`); with B = 0 
 Dropout (--lora_dropout, default 0 as PPO keeps dropout off) acts on the adapters' input in forwards that build a
 graph (training), never in scoring, generation or evaluation. The first minibatch's ratio is then 1 only at step 1
 (B = 0 there, so the adapters add nothing): later, the clip acts on the dropout's noise too. Its masks
-come from the global RNG, which checkpoints save per rank: a resumed run repeats the uninterrupted one on the same
-number of ranks, but a run with dropout is not invariant to the rank count as a run without it is. ppo.py refuses
+come from the global RNG, which ppo.update seeds before each micro-batch from (seed, step, update, micro-batch,
+rank) (`seed_dropout`): every rank and micro-batch draws its own masks (seeded alike, ranks drew the same ones), and
+a resumed run repeats the uninterrupted one with the same ranks and micro-batch size; with another of either it
+draws other masks, so a run with dropout is not invariant to them as a run without it is. ppo.py refuses
 it with --async_rollout on a GPU: the worker's CUDA-graph recordings mark the default CUDA generator as capturing,
 and its compiles put back the RNG states they found (dynamo's convert_frame), under the training thread's draws.
 
@@ -79,6 +81,16 @@ class LoRALinear(nn.Linear):
         # the adapters in the input's dtype (FSDP2's mixed precision has already cast them; a plain model has not)
         a = F.dropout(x, self.dropout, training=torch.is_grad_enabled()) if self.dropout > 0 else x
         return y + F.linear(F.linear(a, self.lora_A.weight.to(x.dtype)), self.lora_B.weight.to(x.dtype)) * self.scale
+
+
+def seed_dropout(*key):
+    """Seeds the global RNG (CPU and CUDA), which the adapters' dropout draws from, from key (non-negative ints): the
+    masks of a micro-batch are then a function of its key alone, whatever drew before (a resume, the other ranks).
+    The activation-checkpointing recompute draws them again: torch.utils.checkpoint restores the forward's RNG."""
+    h = 0
+    for k in key:
+        h = (h * 1_000_003 + k + 1) % 2**61
+    torch.manual_seed(h)
 
 
 def init_A(shape, generator=None):

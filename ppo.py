@@ -66,7 +66,7 @@ from evaluate import due, evaluate, load_eval_prompts
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once, save_hf
-from lora import TARGETS, LoRAConfig
+from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller, python_name
@@ -200,8 +200,7 @@ LIMITS = {
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
              "eval_temperature", "lora_rank"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
-    "in [0, 1)": ("lora_dropout",),
-    "in [0, 1]": ("gamma", "lam"),
+    "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
 IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
@@ -240,11 +239,12 @@ def derive(cfg, rank, W, device):
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
          "--ptx_coef > 0, or leave --sft_data out")
-    need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0,
-         f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
+    need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0, f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
     need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
+    idle = [f"--{k}" for k in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(cfg, k) != getattr(Config, k)]
+    need(cfg.lora_rank or not idle, f"{', '.join(idle)} set without --lora_rank: LoRA is off, so they would do nothing")
     for k in ("is_band", "is_seq_band"):
         lo, hi = getattr(cfg, k)
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
@@ -292,9 +292,7 @@ def response_labels(mb):
 def policy_forward(actor, mb, temperature, ref=None):
     """logp and entropy (B, R) of the actor; with `ref` also ref_logp and the exact kl to it.
     float32, 0 off the response. The reference is frozen: no gradient flows into it."""
-    P = mb["P"]
-    labels = response_labels(mb)
-    kw = {}
+    P, labels, kw = mb["P"], response_labels(mb), {}
     if ref is not None:
         with torch.no_grad():
             ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)  # (B, T, H)
@@ -401,11 +399,14 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)
 
 
-def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs):
+def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
     """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
-    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips it."""
+    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips it.
+    key: (step, update of the step), which with the micro-batch and the rank keys --lora_dropout's masks."""
     sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
-    for _, mb in micro_batches(batch, rows, run.local_micro):
+    for i, (_, mb) in enumerate(micro_batches(batch, rows, run.local_micro)):
+        if cfg.lora_dropout > 0:
+            seed_dropout(cfg.seed, *key, i, run.rank)
         actor_loss, critic_loss, st = ppo_losses(m["actor"], m.get("critic"), mb, cfg, n_tokens, run.world, m["ref"])
         (actor_loss if critic_loss is None else actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
@@ -532,7 +533,7 @@ def main(cfg: Config, reward_fn=None):
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
                 for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
                     ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
-                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx))
+                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, key=(step, len(updates))))
                     bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
                     if bad_in_a_row >= cfg.max_bad_updates:
                         raise FloatingPointError(

@@ -6758,6 +6758,8 @@ def test_every_number_is_checked_against_its_range():
     for match, kw in [("--prompt_key must not be empty", dict(prompt_key="")),
                       ("--prompt_key and --messages_key must differ", dict(messages_key="prompt")),
                       ("--wandb_project must not be empty", dict(wandb=True, wandb_project=" ")),
+                      ("--lora_dropout, --lora_targets set without --lora_rank: LoRA is off, so they would do nothing",
+                       dict(lora_dropout=0.1, lora_targets=("q_proj",))),
                       ("--dtype must be one of ['auto', 'bf16', 'fp32'], not 'fp16'", dict(dtype="fp16")),
                       ("--resume=/no/such/run: no such folder", dict(resume="/no/such/run"))]:
         with pytest.raises(UsageError, match=re.escape(match)):
@@ -7768,6 +7770,46 @@ def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
     models = {k.split(".", 1)[0] for k in keys if not k.split(".", 1)[0].endswith("_optim")}
     saved = {k for k in keys if k.split(".", 1)[0] in models}
     assert models == {"actor", "critic"} and saved and all(".lora_" in k or k.startswith("critic.score.") for k in saved), saved
+
+
+@slow
+def test_lora_dropout_masks_are_keyed_per_rank_and_micro_batch(tiny_run, tmp_path):
+    # the masks came from the global RNG, seeded alike on every rank: under GRPO (nothing draws on one rank alone)
+    # the ranks drew the same masks for different rows. Seeded per (seed, step, update, micro-batch, rank), every
+    # rank and micro-batch draws its own, and a resumed run (another micro-batch size is named) still repeats
+    hooked = tmp_path / "hooked.py"
+    hooked.write_text(f"""
+import hashlib, os, sys
+sys.path.insert(0, {REPO!r})
+import torch.nn.functional as F
+drop, seen = F.dropout, []
+
+def recorded(x, p=0.5, training=True, inplace=False):
+    y = drop(x, p, training, inplace)
+    if training:
+        seen.append(hashlib.sha256((y == 0).numpy().tobytes()).hexdigest())
+    return y
+
+F.dropout = recorded
+import ppo
+status = ppo.command_line()
+with open(os.path.join({str(tmp_path)!r}, "masks-" + os.environ.get("RANK", "0")), "w") as f:
+    f.write("\\n".join(seen))
+sys.exit(status)
+""")
+    kw = dict(lora_rank=4, lora_dropout=0.3, advantage_estimator="grpo", samples_per_prompt=2, total_steps=2)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
+    p = run_torchrun([str(hooked), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "two"}.items())])
+    assert p.returncode == 0, p.stderr[-3000:]
+    masks = [(tmp_path / f"masks-{r}").read_text().split() for r in (0, 1)]
+    assert len(masks[0]) == len(masks[1]) > 0 and not set(masks[0]) & set(masks[1])
+    assert len(set(masks[0])) == len(masks[0])  # and no micro-batch, update or step repeats another's
+    _, full = run_ppo(tiny_run, tmp_path / "one", save_every=1, **kw)
+    run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)
+    assert_same_run(tmp_path / "one", full, tmp_path / "part", resumed)
+    p, _ = run_ppo(tiny_run, tmp_path / "part", resume="auto", **dict(kw, total_steps=3, micro_batch_size=1))
+    assert "draws others than the uninterrupted one would" in p.stdout
 
 
 # ==================================================================================================
