@@ -45,6 +45,7 @@ and the refill would become a broadcast of theta_k over NCCL from the training r
 at the same step boundary by every rank of both groups; the keyed noise and the checkpointed pending batch stay as
 they are.
 """
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -96,13 +97,16 @@ class Rollouts:
         self.m, self.prompts, self.sampler, self.cfg, self.run = m, prompts, sampler, cfg, run
         self.stop_ids, self.pad_id, self.generate = stop_ids, pad_id, generate
         self.next, self.pool, self.stream, self.metrics = None, None, None, {}
-        if cfg.async_rollout:
+
+    def _start(self):
+        """The worker thread (and its CUDA stream), at the first job: a run that fails before it starts none."""
+        if self.pool is None:
             threads = torch.get_num_threads()
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout", initializer=self._init_worker)
             self.pool.submit(lambda: None).result()  # the worker exists and has set its threads
             torch.set_num_threads(threads)  # also the default of threads started later (autograd's, gloo's): the main's
-            if run.device.type == "cuda":
-                self.stream = torch.cuda.Stream(run.device)
+            if self.run.device.type == "cuda":
+                self.stream = torch.cuda.Stream(self.run.device)
 
     def _init_worker(self):
         if self.run.device.type == "cuda":
@@ -133,9 +137,10 @@ class Rollouts:
         job["end"] = time.time()
 
     def _submit(self, job, fn):
+        self._start()
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.run.device))  # the weights just copied into gen
-        job["future"] = self.pool.submit(self._work, job, fn)
+        job["fn"], job["future"] = fn, self.pool.submit(self._work, job, fn)
         return job
 
     def _launch(self, step, lag):
@@ -143,9 +148,22 @@ class Rollouts:
         return self._submit(dict(rows=rows, seeds=seeds, lag=lag, step=step), lambda: self._generate(rows, seeds, step))
 
     def _wait(self, job):
+        """Waits for job's batch. One that failed on the worker (out of memory beside training, say) is generated
+        again there once, now that nothing trains: from the same copy of the weights (refilled only after this) and
+        with the same keys, so the same batch; a second failure is raised, with the step it was for."""
         if "future" in job:
             job["waited"] = time.time()  # from here on the main thread waits for it
-            job.pop("future").result()  # re-raises what the worker raised
+            what = f"step {job['step']}'s batch" if "step" in job else "an evaluation's generation"
+            try:
+                job.pop("future").result()  # re-raises what the worker raised
+            except Exception as e:  # noqa: BLE001 -- any failure: retried once, then raised as it was
+                print(f"rank {self.run.rank}: --async_rollout: {what} failed on the worker ({type(e).__name__}: "
+                      f"{str(e)[:300]}); generating it again", flush=True)
+                try:
+                    self.pool.submit(self._work, job, job["fn"]).result()
+                except Exception as again:
+                    again.add_note(f"--async_rollout: {what}, generated on the worker thread (twice)")
+                    raise
             if self.stream is not None:
                 cur = torch.cuda.current_stream(self.run.device)
                 cur.wait_stream(self.stream)
@@ -159,7 +177,7 @@ class Rollouts:
         now from the actor's weights. Async: drawn during the previous step; the generation copy is then refilled
         from the actor and the next step's batch launched. Sets self.metrics (async only)."""
         gen, actor = self.m["gen"], self.m["actor"]
-        if self.pool is None:
+        if not self.cfg.async_rollout:
             rows, seeds = self._draw(step)
             gen.copy_weights_from(actor)  # gathers the sharded actor
             return rows, self._generate(rows, seeds, step)
@@ -180,6 +198,8 @@ class Rollouts:
         its compiled decode replays the rollouts' CUDA graphs: inductor's cudagraph trees keep a manager and a memory
         pool per thread (cudagraph_trees.get_container), and a second thread would record every graph again into a
         second pool, beside the one --dry_run plans. On a CPU it stays on the main thread, which has the cores."""
+        if self.cfg.async_rollout and self.run.device.type == "cuda":
+            self._start()  # (an evaluation before the first step: the worker that will run every rollout)
         if self.stream is None:
             return self.generate(*args, **kwargs)
         return self._wait(self._submit({}, lambda: self.generate(*args, **kwargs)))["ro"]
@@ -204,6 +224,8 @@ class Rollouts:
         self.next = dict(rows=rows, ro=ro, lag=state["lag"])
 
     def close(self):
-        """Waits for a batch still generating, and ends the worker."""
+        """Ends the worker. Nothing generates after a run's last step (its checkpoint waited for the batch drawn
+        ahead); while an exception propagates, a batch still generating is not waited for, so that the error shows
+        at once, not after a rollout (the worker ends when that generation does, its batch dropped)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)

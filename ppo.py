@@ -574,8 +574,8 @@ def main(cfg: Config, reward_fn=None):
             print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): exporting its actor again")
             export()
     finally:
-        rollouts.close()
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
+        rollouts.close()
         release()  # out_dir/.lock (a run killed before this point leaves a stale lock: the next run takes it over)
     log.close()
     dist.barrier()  # no rank leaves while another still talks to it

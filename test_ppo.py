@@ -5783,6 +5783,75 @@ ppo.due, ppo.generate = due_and_told, held
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@slow
+def test_async_rollout_worker_failures_are_retried_then_named(tiny_run, tmp_path):
+    # a batch drawn ahead that failed on the worker (out of memory beside training, say) was raised at the next
+    # take, or in the checkpoint of a step that had trained fine: the last step's draw, for a step never trained,
+    # lost the run's final checkpoint and export. It is generated again once, the same batch (the same copy of the
+    # weights, the same keys); a second failure is raised naming the step it was for
+    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "total_steps": 3,
+            "async_rollout": True, "save_every": 1}
+    setup = """
+import os
+generate, calls = ppo.generate, []
+fail = {int(k) for k in os.environ["FAIL_CALLS"].split(",")}
+
+def failing(*args, **kw):  # the worker's calls in FAIL_CALLS raise (call k draws step k's batch)
+    calls.append(1)
+    if len(calls) in fail:
+        raise RuntimeError(f"simulated out of memory in call {len(calls)}")
+    return generate(*args, **kw)
+
+ppo.generate = failing
+"""
+    once = tmp_path / "once"
+    p = run_script(ppo_script({**args, "out_dir": str(once)}, setup), env={"FAIL_CALLS": "4"})  # step 4's: after 3
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ("rank 0: --async_rollout: step 4's batch failed on the worker (RuntimeError: simulated out of memory in "
+            "call 4); generating it again") in p.stdout
+    assert without_measured(read_metrics(once)) == without_measured(plain)
+    assert os.path.isdir(once / "checkpoints" / "step-000003") and os.path.isdir(once / "actor")
+    p = run_script(ppo_script({**args, "out_dir": str(tmp_path / "twice")}, setup), env={"FAIL_CALLS": "3,4"})
+    assert p.returncode != 0 and "simulated out of memory in call 4" in p.stderr
+    assert "--async_rollout: step 3's batch, generated on the worker thread (twice)" in p.stderr
+    assert sorted(os.listdir(tmp_path / "twice" / "checkpoints")) == ["step-000001"]  # (step 2's holds step 3's batch)
+
+
+@slow
+def test_async_rollout_error_on_the_main_thread_shows_at_once(tiny_run, tmp_path):
+    # the reward raising while the worker draws the next batch: main() waited for that whole generation (minutes on
+    # a real run) before the error left it. Now it leaves at once; the worker ends when its generation does
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "r"),
+            "total_steps": 3, "async_rollout": True}
+    setup = """
+import time
+import reward
+generate, calls = ppo.generate, []
+
+def slow_third(*args, **kw):  # step 3's batch, drawn during step 2, takes 8 s more
+    calls.append(1)
+    out = generate(*args, **kw)
+    if len(calls) == 3:
+        time.sleep(8)
+        print("GENERATED", time.time(), flush=True)
+    return out
+
+def fails_in_step_2(record, response):
+    if len(calls) == 3:
+        raise RuntimeError("the judge is down")
+    return reward.sentiment_reward(record, response)
+
+ppo.generate = slow_third
+try:
+"""
+    script = ppo_script(args, setup, reward_fn="fails_in_step_2").replace("\nppo.main(", "\n    ppo.main(")
+    p = run_script(script + 'except RuntimeError as e:\n    print("RAISED", time.time(), e, flush=True)\n')
+    lines = {line.split()[0]: float(line.split()[1]) for line in p.stdout.splitlines()
+             if line.startswith(("RAISED", "GENERATED"))}
+    assert "the judge is down" in p.stdout and lines["RAISED"] < lines["GENERATED"] - 4, p.stdout[-2000:]
+
+
 def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
     # ended at different steps and one that never ended
