@@ -124,8 +124,8 @@ class ModelConfig:
         if mt not in SUPPORTED:
             raise UsageError(f"unsupported architecture {mt!r} ({getattr(hf, 'architectures', None)}); "
                              f"supported: {sorted(SUPPORTED)}")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise UsageError(f"unsupported hidden_act {hf.hidden_act!r}: only silu")
+        if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # (transformers' ACT2FN: the same function)
+            raise UsageError(f"unsupported hidden_act {hf.hidden_act!r}: only silu (swish)")
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
