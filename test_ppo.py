@@ -3043,7 +3043,7 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
             rows = aot.compile_report(aot.TRITON_DTYPES.get(name, torch.bfloat16), 16383, 4096, 128256, wide, wide,
                                       only="logprob+entropy fwd" if wide else None)
             return [{f: r[f] for f in ("kernel", "hgmma", "ldgsts", "local_in_loops", "local_in_inner", "shared",
-                                       "stages", "problems")}
+                                       "stages", "problems", "i32_offsets")}
                     for r in rows]
 
         assert aot.available(), "this Triton has no JIT binder in triton.runtime.jit"
@@ -3066,6 +3066,7 @@ def test_kernels_compile_for_h100_at_the_default_tiles():
             allowed = {("bf16", "score fwd"): 16, ("bf16", "kl fwd"): 24}.get((dt, r["kernel"]), 0)
             assert r["local_in_loops"] <= allowed, (dt, r)
             assert r["ldgsts"] > 0, (dt, r)  # the operand loads are asynchronous copies: pipelined
+            assert r["i32_offsets"] == 0, (dt, r)  # every pointer offset in 64 bits: row x stride passes 2^31
             assert (r["hgmma"] > 0) == (dt == "bf16"), (dt, r)  # bf16: wgmma; fp32: exact FMAs ("ieee")
     assert rows["wide"][0]["local_in_loops"] > 0 and "spill accesses in loops" in rows["wide"][0]["problems"][0]
 
@@ -5197,13 +5198,14 @@ def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
     transformers.AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
     sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "response": "a good day"} for p in TINY_PROMPTS])
     _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, reward_model=str(rm_dir), kl_loss_coef=0.1,
-                      sft_data=sft, ptx_coef=0.5, kl_estimator="k3", use_absolute_kl=True, score_clip=0.5,
+                      sft_data=sft, ptx_coef=0.5, kl_estimator="k1", use_absolute_kl=True, score_clip=0.5,
                       non_stop_penalty=-1.0, activation_checkpointing="on")
     assert len(rows) == 2
     for m in rows:
         assert all(v == v and abs(v) != float("inf") for v in m.values())  # finite
         assert m["loss/ptx_avg"] > 0
-        assert m["objective/kl"] >= 0  # |k3|
+        assert m["objective/kl"] >= abs(m["objective/kl_k1"])  # sum |k1_t| against |sum k1_t|
+    assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] > abs(rows[1]["objective/kl_k1"])  # k1 < 0 somewhere
 
 
 # -- the loss: micro-batches, ranks and NaN in masked slots --------------------------------------
@@ -5515,6 +5517,16 @@ def test_ppo_losses_hand_computed(monkeypatch):
     a0, c0, st0 = ppo.ppo_losses(None, None, mb, cfg, n_tokens=10, world=2)
     assert c0 is None and a0.item() == actor_loss.item() and "value_loss" not in st0 and "vf_clipfrac" not in st0
     assert all(torch.equal(st0[k], st[k]) for k in st0)
+    # a sampler other than pi_old: each policy term carries its weight (tis, cap 2: 3 -> 2), the entropy term none
+    w_raw, w = [0.5, 3.0, 1.0, 1.25, 0.8], [0.5, 2.0, 1.0, 1.25, 0.8]
+    logp.grad = None
+    off = dict(mb, sampler_logp=torch.tensor([[-math.log(x) for x in w_raw] + [nan]]))  # r = exp(old - sampler)
+    a1, _, st1 = ppo.ppo_losses(None, critic, off, cfg, n_tokens=10, world=2)
+    assert a1.item() == pytest.approx((sum(x * y for x, y in zip(w, pg)) - 0.1 * 7.5) * scale, rel=1e-6)
+    assert st1["entropy"].item() == pytest.approx(7.5)
+    a1.backward()
+    torch.testing.assert_close(logp.grad[0], torch.tensor([x * y for x, y in zip(w, g_pg)] + [0.0]) * scale,
+                               rtol=1e-5, atol=1e-7)
 
     # the dual clip binding: A = -1, r = 5: max(5, 0.8) = 5, above -c A = 3, so 3 with gradient 0
     logp1 = torch.tensor([[math.log(5.0)]], requires_grad=True)
@@ -5682,6 +5694,13 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     # 24 prompts, 8 a step: prompts consumed over all ranks, and passes over the file
     assert [(r["episode"], r["epoch"]) for r in resumed] == [(0, 0.0), (8, 8 / 24), (16, 16 / 24), (16, 16 / 24),
                                                              (24, 24 / 24), (32, 1 + 8 / 24), (32, 1 + 8 / 24)]
+    import ppo
+
+    ctl = gae.AdaptiveKLController(ppo.Config.kl_coef, 1.0, 100)  # beta follows each step's logged KL, 8 rows
+    for r in [r for r in full if "objective/kl" in r]:
+        assert r["objective/kl_coef"] == ctl.value and r["objective/non_score_reward"] == -ctl.value * r["objective/kl"]
+        ctl.update(r["objective/kl"], 8)
+    assert ctl.value != ppo.Config.kl_coef
 
 
 # -- one-step asynchronous rollouts ------------------------------------------------------------------------------

@@ -165,13 +165,16 @@ def machine_code_report(compiled) -> dict:
         hgmma=len(re.findall(r"\bHGMMA\b", sass)), ldgsts=len(re.findall(r"\bLDGSTS\b", sass)),
         local=len(re.findall(r"\b(?:LDL|STL)\b", sass)), local_in_loops=in_loops["loops"],
         local_in_inner=in_loops["inner"], loop_instructions=in_loops["instructions"],
+        # pointer offsets computed in 32 bits (Triton IR): row x stride wraps past 2^31 elements (Llama-3's head at
+        # 16k rows is 2.1e9 logits), so every offset is widened to 64 bits first
+        i32_offsets=len(re.findall(r"tt\.addptr [^\n]*\bi32>?\s+loc\(", compiled.asm["ttir"])),
     )
 
 
 def problems(r: dict, dtype: torch.dtype, stages: int) -> list:
     """What would cost speed on the GPU: spills inside the innermost loops, or more than SPILL_SHARE of the
     instructions inside loops (see loop_local_accesses), too much shared memory, dots off the tensor cores
-    (bf16), loads outside the software pipeline."""
+    (bf16), loads outside the software pipeline, pointer offsets that could wrap (32 bits)."""
     out = []
     if r["local_in_inner"]:
         out.append(f"{r['local_in_inner']} spill accesses in innermost loops")
@@ -184,6 +187,8 @@ def problems(r: dict, dtype: torch.dtype, stages: int) -> list:
         out.append("no HGMMA")
     if stages > 1 and r["ldgsts"] == 0:
         out.append("loads not pipelined")
+    if r["i32_offsets"]:
+        out.append(f"{r['i32_offsets']} pointer offsets in 32 bits")
     return out
 
 

@@ -205,9 +205,9 @@ def _kl_bwd_kernel(
                      stride_rhn, stride_rhh, stride_rwv, stride_rwh,
                      BLOCK_N, BLOCK_V, BLOCK_H, REF_DOT_PRECISION, REF_UPCAST) * scale
     m = tl.load(norm_ptr + rows, mask=row_ok, other=0.0)
-    log_s = tl.load(norm_ptr + N + rows, mask=row_ok, other=0.0)
-    mr = tl.load(norm_ptr + 2 * N + rows, mask=row_ok, other=0.0)
-    log_sr = tl.load(norm_ptr + 3 * N + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(norm_ptr + (N + rows), mask=row_ok, other=0.0)
+    mr = tl.load(norm_ptr + (2 * N + rows), mask=row_ok, other=0.0)
+    log_sr = tl.load(norm_ptr + (3 * N + rows), mask=row_ok, other=0.0)
     kl = tl.load(kl_ptr + rows, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)  # per-token vector, not a scalar
 
@@ -553,14 +553,14 @@ def _score_bwd_kernel(
     zr = logits_tile(rh_ptr, rw_ptr, rows, cols, row_ok, col_ok, RH,
                      stride_rhn, stride_rhh, stride_rwv, stride_rwh,
                      BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
-    mr = tl.load(norm_ptr + 2 * N + rows, mask=row_ok, other=0.0)
-    log_sr = tl.load(norm_ptr + 3 * N + rows, mask=row_ok, other=0.0)
+    mr = tl.load(norm_ptr + (2 * N + rows), mask=row_ok, other=0.0)
+    log_sr = tl.load(norm_ptr + (3 * N + rows), mask=row_ok, other=0.0)
     logq = tl.where(col_ok[None, :], (zr - mr[:, None]) - log_sr[:, None], 0.0)
     z = logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H,
                     stride_hn, stride_hh, stride_wv, stride_wh,
                     BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST) * scale
     m = tl.load(norm_ptr + rows, mask=row_ok, other=0.0)
-    log_s = tl.load(norm_ptr + N + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(norm_ptr + (N + rows), mask=row_ok, other=0.0)
     ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
     kl = tl.load(kl_ptr + rows, mask=row_ok, other=0.0)
     labels = tl.load(label_ptr + rows, mask=row_ok, other=-1)
