@@ -3309,9 +3309,11 @@ def test_compile_report_counts_spills_inside_loops_only():
     """
     # the K loop 0x20-0x30 inside the tile loop 0x10-0x60: its two spill accesses are once a tile, not a K step
     assert loop_local_accesses(nested) == dict(loops=2, inner=0, instructions=6)
-    report = dict(local_in_loops=2, local_in_inner=0, loop_instructions=6, shared=0, hgmma=1, ldgsts=1)
+    report = dict(local_in_loops=2, local_in_inner=0, loop_instructions=6, shared=0, hgmma=1, ldgsts=1, i32_offsets=0)
     assert problems(report, torch.bfloat16, 2) == ["2 spill accesses in loops (33.3% of their instructions)"]
     assert problems({**report, "loop_instructions": 200}, torch.bfloat16, 2) == []
+    assert problems({**report, "loop_instructions": 200, "i32_offsets": 2}, torch.bfloat16, 2) == [
+        "2 pointer offsets in 32 bits"]
     assert problems({**report, "local_in_inner": 1, "loop_instructions": 200}, torch.bfloat16, 2) == [
         "1 spill accesses in innermost loops"]
 
