@@ -259,8 +259,8 @@ def vs_commit(ref="6881525", steps=3, rounds=1, dtype="fp32"):
     this checkout and in commit `ref` (git archive into a temporary folder), each run a fresh process, alternating
     and taking turns to go first. The two draw different samples (sampling changed since), so the comparison is per
     response token: the median over steps 2..steps of step time / response tokens. ref's own flags only: the
-    current code also decodes in micro-batches of 4 (--inference_micro_batch_size, which ref lacks, uses the
-    micro-batch size there). The runs' output goes to a log in the temporary folder (its path is printed)."""
+    current code also scores in micro-batches of 4 (--inference_micro_batch_size, which ref lacks: it scores in
+    --micro_batch_size's). The runs' output goes to a log in the temporary folder (its path is printed)."""
     here = os.path.dirname(os.path.abspath(__file__))
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps a run, {rounds} round(s), "
@@ -344,20 +344,17 @@ def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=N
     (--is_correction=tis: the sampler's numerics, and with async the update it lags by). The bound of a perfect overlap is max(rollout, score + train) of the sync step.
     On CUDA (a GPU present: ppo.main runs there) the variants are sync and async, the generation on its own stream.
     model: another policy for every workload (the GPU runbook passes random weights of SmolLM2's shapes)."""
-    import platform
-
     cuda = torch.cuda.is_available()
     workloads = (workloads,) if isinstance(workloads, str) else tuple(workloads)
     variants = ("sync", "async") if variants is None and cuda else tuple(ASYNC_VARIANTS) if variants is None else \
         (variants,) if isinstance(variants, str) else tuple(variants)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    bf16 = "AVX512-BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "no AVX512-BF16"
-    device = f"GPU {torch.cuda.get_device_name()}" if cuda else f"CPU {cpu} ({bf16}), {torch.get_num_threads()} cores"
+    from model import cpu_has_bf16
+
+    dtype = "bf16" if cuda or cpu_has_bf16() else "fp32"  # what --dtype=auto, the workloads' dtype, resolves to
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {device}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
-          f"model {model or 'smollm2'}, {steps} steps a run, {rounds} round(s); load average at the start "
-          f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}", flush=True)
+    print(f"torch {torch.__version__}, {_machine()}, {dtype}, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, model {model or 'smollm2'}, {steps} steps a run, {rounds} "
+          f"round(s); load average at the start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}", flush=True)
     keys = ["time/rollout", "time/score", "time/train", "time/step", "time/rollout_overlap", "val/mismatch_k3",
             "val/is_clipfrac"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -411,7 +408,8 @@ def _machine():
                platform.processor())
     flags = open("/proc/cpuinfo").read()
     kind = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512, no BF16" if "avx512f" in flags else "AVX2"
-    return f"CPU {cpu} ({kind}), {torch.get_num_threads()} cores"
+    code = torch.backends.cpu.get_cpu_capability()  # what ATen runs: ATEN_CPU_CAPABILITY=avx2 holds AVX-512 back
+    return f"CPU {cpu} ({kind}; ATen's code: {code}), {torch.get_num_threads()} cores"
 
 
 def lora_generation(ranks=(16, 64), batch=16, new_tokens=24, rounds=3, dtypes=("fp32", "bf16")):
@@ -595,7 +593,8 @@ def _matmul_flops(name, shapes):
     if name in ("bmm", "baddbmm"):
         a, b = shapes[-2:]
         return 2 * math.prod(a) * b[2]
-    (B, H, L, E), S = shapes[0], shapes[1][2]  # q (B, H, L, E), k (B, Hkv, S, E)
+    # forward (q, k, v, ...), backward (grad_out, q, k, v, ...): q and grad_out (B, H, L, E), k (B, Hkv, S, E)
+    (B, H, L, E), S = shapes[0], shapes[1 if name.endswith("_cpu") else 2][2]
     return (4 if name.endswith("_cpu") else 10) * B * H * L * S * E  # backward: recomputes QK^T, 4 products more
 
 
@@ -681,11 +680,12 @@ def _is_operand(m):
 
 def _isolated_time(func, meta, kwargs, pool):
     """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
-    (views into `pool`, up to 16 copies filling it) so that they come from memory, as the model's weights do, not
-    from the cache."""
+    (views into `pool`, up to 64 copies filling it: 16 of a block's weights fit in some L3 caches) so that they come
+    from memory, as the model's weights do, not from the cache. The median of the calls timed one by one: a
+    neighbour's burst, which a mean would spread over every layout, stays out of it."""
     extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if _is_operand(m)]
     per_copy = sum(extents) or 1
-    copies = max(1, min(16, pool.numel() // per_copy))
+    copies = max(1, min(64, pool.numel() // per_copy))
 
     def operands(c):  # copy c: its tensors side by side from pool[c * per_copy]
         out, offset = [], c * per_copy
@@ -704,11 +704,12 @@ def _isolated_time(func, meta, kwargs, pool):
     sets = [operands(c) for c in range(copies)]
     for args in sets[:2]:
         func(*args, **kwargs)
-    reps = max(3, copies)
-    t = time.perf_counter()
-    for i in range(reps):
+    times = []
+    for i in range(max(5, copies)):
+        t = time.perf_counter()
         func(*sets[i % copies], **kwargs)
-    return (time.perf_counter() - t) / reps
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _phases_run(mode, out_dir, steps, dtype, threads, prompts=None):
@@ -790,8 +791,9 @@ def cpu_phases(steps=3, dtype="fp32", threads=None, default_steps=16, default_ev
         kernel = wall * sys_ / max(user + sys_, 1e-9)
         rest = wall - mm_s - kernel
         per[label] = (wall, mm_s, kernel, rest)
+        odd = " (matmuls alone slower than the phase: load during the timing? run again)" if mm_s > wall else ""
         print(f"| {label} | {wall:.2f} | {mm_s:.2f} | {flops / 1e9:,.0f} | {flops / 1e9 / max(mm_s, 1e-9):,.0f} | "
-              f"{kernel:.2f} | {faults / 1e6:.2f} M | {rest:.2f} | {rest / max(wall, 1e-9):.0%} |")
+              f"{kernel:.2f} | {faults / 1e6:.2f} M | {rest:.2f} | {rest / max(wall, 1e-9):.0%}{odd} |")
     later = [sum(per[k][i] for k in ("rollout", "score", "train", "step rest") if k in per) for i in range(4)]
     print(f"| later step | {later[0]:.2f} | {later[1]:.2f} | | | {later[2]:.2f} | | {later[3]:.2f} | "
           f"{later[3] / max(later[0], 1e-9):.0%} |")
@@ -991,14 +993,17 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
 
     device = model.lm_head_weight.device
     cfg = model.config
+    head = model.lm_head_weight
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cpu":  # the decode reads rollout.head_weight's float32 copy of the head (tied or not)
+        w_bytes += head.numel() * (rollout.head_weight(model).element_size() - head.element_size())
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
     picked = M.cpu_matmul()
     both = device.type == "cpu" and model.lm_head_weight.dtype in M.onednn_dtypes()
     kernels = ("mkl", "onednn") if both else (picked,)
-    which = (f"CPU vendor {M.cpu_vendor()}: model.cpu_matmul() picks {picked}, the kernel of 'agree' and 'ours "
+    which = (f"{_machine()}: model.cpu_matmul() picks {picked}, the kernel of 'agree', 'speedup' and 'ours "
              "decode', in the rollout's layout" if device.type == "cpu"
              else "'ours decode' is the compiled step's (CUDA graphs)" if compile else "'ours decode' is the eager step's")
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
@@ -1051,7 +1056,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
         differ = (outs[rollouts] != outs["transformers"])[:, P:]  # (B, new_tokens)
         same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
         comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
-        speedup = max(v for k, v in tps.items() if k != "transformers") / tps["transformers"]
+        speedup = tps[timed] / tps["transformers"]  # the rollout's own variant, not the best of them
         print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:15.1f}" for n in variants)
               + f" {comp} {speedup:6.2f}x {same:6.0%} {decode:11.1f} {roof:6.1f} {decode / roof:9.0%}", flush=True)
 

@@ -7896,6 +7896,9 @@ def test_cpu_phases_counts_matmuls():
     (phase, func, meta, kw), n = next(iter(log.calls.items()))
     assert phase == "linear" and n == 1
     assert 0 < bench._isolated_time(func, meta, dict(kw), torch.randn(1 << 16)) < 1
+    # the flash backward (grad_out, q, k, v, ...) recomputes QK^T: 10 B H L S E, S the keys' length (not the queries')
+    shapes = [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8)]
+    assert bench._matmul_flops("_scaled_dot_product_flash_attention_for_cpu_backward", shapes) == 10 * 2 * 4 * 16 * 20 * 8
 
 
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
