@@ -282,9 +282,9 @@ def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
     scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
     boolean-index positions. Forward: the vocab-split statistics (4, splits, N) float32. Backward, at its largest
-    moment (a chunk's dh GEMM): dz (N, vocab chunk) in the compute dtype, dh in float32 and the GEMM's float32
-    (N, H) product, the chunk's (chunk, H) W - c (utils.shared_row; the dW product of the chunk, as large, comes
-    after it); dW (V, H) is the LM head's gradient and counted as the root's. kl: the one pass over both heads
+    moment: dz (N, vocab chunk) in the compute dtype, dh in float32 (the GEMM adds into it: utils.addmm_f32), a
+    (chunk, H) operand (the chunk's dW product; before it W - c, for a head with a shared column: utils.shared_row);
+    dW (V, H) is the LM head's gradient and counted as the root's. kl: the one pass over both heads
     (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the reference's hidden states,
     its max and log-sum and the KL, keeps 8 planes of statistics, and has the same backward (one dz for all three
     losses; a frozen head, with LoRA, has no dW and the same scratch)."""
@@ -295,7 +295,7 @@ def head_bytes(N, H, V, cb=2, kl=False):
     if kl:
         saved += N * (cb * H + 12)
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
-    return saved, fwd, N * vc * cb + N * H * 8 + vc * H * cb
+    return saved, fwd, N * vc * cb + N * H * 4 + vc * H * cb
 
 
 # -----------------------------------------------------------------------------
