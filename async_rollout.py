@@ -45,8 +45,10 @@ and the refill would become a broadcast of theta_k over NCCL from the training r
 at the same step boundary by every rank of both groups; the keyed noise and the checkpointed pending batch stay as
 they are.
 """
+import gc
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -153,12 +155,16 @@ class Rollouts:
         with the same keys, so the same batch; a second failure is raised, with the step it was for."""
         if "future" in job:
             job["waited"] = time.time()  # from here on the main thread waits for it
-            what = f"step {job['step']}'s batch" if "step" in job else "an evaluation's generation"
+            what, failed = f"step {job['step']}'s batch" if "step" in job else "an evaluation's generation", None
             try:
                 job.pop("future").result()  # re-raises what the worker raised
             except Exception as e:  # noqa: BLE001 -- any failure: retried once, then raised as it was
-                print(f"rank {self.run.rank}: --async_rollout: {what} failed on the worker ({type(e).__name__}: "
-                      f"{str(e)[:300]}); generating it again", flush=True)
+                failed = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.clear_frames(e.__traceback__)  # the failed attempt's KV cache, held by its frames, freed
+            if failed is not None:
+                gc.collect()
+                print(f"rank {self.run.rank}: --async_rollout: {what} failed on the worker ({failed}); generating "
+                      "it again", flush=True)
                 try:
                     self.pool.submit(self._work, job, job["fn"]).result()
                 except Exception as again:

@@ -373,14 +373,19 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
     the reward model alone has are allowed (an added pad), the EOS is the same, and both split TOKENIZER_PROBE
     alike (the same vocabulary under another normalizer or pre-tokenizer would not). The error names what differs."""
     other = load_tokenizer(reward_path)
-    mine, theirs = ({i: t for t, i in tok.get_vocab().items()} for tok in (tokenizer, other))
+    mine, theirs = {}, {}  # id -> the strings of that id (a vocabulary may give one id several)
+    for tok, by_id in ((tokenizer, mine), (other, theirs)):
+        for t, i in tok.get_vocab().items():
+            by_id[i] = by_id.get(i, ()) + (t,)
+    mine, theirs = ({i: tuple(sorted(ts)) for i, ts in d.items()} for d in (mine, theirs))
+    name = lambda ts: "none" if not ts else repr(ts[0]) if len(ts) == 1 else repr(list(ts))  # noqa: E731
     special = [{i for i, t in tok.added_tokens_decoder.items() if t.special} for tok in (tokenizer, other)]
     differ = [i for i in sorted(mine) if theirs.get(i) != mine[i]]
     renamed = [i for i in differ if i in special[0] and i in special[1]]
     wrong = [i for i in differ if i not in renamed]
     a, b = (tok.encode(TOKENIZER_PROBE, add_special_tokens=False) for tok in (tokenizer, other))
     what = (f"{len(wrong)} of the policy's {len(mine)} token ids are other tokens, or none, for the reward model: "
-            + ", ".join(f"{i} is {mine[i]!r} against {theirs.get(i)!r}" for i in wrong[:3]) if wrong else
+            + ", ".join(f"{i} is {name(mine[i])} against {name(theirs.get(i))}" for i in wrong[:3]) if wrong else
             f"EOS {tokenizer.eos_token!r} ({tokenizer.eos_token_id}) against {other.eos_token!r} ({other.eos_token_id})"
             if other.eos_token_id != tokenizer.eos_token_id else
             f"they split the same text differently: {TOKENIZER_PROBE!r} is {a[:16]} against {b[:16]}" if a != b else None)
@@ -389,7 +394,7 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
                          f"({what}): the reward model would read other tokens than the policy wrote")
     if renamed:
         print0(f"note: the reward model {reward_path} names {len(renamed)} special tokens otherwise (same ids: "
-               + ", ".join(f"{i} {mine[i]!r} / {theirs[i]!r}" for i in renamed[:3]) + ")")
+               + ", ".join(f"{i} {name(mine[i])} / {name(theirs[i])}" for i in renamed[:3]) + ")")
 
 
 def check_hub_id(path):

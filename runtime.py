@@ -239,8 +239,8 @@ class Logger:
         with open(self.path + ".tmp", "w") as f:
             f.writelines(jsonl(m) for m in history)
         os.replace(self.path + ".tmp", self.path)
-        if cfg.wandb:
-            went_back = cfg.resume != "auto" and any(m.get("step", -1) > last for m in before)
+        if cfg.wandb:  # a new wandb run, unless this out_dir's own run continues (resumed into another: a fork)
+            went_back = bool(history) and (not before or cfg.resume != "auto" and any(m["step"] > last for m in before))
             self.wandb_id = None if went_back else wandb_id
             self.wandb = self._start_wandb(self.wandb_id, last if went_back else None)
             self.wandb_id = self.wandb.id if self.wandb is not None else self.wandb_id
@@ -258,7 +258,7 @@ class Logger:
             os.replace(train + ".tmp", train)
 
     def _start_wandb(self, wandb_id, went_back):
-        """wandb.init: the run wandb_id continued, or a new one named after out_dir (+ the step it went back to);
+        """wandb.init: the run wandb_id continued, or a new one named after out_dir (+ the step it started from);
         offline (`wandb sync` uploads it later) when the server cannot be reached, without wandb if that fails too."""
         import wandb
 

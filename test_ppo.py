@@ -3314,6 +3314,15 @@ def test_compile_report_counts_spills_inside_loops_only():
     assert problems({**report, "loop_instructions": 200}, torch.bfloat16, 2) == []
     assert problems({**report, "loop_instructions": 200, "i32_offsets": 2}, torch.bfloat16, 2) == [
         "2 pointer offsets in 32 bits"]
+    from kernels.aot import i32_offsets
+
+    ttir = """
+    %a = tt.addptr %p, %N : !tt.ptr<f32>, i32 loc(#loc1)
+    %b = tt.addptr %q, %o : tensor<128x!tt.ptr<bf16>>, tensor<128xi32> loc(#loc2)
+    %c = tt.addptr %r, %o2 : tensor<64x64x!tt.ptr<bf16>>, tensor<64x64xi64> loc(#loc3)
+    %d = tt.addptr %s, %n : !tt.ptr<f32>, i64 loc(#loc4)
+    """
+    assert i32_offsets(ttir) == 2  # the scalar and the tensor of i32 (a row x stride computed in 32 bits)
     assert problems({**report, "local_in_inner": 1, "loop_instructions": 200}, torch.bfloat16, 2) == [
         "1 spill accesses in innermost loops"]
 
@@ -5841,9 +5850,17 @@ import os
 generate, calls = ppo.generate, []
 fail = {int(k) for k in os.environ["FAIL_CALLS"].split(",")}
 
+import weakref
+import torch
+held = []
+
 def failing(*args, **kw):  # the worker's calls in FAIL_CALLS raise (call k draws step k's batch)
     calls.append(1)
+    if held:  # the retry: what the failed attempt held (its KV cache, say) is freed
+        print("FAILED ATTEMPT'S MEMORY", "held" if held[-1]() is not None else "freed", flush=True)
     if len(calls) in fail:
+        cache = torch.empty(1000)
+        held.append(weakref.ref(cache))
         raise RuntimeError(f"simulated out of memory in call {len(calls)}")
     return generate(*args, **kw)
 
@@ -5855,6 +5872,7 @@ ppo.generate = failing
     assert ("rank 0: --async_rollout: step 4's batch failed on the worker (RuntimeError: simulated out of memory in "
             "call 4); generating it again") in p.stdout
     assert without_measured(read_metrics(once)) == without_measured(plain)
+    assert "FAILED ATTEMPT'S MEMORY freed" in p.stdout
     assert os.path.isdir(once / "checkpoints" / "step-000003") and os.path.isdir(once / "actor")
     p = run_script(ppo_script({**args, "out_dir": str(tmp_path / "twice")}, setup), env={"FAIL_CALLS": "3,4"})
     assert p.returncode != 0 and "simulated out of memory in call 4" in p.stderr
@@ -6621,6 +6639,11 @@ def test_wandb_failing_leaves_the_run_going(monkeypatch, tmp_path, capsys):
     assert "wandb failed (ConnectionResetError: Connection lost); logging on without it" in out
     assert logged == [1] and not finished and log.wandb is None and [r["step"] for r in read_metrics(cfg.out_dir)] == [1, 2, 3]
     assert log.state()["wandb_id"] == "abc123"
+    # a checkpoint resumed into another out_dir (no metrics.jsonl of its run there): a new wandb run, not the old one
+    fork = ppo.Config(out_dir=str(tmp_path / "fork"), wandb=True, log_every=100, resume=str(tmp_path / "run"))
+    os.makedirs(fork.out_dir)
+    runtime.Logger(fork, [{"step": 3}], True, wandb_id="abc123")
+    assert inits[-1] == ("offline", "fork-from-step-3", None)
 
 
 @slow
@@ -6812,7 +6835,7 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     # the whole vocabularies were compared, so a reward model with an added pad token, or a special token renamed at
     # its id, was refused, and every refusal said the same sentence. Now: the policy's ids must be the same tokens,
     # ids beyond them are the reward model's own, a renamed special token is a note, and the error names what differs
-    from hf import TOKENIZER_PROBE, check_same_tokenizer
+    from hf import TOKENIZER_PROBE, check_same_tokenizer, load_tokenizer
 
     policy = make_tiny_tokenizer(tmp_path / "policy")
 
@@ -6839,6 +6862,11 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     tok = make_tiny_tokenizer(padded)
     tok.add_tokens(["[PAD]"], special_tokens=True)  # id 64, beyond the policy's
     tok.save_pretrained(padded)
+    def twice(t):  # "extra" shares good's id: one id, two strings (a vocabulary may have that)
+        t["model"]["vocab"]["extra"] = t["model"]["vocab"]["good"]
+
+    dup = variant("dup", twice)
+    check_same_tokenizer(load_tokenizer(dup), "P", dup)  # compared with itself, whatever order the strings come in
     for ok in (variant("same"), str(padded), variant("renamed", rename)):
         check_same_tokenizer(policy, "P", ok)
     assert "note: the reward model " + str(tmp_path / "renamed") + " names 1 special tokens otherwise (same ids: 4 " \

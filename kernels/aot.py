@@ -165,10 +165,14 @@ def machine_code_report(compiled) -> dict:
         hgmma=len(re.findall(r"\bHGMMA\b", sass)), ldgsts=len(re.findall(r"\bLDGSTS\b", sass)),
         local=len(re.findall(r"\b(?:LDL|STL)\b", sass)), local_in_loops=in_loops["loops"],
         local_in_inner=in_loops["inner"], loop_instructions=in_loops["instructions"],
-        # pointer offsets computed in 32 bits (Triton IR): row x stride wraps past 2^31 elements (Llama-3's head at
-        # 16k rows is 2.1e9 logits), so every offset is widened to 64 bits first
-        i32_offsets=len(re.findall(r"tt\.addptr [^\n]*\bi32>?\s+loc\(", compiled.asm["ttir"])),
+        i32_offsets=i32_offsets(compiled.asm["ttir"]),
     )
+
+
+def i32_offsets(ttir: str) -> int:
+    """Pointer offsets computed in 32 bits in Triton IR (tt.addptr's offset i32, or a tensor of i32): row x stride
+    wraps past 2^31 elements (Llama-3's head at 16k rows is 2.1e9 logits), so every offset is widened first."""
+    return len(re.findall(r"tt\.addptr [^\n]*(?:\b|x)i32>?\s+loc\(", ttir))
 
 
 def problems(r: dict, dtype: torch.dtype, stages: int) -> list:

@@ -285,9 +285,9 @@ def _addmm_has_out_dtype(device: torch.device) -> bool:
     a, c = torch.full((16, 16), 0.5, device=device, dtype=torch.bfloat16), torch.ones(16, 16, device=device)
     try:
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-    except (TypeError, RuntimeError, NotImplementedError):  # older torch, or no such kernel on this device
+        return bool((c == 5.0).all())  # 1 + 16 * 0.25
+    except (TypeError, RuntimeError, NotImplementedError):  # older torch, no such kernel (or values) on this device
         return False
-    return bool((c == 5.0).all())  # 1 + 16 * 0.25
 
 
 def addmm_f32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
