@@ -243,9 +243,9 @@ def check_model(name_or_path, architectures=None):
         scalars, names = check_gguf(path)
         arch = scalars.get("general.architecture")
         known(arch, path, "general.architecture")
-        scaling = "a rope_freqs tensor (Llama-3.1's)" if "rope_freqs.weight" in names else \
-            f"{arch}.rope.scaling.type {scalars[f'{arch}.rope.scaling.type']!r}" if scalars.get(
-                f"{arch}.rope.scaling.type", "none") != "none" else None
+        key = f"{arch}.rope.scaling.type"
+        scaling = ("a rope_freqs tensor (Llama-3.1's)" if "rope_freqs.weight" in names
+                   else f"{key} {scalars[key]!r}" if scalars.get(key, "none") != "none" else None)
         if scaling:  # transformers' GGUF reader drops it (gpt-oss aside): plain RoPE, wrong at every position
             raise UsageError(f"{path}: RoPE scaling in {scaling}, which transformers' GGUF reader does not carry "
                              "into the config: the model would run with plain RoPE. Use its HF folder (config.json "
@@ -373,11 +373,10 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
     the reward model alone has are allowed (an added pad), the EOS is the same, and both split TOKENIZER_PROBE
     alike (the same vocabulary under another normalizer or pre-tokenizer would not). The error names what differs."""
     other = load_tokenizer(reward_path)
-    mine, theirs = {}, {}  # id -> the strings of that id (a vocabulary may give one id several)
+    mine, theirs = {}, {}  # id -> the sorted strings of that id (a vocabulary may give one id several)
     for tok, by_id in ((tokenizer, mine), (other, theirs)):
-        for t, i in tok.get_vocab().items():
+        for t, i in sorted(tok.get_vocab().items()):
             by_id[i] = by_id.get(i, ()) + (t,)
-    mine, theirs = ({i: tuple(sorted(ts)) for i, ts in d.items()} for d in (mine, theirs))
     name = lambda ts: "none" if not ts else repr(ts[0]) if len(ts) == 1 else repr(list(ts))  # noqa: E731
     special = [{i for i, t in tok.added_tokens_decoder.items() if t.special} for tok in (tokenizer, other)]
     differ = [i for i in sorted(mine) if theirs.get(i) != mine[i]]
@@ -788,7 +787,8 @@ def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size
     at a time, rank 0 writes each file once it is complete and renames the folder into place
     (write_pretrained). An actor with LoRA adapters is written merged there, and its adapters alone in PEFT's
     format to `folder`-lora (write_peft_adapter; base_model: the checkpoint trained from, else the folder its
-    config was read from; a local one, or the embedded model's .gguf file, as an absolute path). Every rank calls it; first the disk's free space is checked (runtime.check_space)."""
+    config was read from; a local one, or the embedded model's .gguf file, as an absolute path). Every rank calls
+    it; first the disk's free space is checked (runtime.check_space)."""
     dtype = actor.config.checkpoint_dtype or torch.float32
     check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
                 * dtype.itemsize / dist.get_world_size(), "the HF export")

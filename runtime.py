@@ -5,7 +5,6 @@ log and stopping on a signal. Plumbing that ppo.py calls so that its main loop r
 knows about models.
 """
 import inspect
-import io
 import json
 import math
 import os
@@ -221,8 +220,9 @@ class Logger:
     """metrics.jsonl (rewritten to the steps the models have seen on resume), stdout, wandb if asked; samples in
     out_dir/samples: train.jsonl (the sample printed every sample_every steps) and step-N.jsonl (an evaluation's
     rows), cut back to the resumed step as the metrics are. wandb_id: the wandb run the checkpoint logged to, which
-    a resumed run continues, unless it goes back to an earlier step with --resume=PATH (a new run, named so). A
-    line's non-finite numbers are written as null (JSON has no NaN); wandb failing mid-run leaves the run going."""
+    a resumed run continues, unless it goes back to an earlier step with --resume=PATH or resumes into another
+    out_dir (a new run, named so). A line's non-finite numbers are written as null (JSON has no NaN); wandb failing
+    mid-run leaves the run going."""
 
     def __init__(self, cfg, history, master, wandb_id=None):
         self.cfg, self.history, self.master = cfg, history, master
@@ -349,7 +349,9 @@ def jsonl(m):
 def read_jsonl(path):
     """The rows of a metrics.jsonl, the lines that parse: a kill can cut the last one short."""
     rows = []
-    with open(path, errors="replace") if os.path.isfile(path) else io.StringIO() as f:
+    if not os.path.isfile(path):
+        return rows
+    with open(path, errors="replace") as f:
         for line in f:
             try:
                 rows.append(json.loads(line))
