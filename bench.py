@@ -168,7 +168,15 @@ class ProfileUpdate:
             key = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(f"\nppo.update call {self.nth}, profiled: {wall:.2f} s wall; the {self.rows} ops and kernels with "
                   f"the most {'device' if cuda else 'host'} time of their own", flush=True)
-            print(prof.key_averages().table(sort_by=key, row_limit=self.rows), flush=True)
+            events = prof.key_averages()
+            print(events.table(sort_by=key, row_limit=self.rows), flush=True)
+            if cuda:
+                kinds = device_seconds(events)
+                busy = sum(kinds.values())
+                print(f"kernels' device time {busy:.2f} s of {wall:.2f} s wall ({busy / wall:.0%} busy): "
+                      + ", ".join(f"{k} {t:.2f} s" for k, t in kinds.items())
+                      + f"; the host's {self.rows // 2} ops with the most time of their own:", flush=True)
+                print(events.table(sort_by="self_cpu_time_total", row_limit=self.rows // 2), flush=True)
             return out
 
         ppo.update = update
@@ -176,6 +184,21 @@ class ProfileUpdate:
 
     def __exit__(self, *exc):
         ppo.update = self.saved
+
+
+def device_seconds(events):
+    """A profile's device time in seconds (key_averages' rows) by kind of kernel: cuBLAS's GEMMs, flex attention and
+    the rest (elementwise kernels, copies, reductions, the fused head's Triton kernels). Only the kernels and copies
+    count, not the ranges of record_function that the profiler also shows on the GPU's timeline (user annotations:
+    they cover kernels already counted)."""
+    kinds = {"GEMMs": 0.0, "flex attention": 0.0, "the rest": 0.0}
+    for e in events:
+        if e.device_type.name == "CUDA" and not e.is_user_annotation:
+            name = e.key.lower()
+            kind = "GEMMs" if any(k in name for k in ("nvjet", "gemm", "cutlass", "xmma")) else \
+                "flex attention" if "flex_attention" in name else "the rest"
+            kinds[kind] += e.self_device_time_total / 1e6
+    return kinds
 
 
 RAGGED_FLAGS = dict(rollout_batch_size=32, mini_batch_size=16, micro_batch_size=4, max_new_tokens=128,
@@ -1513,8 +1536,9 @@ class StepTable:
         print(f"plan (--dry_run={gpus}), peak GiB rollout / score / train: "
               + " / ".join(f"{x:.2f}" for x in self.planned))
         print("| step | rollout s | score s | train s | step s | response tokens/s | response length | "
-              "sampler logprob diff | padding frac | train TFLOP/s per GPU | peak GiB rollout / score / train |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "sampler logprob diff | padding frac | train TFLOP/s per GPU | peak GiB rollout / score / train | "
+              "overlap s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
     def row(self, m):
         self.rows.append(m)
@@ -1522,9 +1546,11 @@ class StepTable:
                            for k in ("rollout", "score", "train"))
         rate = (f"{self.train_flops(m) / m['time/train'] / self.gpus / 1e12:.1f}" if self.train_flops
                 and m["time/train"] > 0 else "-")
+        overlap = f"{m['time/rollout_overlap']:.1f}" if m.get("time/rollout_overlap") is not None else "-"
         print(f"| {m['step']} | {m['time/rollout']:.1f} | {m['time/score']:.1f} | {m['time/train']:.1f} | "
               f"{m['time/step']:.1f} | {m['time/tokens_per_sec']:.0f} | {m['val/response_length']:.0f} | "
-              f"{m['val/sampler_logprob_diff']:.2e} | {m['perf/padding_frac']:.3f} | {rate} | {peaks} |", flush=True)
+              f"{m['val/sampler_logprob_diff']:.2e} | {m['perf/padding_frac']:.3f} | {rate} | {peaks} | {overlap} |",
+              flush=True)
 
     def summary(self):
         if self.rows and "mem/train_peak_gib" in self.rows[-1]:
@@ -1550,7 +1576,7 @@ class StepTable:
 
 def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch_size=32, micro_batch_size=2,
                 inference_micro_batch_size=8, rollout_micro_batch_size=32, max_prompt_len=1024, max_new_tokens=1024,
-                dtype="auto", profile_update=0, checkpoints=""):
+                dtype="auto", profile_update=0, checkpoints="", async_rollout=False):
     """PPO steps through ppo.main with random-weight actor and reward model of a published shape: each step's
     time per phase, response tokens/s, val/sampler_logprob_diff, perf/padding_frac, the training phase's model
     TFLOP/s (ppo_train_flops) and, on CUDA, each phase's peak allocated memory beside --dry_run's plan for one GPU,
@@ -1558,7 +1584,8 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
     (ProfileUpdate; with 2 minibatches a step, 3 is step 2's first). No PPO checkpoint is written. Random weights
     rarely sample EOS, so responses run to max_new_tokens. checkpoints: a folder that keeps the random models for
     the next call (a 1.5B shape's pair is 6 GB to write); they are written there on the first call, and used as
-    they are on a later one; empty: a temporary folder."""
+    they are on a later one; empty: a temporary folder. async_rollout: each step's batch drawn during the step
+    before (--async_rollout; overlap s: the seconds of it hidden behind that step's scoring and training)."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
         kept = [os.path.join(checkpoints, f"{shape}-{role}") for role in ("policy", "rm")] if checkpoints else []
@@ -1573,11 +1600,13 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
                          total_steps=steps, rollout_batch_size=rollout_batch_size, mini_batch_size=mini_batch_size,
                          micro_batch_size=micro_batch_size, inference_micro_batch_size=inference_micro_batch_size,
                          rollout_micro_batch_size=rollout_micro_batch_size, max_prompt_len=max_prompt_len,
-                         max_new_tokens=max_new_tokens, dtype=dtype, sample_every=0, save_every=0, seed=1)
+                         max_new_tokens=max_new_tokens, dtype=dtype, sample_every=0, save_every=0, seed=1,
+                         async_rollout=async_rollout)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         print(f"\n{shape}, random weights, {device}, torch {torch.__version__}: {rollout_batch_size} prompts a step, "
               f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
-              f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}")
+              f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}"
+              + (", rollouts drawn a step ahead (--async_rollout)" if async_rollout else ""))
         P, shape_cfg = max_prompt_len - 1, SHAPES[shape]  # word_prompts' length; the critic has the policy's shape
 
         def train_flops(m):  # every response taken at the step's mean length: exact but for attention's T^2 term

@@ -7905,6 +7905,24 @@ def test_profile_update_profiles_the_nth_call_only(monkeypatch, capsys):
     assert out.count("ppo.update call 2, profiled") == 1 and "aten::mm" in out
 
 
+def test_device_seconds_counts_kernels_once():
+    # the profile stage's "busy" share and split: kernels and copies on the GPU by kind, in seconds; a range of
+    # record_function shown on the GPU's timeline (a user annotation) covers kernels counted already, and host ops
+    # launch them
+    import bench
+
+    def event(key, device, us, annotation=False):
+        return types.SimpleNamespace(key=key, device_type=types.SimpleNamespace(name=device), self_device_time_total=us,
+                               is_user_annotation=annotation)
+
+    events = [event("nvjet_sm90_tst_256x160_64x4_1x2_h_bz_coopA_TNT", "CUDA", 2e6),
+              event("triton_tem_fused_flex_attention_backward_1", "CUDA", 5e5),
+              event("triton_tem_fused_flex_attention_backward_1", "CUDA", 5e5, annotation=True),
+              event("Memcpy DtoD (Device -> Device)", "CUDA", 2.5e5), event("aten::mm", "CPU", 2e6),
+              event("void at::native::vectorized_elementwise_kernel<8, ...>", "CUDA", 7.5e5)]
+    assert bench.device_seconds(events) == {"GEMMs": 2.0, "flex attention": 0.5, "the rest": 1.0}
+
+
 def test_cpu_phases_counts_matmuls():
     # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
     # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
