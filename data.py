@@ -43,7 +43,7 @@ import torch
 
 from hf import check_model, check_same_tokenizer, load_tokenizer, read_config, stop_and_pad_ids
 from model import SUPPORTED, Transformer
-from runtime import UsageError, check_wandb, need
+from runtime import UsageError, check_wandb, need, print0
 
 TOKENIZE_ROWS = 1024  # texts per tokenizer call (_tokenize)
 
@@ -109,6 +109,7 @@ def _messages_from(obj, where, prompt_key, messages_key):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise UsageError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
                                  f"got {m!r:.60}")
+            _utf8(m["role"], where, f"'{messages_key}'[{i}]'s role")  # a template writes both into the text
             _utf8(m["content"], where, f"'{messages_key}'[{i}]")
         return msgs
     raise UsageError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
@@ -135,9 +136,10 @@ def _tokenize(tokenizer, texts, add_special_tokens=None):
             for ids in tokenizer(texts[i : i + TOKENIZE_ROWS], add_special_tokens=specials)["input_ids"]]
 
 
-def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
-    """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, extra strings or None).
-    tokenizer None: parse and check only (texts and ids None)."""
+def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None):
+    """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, the extra field's token ids,
+    or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings). vocab_size: the model's token embeddings, which every
+    id of a line (its extra string's too) must have."""
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
@@ -152,17 +154,24 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None):
         if tokenizer is not None:
             try:
                 texts.append(_render(tokenizer, msgs, is_prompt_string=prompt_key in obj))
-            except Exception as e:  # a chat template's raise_exception (jinja2's TemplateError), e.g. a system role
-                if not type(e).__module__.startswith("jinja2"):
+            except Exception as e:  # a chat template's raise_exception (jinja2's TemplateError), e.g. a system role,
+                # or transformers' ValueError for a prefill the template rewrites (Qwen3's <think> blocks)
+                if not (type(e).__module__.startswith("jinja2")
+                        or isinstance(e, ValueError) and msgs[-1]["role"] == "assistant"):
                     raise
                 raise UsageError(f"{where}: the model's chat template refuses these messages: {e}") from None
     if tokenizer is None:
         return records, None, None, (extras if extra_key is not None else None)
     ids = _tokenize(tokenizer, texts)
-    for lineno, seq in zip(linenos, ids):
+    extra_ids = _tokenize(tokenizer, extras, add_special_tokens=False) if extra_key is not None else [[]] * len(ids)
+    for lineno, seq, more in zip(linenos, ids, extra_ids):
         if not seq:
             raise UsageError(f"{path}:{lineno}: the prompt tokenizes to no tokens")
-    return records, texts, ids, (extras if extra_key is not None else None)
+        big = max(seq + more)
+        if vocab_size is not None and big >= vocab_size:
+            raise UsageError(f"{path}:{lineno}: token id {big} ({tokenizer.convert_ids_to_tokens(big)!r}) has no "
+                             f"embedding in the model, which has {vocab_size} (its tokenizer {len(tokenizer)} ids)")
+    return records, texts, ids, (extra_ids if extra_key is not None else None)
 
 
 def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None):
@@ -194,9 +203,10 @@ class PromptSet:
         return len(self.ids)
 
 
-def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages"):
-    """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens."""
-    records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key)
+def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages", vocab_size=None):
+    """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens.
+    vocab_size: the model's, which every id must be below (a UsageError names the line)."""
+    records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key, vocab_size=vocab_size)
     keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
     n_dropped = len(ids) - len(keep)
     if not keep:
@@ -219,14 +229,16 @@ class SFTSet:
         return pairs[rank::world_size], sum(len(r) for _, r in pairs)
 
 
-def load_sft(path, tokenizer, max_len, prompt_key="prompt", response_key="response", messages_key="messages"):
+def load_sft(path, tokenizer, max_len, prompt_key="prompt", response_key="response", messages_key="messages",
+             vocab_size=None):
     """Read JSONL prompt/response pairs for a supervised loss; the prompt is rendered as in load_prompts,
     the response is tokenized without special tokens and followed by EOS; pairs over max_len are dropped."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UsageError("load_sft: the tokenizer has no eos_token, so responses cannot be terminated")
-    _, _, prompt_ids, responses = _render_file(path, tokenizer, prompt_key, messages_key, extra_key=response_key)
-    response_ids = [r + [eos] for r in _tokenize(tokenizer, responses, add_special_tokens=False)]
+    _, _, prompt_ids, responses = _render_file(path, tokenizer, prompt_key, messages_key, extra_key=response_key,
+                                               vocab_size=vocab_size)
+    response_ids = [r + [eos] for r in responses]
     pairs = [(p, r) for p, r in zip(prompt_ids, response_ids) if len(p) + len(r) <= max_len]
     n_dropped = len(prompt_ids) - len(pairs)
     if not pairs:
@@ -355,8 +367,9 @@ def check_reward_head(cfg):
 def load_inputs(cfg):
     """Every input file checked and read before any model loads, in seconds: wandb's credentials, the output folder,
     the models' files (headers only) and configs, the reward model's score head, the tokenizer, the prompts (enough
-    for a batch after the length filter), the SFT pairs, the stop ids. Every error is a UsageError naming the flag
-    and the file (and line). Returns (tokenizer, stop ids, pad id, prompts, SFT pairs or None)."""
+    for a batch after the length filter, every token id one the model has), the SFT pairs, the held-out prompts, the
+    stop ids. Every error is a UsageError naming the flag and the file (and line). Returns (tokenizer, stop ids, pad
+    id, prompts, SFT pairs or None, held-out prompts or None)."""
     def flag(name, fn, *args, **kw):  # fn's UsageError, prefixed with the flag it is about
         try:
             return fn(*args, **kw)
@@ -380,17 +393,23 @@ def load_inputs(cfg):
     if cfg.ptx_coef > 0:
         flag("sft_data", check_jsonl, cfg.sft_data, extra_key="response")
     tokenizer = flag("model", load_tokenizer, cfg.model)
+    actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta").config  # config checks
+    V = actor.vocab_size  # every id of the files must have an embedding (a tokenizer may have more ids than that)
     prompts = flag("prompts", load_prompts, cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key,
-                   cfg.messages_key)
+                   cfg.messages_key, vocab_size=V)
     need(len(prompts) >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {len(prompts)} prompts of at most "
          f"{cfg.max_prompt_len} tokens ({prompts.n_dropped} longer ones dropped), fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
     sft = None
     if cfg.ptx_coef > 0:
-        sft = flag("sft_data", load_sft, cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens)
+        sft = flag("sft_data", load_sft, cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens,
+                   vocab_size=V)
         need(len(sft) >= cfg.ptx_batch_size, f"--sft_data: {cfg.sft_data} has {len(sft)} pairs of at most "
-             f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens, fewer than --ptx_batch_size={cfg.ptx_batch_size}")
-    actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta").config  # config checks
+             f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens ({sft.n_dropped} longer ones dropped), fewer than "
+             f"--ptx_batch_size={cfg.ptx_batch_size}")
+        print0(f"sft data: {len(sft)} pairs from {cfg.sft_data}, {sft.n_dropped} dropped (> "
+               f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens)")
+    evalset = load_eval_prompts(cfg, tokenizer, V)
     ctx = actor.max_position_embeddings
     need(cfg.max_prompt_len + cfg.max_new_tokens <= ctx, f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens "
          f"{cfg.max_new_tokens} does not fit the context of {cfg.model} ({ctx} positions)")
@@ -416,10 +435,29 @@ def load_inputs(cfg):
         need(cfg.max_prompt_len + cfg.max_new_tokens <= rm.max_position_embeddings, f"--max_prompt_len "
              f"{cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} does not fit the context of --reward_model "
              f"{cfg.reward_model} ({rm.max_position_embeddings} positions), which scores them and the critic starts from")
-    bad = [i for i in cfg.stop_token_ids if not 0 <= i < len(tokenizer)]
-    need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {len(tokenizer)}))")
-    stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids)
-    return tokenizer, stop_ids, pad_id, prompts, sft
+    n = min(len(tokenizer), V)
+    bad = [i for i in cfg.stop_token_ids if not 0 <= i < n]
+    need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {n}))")
+    stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids, vocab_size=V)
+    return tokenizer, stop_ids, pad_id, prompts, sft, evalset
+
+
+HERE = os.path.dirname(os.path.realpath(__file__))  # realpath: the key is compared with realpath(--prompts)
+SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
+
+
+def load_eval_prompts(cfg, tokenizer, vocab_size=None):
+    """The held-out PromptSet of --eval_prompts (evaluate.py), or None. "auto": the set shipped beside the shipped
+    training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
+    path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
+    if not path:
+        return None
+    try:
+        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size)
+    except UsageError as e:
+        raise UsageError(f"--eval_prompts: {e}") from None
+    print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
+    return prompts
 
 
 

@@ -30,34 +30,15 @@ the float rounding of the forwards only.
     python ppo.py --eval_prompts=heldout.jsonl --eval_every=50 --eval_temperature=0
 """
 import math
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from data import load_prompts
 from gae import kl_estimate, masked_sum
 from rollout import eval_seeds, generate
-from runtime import UsageError, all_sum, print0, progress
-
-HERE = os.path.dirname(os.path.realpath(__file__))  # realpath: the key is compared with realpath(--prompts)
-SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
-
-
-def load_eval_prompts(cfg, tokenizer):
-    """The held-out data.PromptSet of --eval_prompts, or None. "auto": the set shipped beside the shipped training
-    prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
-    path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
-    if not path:
-        return None
-    try:
-        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key)
-    except UsageError as e:
-        raise UsageError(f"--eval_prompts: {e}") from None
-    print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
-    return prompts
+from runtime import all_sum, progress
 
 
 def due(step, cfg):

@@ -515,7 +515,7 @@ def _checked_id(i, source, V, name_or_path):
     return j
 
 
-def stop_and_pad_ids(name_or_path, tokenizer, extra=()):
+def stop_and_pad_ids(name_or_path, tokenizer, extra=(), vocab_size=None):
     """(stop ids, pad id) of a checkpoint, from what its own files say; the run and its HF export use both.
 
     Stop ids, sorted and unique, end a response:
@@ -528,7 +528,8 @@ def stop_and_pad_ids(name_or_path, tokenizer, extra=()):
       and the ids in `extra`.
     Pad id, the first of: HF: tokenizer.pad_token_id, the generation config's pad_token_id, tokenizer.eos_token_id;
       GGUF: tokenizer.ggml.padding_token_id, tokenizer.ggml.eos_token_id; then the first stop id (None without).
-    Each id must be an int in [0, len(tokenizer)); otherwise a UsageError names it and where it came from."""
+    Each id must be an int in [0, len(tokenizer)), and below vocab_size (the model's token embeddings) when given;
+    otherwise a UsageError names it and where it came from."""
     path = resolve(name_or_path)
     if path.endswith(".gguf"):
         _gguf_file(path)
@@ -541,7 +542,7 @@ def stop_and_pad_ids(name_or_path, tokenizer, extra=()):
         pads = [("tokenizer.pad_token_id", tokenizer.pad_token_id), (f"pad_token_id in {file}", gen_pad),
                 ("tokenizer.eos_token_id", tokenizer.eos_token_id)]
     stops.append(("extra", list(extra) if isinstance(extra, (list, tuple)) else extra))
-    V, ids = len(tokenizer), set()
+    V, ids = min(len(tokenizer), vocab_size or len(tokenizer)), set()
     for source, value in stops:
         for i in value if isinstance(value, list) else [] if value is None else [value]:
             ids.add(_checked_id(i, f"stop_and_pad_ids: {source}", V, name_or_path))

@@ -62,7 +62,7 @@ from torch.distributed.tensor import DTensor
 import checkpoint
 from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
-from evaluate import due, evaluate, load_eval_prompts
+from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  final_score, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once, save_hf
@@ -446,8 +446,7 @@ def main(cfg: Config, reward_fn=None):
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
     with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
-        tokenizer, stop_ids, pad_id, prompts, sft = load_inputs(cfg)  # every file checked and read: seconds, no model
-        evalset = load_eval_prompts(cfg, tokenizer)  # held-out prompts, or None
+        tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)

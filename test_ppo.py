@@ -2163,6 +2163,49 @@ def test_an_unpaired_surrogate_is_named_with_its_line(tok, tmp_path):
     sft.write_text('{"prompt": "ok", "response": "fine \\ud800"}\n')
     with pytest.raises(UsageError, match=r"s.jsonl:1: 'response' holds an unpaired surrogate"):
         check_jsonl(str(sft), extra_key="response")
+    role = tmp_path / "r.jsonl"  # a role is written into the text too (by a template, or as "role: content")
+    role.write_text('{"messages": [{"role": "us\\ud800er", "content": "hi"}]}\n')
+    with pytest.raises(UsageError, match=r"r.jsonl:1: 'messages'\[0\]'s role holds an unpaired surrogate"):
+        check_jsonl(str(role))
+
+
+def test_a_prefill_the_template_rewrites_is_named_with_its_line(tmp_path):
+    # a template that rewrites the final assistant turn (Qwen3's drops <think> blocks) cannot continue it:
+    # transformers raises a ValueError, which named no file or line (and ppo.py showed it as a crash)
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    tok.chat_template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] | upper }}")
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a good"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"messages": prefill}])
+    with pytest.raises(UsageError, match=re.escape(f"{path}:2: the model's chat template refuses these messages")):
+        load_prompts(path, tok, 100)
+
+
+def test_token_ids_the_model_has_no_embedding_for_are_named(tmp_path):
+    # a tokenizer with more ids than the model's embeddings (added tokens, no resize): a prompt, SFT pair, held-out
+    # prompt or stop id beyond them crashed at the first batch that held it, after the models had loaded
+    import dataclasses
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol", vocab_size=60)  # the tokenizer's 64 ids: "yes" and "no" are 62 and 63
+    good, bad = {"prompt": "a good day"}, {"prompt": "yes no"}
+    prompts = write_jsonl(tmp_path / "p.jsonl", [good] * 7 + [bad] + [good])
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8,
+                     out_dir=str(tmp_path / "out"))
+    with pytest.raises(UsageError, match=re.escape(f"--prompts: {prompts}:8: token id 63 ('no') has no embedding in "
+                                                   "the model, which has 60 (its tokenizer 64 ids)")):
+        data.load_inputs(cfg)
+    fine = write_jsonl(tmp_path / "fine.jsonl", [good] * 8)
+    sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi", "response": "a good"}, {"prompt": "hi", "response": "yes"}])
+    with pytest.raises(UsageError, match=re.escape(f"--sft_data: {sft}:2: token id 62 ('yes')")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=fine, sft_data=sft, ptx_coef=0.1, ptx_batch_size=1))
+    with pytest.raises(UsageError, match=re.escape(f"--eval_prompts: {prompts}:8: token id 63")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=fine, eval_prompts=prompts))
+    with pytest.raises(UsageError, match=re.escape("--stop_token_ids: [61] are no token ids of")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=fine, stop_token_ids=[61]))
+    tokenizer, stops, pad, ps, none, evalset = data.load_inputs(dataclasses.replace(cfg, prompts=fine))
+    assert len(ps) == 8 and none is None and evalset is None and stops == [3] and pad == 0
 
 
 def test_custom_keys(tok, tmp_path):
@@ -2372,7 +2415,7 @@ def test_shipped_prompts_fit_smollm2():
 def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
     # the default run evaluates eval_prompts.jsonl, none of whose prompts it trains on; a run on other prompts
     # evaluates nothing unless told what to evaluate
-    from evaluate import load_eval_prompts
+    from data import load_eval_prompts
 
     def prompts(path):
         with open(path, encoding="utf-8") as f:
