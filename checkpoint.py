@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import finish_write, read_checkpoint
+from hf import finish_write, read_checkpoint, resolve
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
 from runtime import UsageError, check_space, print0
@@ -63,6 +63,11 @@ MAY_CHANGE_ON_RESUME |= {"overwrite"}
 # Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
 # compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
 INPUT_FILES = ("prompts", "sft_data")
+# Config fields naming a model, which resume reads again (the reference, the tokenizer, the critic's start, a LoRA
+# base): config.json keeps a fingerprint of its files (model_sha256, model_fingerprint), and resume compares it, so a
+# folder retrained or replaced under the same path is refused rather than silently changing the run.
+MODEL_FIELDS = ("model", "reward_model")
+SAMPLE_BYTES = 2**20  # of a model file over HASH_BELOW, the fingerprint reads this much at its start, middle and end
 # Nor does what only watches the run (held-out evaluation reads the weights and moves no state) or spreads the reward
 # calls over threads (the scores come back in order).
 MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "reward_workers"}
@@ -338,6 +343,10 @@ def _claim(out_dir, resume, overwrite, ckpt):
     own = ckpt is not None and (os.path.realpath(os.path.dirname(os.path.normpath(ckpt)))
                                 == os.path.realpath(os.path.join(out_dir, "checkpoints")))
     if used and not own:  # a new run, or one that resumes a checkpoint from elsewhere: not into another's folder
+        if ckpt is not None and os.path.realpath(ckpt).startswith(os.path.realpath(out_dir) + os.sep):
+            raise FolderInUse(f"--resume={resume} lies inside --out_dir={out_dir} (which holds a run: {used}) but is "
+                              "not one of its checkpoints (out_dir/checkpoints/step-N): resume it into another "
+                              "--out_dir")
         if not overwrite and resume != "auto":
             how = (f"--resume={resume} is not one of its checkpoints: resume into another --out_dir" if resume else
                    "continue it with --resume=auto, start this one in another --out_dir")
@@ -409,7 +418,8 @@ def save(folder, modules, trainer, cfg):
     """modules: {"actor": (model, optimizer), ...}, sharded or not; trainer: a picklable dict (rank 0's is kept;
     trainer["run_id"] names the run); cfg: the Config dataclass. Every rank calls it. Written to folder.tmp, the
     manifest last, then renamed: a folder named step-N is always complete. Keeps the newest cfg.keep_checkpoints
-    of this run (another run's checkpoints are never deleted). Refuses to start when the disk cannot hold it."""
+    of this run that verify (rotate; another run's checkpoints are never deleted). Refuses to start when the disk
+    cannot hold it."""
     tmp, rank = folder + ".tmp", dist.get_rank()
     state = {}
     for name, (model, opt) in modules.items():
@@ -424,20 +434,31 @@ def save(folder, modules, trainer, cfg):
     if rank == 0:
         torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg), python_reward_recorded=True), f, indent=1)
+            json.dump(dict(asdict(cfg), input_sha256=input_hashes(cfg), model_sha256=model_hashes(cfg),
+                           python_reward_recorded=True), f, indent=1)
     dist.barrier()
     if rank == 0:
         write_manifest(tmp, trainer["run_id"], trainer["step"])
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(tmp, folder)  # the commit point
-        root = os.path.dirname(folder)
-        ours = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and _run_id(os.path.join(root, n))
-                      == trainer["run_id"])
-        for n in ours[: max(len(ours) - cfg.keep_checkpoints, 0)]:  # keep this run's newest keep_checkpoints
+        rotate(folder, trainer["run_id"], cfg.keep_checkpoints)
+    dist.barrier()
+
+
+def rotate(folder, run_id, keep):
+    """After the checkpoint `folder` (step-N) is written: of run_id's checkpoints beside it up to step N, the newest
+    `keep` that verify are kept, `folder` among them, and the older ones removed. Later ones (one that --resume=auto
+    skipped as failing to verify, which the run replaces when it gets there) and another run's are left alone."""
+    root, this = os.path.dirname(folder), os.path.basename(folder)
+    ours = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and n <= this
+                  and _run_id(os.path.join(root, n)) == run_id)
+    good = [n for n in ours if n == this or verify(os.path.join(root, n)) is None]
+    oldest_kept = good[-min(keep, len(good))]
+    for n in ours:
+        if n < oldest_kept:
             os.replace(os.path.join(root, n), os.path.join(root, n + ".tmp"))  # a removal cut short: claim ends it
             shutil.rmtree(os.path.join(root, n + ".tmp"))
-    dist.barrier()
 
 
 def _local_bytes(state):
@@ -529,6 +550,9 @@ def find(cfg):
     if resume != "auto":
         if not os.path.isdir(resume):
             raise UsageError(f"cannot resume from {resume}: no such folder")
+        if os.path.normpath(resume).endswith(".tmp"):  # (claim removes these, as what interrupted writes left)
+            raise UsageError(f"cannot resume from {resume}: a checkpoint whose write was cut short (step-N.tmp); "
+                             "resume from a complete step-N")
         problem = verify(resume, legacy_ok=True)
         if problem:
             raise UsageError(f"cannot resume from {resume}: {problem}")
@@ -560,7 +584,7 @@ def check_config(folder, cfg):
         changed = [k for k in diff if saved[k] == now[k]]  # the same path, other contents
         python = "reward_fn" in diff and any(str(v).startswith("python:") for v in diff["reward_fn"])
         raise UsageError(f"checkpoint {folder} is from another config; differences (saved, now): {diff}"
-                         + (f"; the file of {changed} has changed since (sha256)" if changed else "")
+                         + (f"; the files of {changed} have changed since (sha256)" if changed else "")
                          + ("; a reward function from Python is ppo.main(cfg, reward_fn=f)'s, recorded by its name"
                             if python else ""))
     newer = {k: (default[k], now[k]) for k in now if k not in saved and k not in MAY_CHANGE_ON_RESUME
@@ -584,14 +608,50 @@ def input_hashes(cfg):
     return {k: file_sha256(getattr(cfg, k)) for k in INPUT_FILES if getattr(cfg, k) and os.path.isfile(getattr(cfg, k))}
 
 
+def model_hashes(cfg):
+    """{field: model_fingerprint} of the models the run reads (MODEL_FIELDS), written beside the config it saves."""
+    return {k: model_fingerprint(getattr(cfg, k)) for k in MODEL_FIELDS if getattr(cfg, k)}
+
+
+def model_fingerprint(name_or_path):
+    """sha256 over a model's files (a GGUF file, or the files at the top of an HF folder but hidden ones), or None
+    where there are none here (a Hub id: compared by its name): each file's name and size, the whole of those under
+    HASH_BELOW (configs, tokenizer) and SAMPLE_BYTES at the start, middle and end of the larger ones (the weights:
+    a retrained checkpoint differs there, and reading gigabytes at every save would not do)."""
+    path = resolve(name_or_path)
+    if os.path.isfile(path):
+        folder, names = os.path.dirname(path), [os.path.basename(path)]
+    elif os.path.isdir(path):
+        folder = path
+        names = sorted(n for n in os.listdir(path) if not n.startswith(".") and os.path.isfile(os.path.join(path, n)))
+    else:
+        return None
+    h = hashlib.sha256()
+    for name in names:
+        p = os.path.join(folder, name)
+        size = os.path.getsize(p)
+        h.update(f"{name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if size < HASH_BELOW:
+                for block in iter(lambda: f.read(SAMPLE_BYTES), b""):
+                    h.update(block)
+            else:
+                for at in (0, size // 2, size - SAMPLE_BYTES):
+                    f.seek(at)
+                    h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def same_setting(k, saved, now):
     """Whether field k of a checkpoint's config (saved) is the one of the run resuming it (now, both as JSON). A data
     file is the same when its contents are, wherever it lies; a checkpoint written before input_sha256 existed
     compares the paths, as the run that wrote it did (the config-evolution rule of check_config). One written
     before a reward function from Python was recorded (python_reward_recorded) takes the one passed now."""
-    hashes = saved.get("input_sha256", {})
+    hashes, models = saved.get("input_sha256", {}), saved.get("model_sha256", {})
     if k in INPUT_FILES and k in hashes:
         return bool(now[k]) and os.path.isfile(now[k]) and file_sha256(now[k]) == hashes[k]
+    if k in MODEL_FIELDS and models.get(k):  # (None: a Hub id, compared by name)
+        return bool(now[k]) and model_fingerprint(now[k]) == models[k]
     if k == "reward_fn" and now[k].startswith("python:") and not saved.get("python_reward_recorded"):
         return True  # written before a function passed from Python was recorded: its config named the built-in one
     return saved[k] == now[k]

@@ -6562,6 +6562,65 @@ def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_
     assert "resumed from" in p.stdout and "step-000005" in p.stdout
 
 
+def fake_checkpoint(folder, run_id="r", step=1, files=None):
+    """A folder with a manifest (checkpoint.verify passes) and the files CHECKPOINT_FILES names, small."""
+    os.makedirs(folder)
+    for name in files or C.CHECKPOINT_FILES:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(name)
+    C.write_manifest(str(folder), run_id, step)
+    return str(folder)
+
+
+def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
+    # after --resume=auto skipped a newer checkpoint that failed to verify, rotation counted it among the newest and
+    # removed the one just written and the good one it resumed from (--keep_checkpoints=1: only the corrupt was left)
+    root = tmp_path / "checkpoints"
+    for k in (1, 2, 3, 4):
+        fake_checkpoint(root / f"step-00000{k}", step=k)
+    fake_checkpoint(root / "step-000005", run_id="other", step=5)
+    with open(root / "step-000004" / "trainer.pt", "w") as f:
+        f.write("x")  # damaged
+    with open(root / "step-000002" / "trainer.pt", "w") as f:
+        f.write("y")
+    C.rotate(str(root / "step-000003"), "r", 1)
+    assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]  # later and another run's: left
+    for k in (1, 2):
+        fake_checkpoint(root / f"step-00000{k}", step=k)
+    with open(root / "step-000002" / "trainer.pt", "w") as f:
+        f.write("y")
+    C.rotate(str(root / "step-000003"), "r", 2)  # step 2 does not verify: step 1 is the second kept
+    assert sorted(os.listdir(root)) == ["step-000001", "step-000002", "step-000003", "step-000004", "step-000005"]
+    C.rotate(str(root / "step-000004"), "r", 2)  # the one just written is kept whatever its state
+    assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]
+
+
+def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
+    # --resume=out_dir/after-step-2.old-T/checkpoints/step-000004 (set aside by going back) with --overwrite moved
+    # out_dir, and the checkpoint with it, aside, then crashed reading it; --resume=.../step-N.tmp (a write cut short)
+    # verified as a checkpoint older than manifests and was then removed as a leftover
+    import dataclasses
+    import shutil
+
+    import ppo
+
+    out = tmp_path / "out"
+    fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
+    later = fake_checkpoint(out / "after-step-2.old-T" / "checkpoints" / "step-000004", step=4)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for overwrite in (False, True):
+        with pytest.raises(C.FolderInUse, match=re.escape(f"--resume={later} lies inside --out_dir={out}")):
+            C._claim(str(out), later, overwrite, later)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    cut = tmp_path / "out" / "checkpoints" / "step-000003.tmp"
+    shutil.copytree(out / "checkpoints" / "step-000002", cut)
+    os.remove(cut / "manifest.json")
+    cfg = dataclasses.replace(ppo.Config(), out_dir=str(out), resume=str(cut))
+    with pytest.raises(UsageError, match=re.escape(f"cannot resume from {cut}: a checkpoint whose write was cut short")):
+        C.find(cfg)
+    assert os.path.isdir(cut)
+
+
 def test_going_back_through_a_link_or_a_renamed_copy(tmp_path, monkeypatch):
     # the checkpoint named through a link is its target's step; a copy named otherwise has no step to go back to
     # (nothing set aside), and neither raises
@@ -6794,6 +6853,48 @@ def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
     assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1]
 
 
+
+
+def test_resume_compares_models_by_their_files(tmp_path, monkeypatch):
+    # --model and --reward_model were compared by path: a folder retrained (or replaced) under the same path resumed
+    # silently with another reference, tokenizer, critic start or LoRA base (or, another shape, crashed loading the
+    # checkpoint). config.json keeps a fingerprint of each model's files; a model moved elsewhere still resumes
+    import dataclasses
+    import shutil
+
+    import ppo
+
+    a, b = make_policy(tmp_path / "a"), str(tmp_path / "b")
+    shutil.copytree(a, b)
+    cfg = ppo.Config(model=a, reward_model=a)
+    folder = tmp_path / "ckpt"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), model_sha256=C.model_hashes(cfg))))
+    C.check_config(str(folder), dataclasses.replace(cfg, model=b, reward_model=b))  # moved: the same files
+    weights = os.path.join(b, "model.safetensors")
+    state = safetensors.torch.load_file(weights)
+    state["model.norm.weight"] = state["model.norm.weight"] + 1  # retrained, the same shapes and sizes
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
+    shutil.rmtree(a)
+    shutil.copytree(b, a)
+    with pytest.raises(UsageError, match=r"is from another config.*'model'.*'reward_model'.*the files of \['model', "
+                                         r"'reward_model'\] have changed since"):
+        C.check_config(str(folder), cfg)
+    assert C.model_fingerprint("org/not-here") is None  # a Hub id: compared by name
+    assert C.model_hashes(ppo.Config(model="org/not-here")) == {"model": None}
+    # files over HASH_BELOW are read at their start, middle and end only
+    monkeypatch.setattr(C, "HASH_BELOW", 1)
+    monkeypatch.setattr(C, "SAMPLE_BYTES", 16)
+    before = C.model_fingerprint(a)
+    size = os.path.getsize(weights)
+    for at, seen in ((size // 2 + 3, True), (size // 2 - 100, False)):
+        with open(os.path.join(a, "model.safetensors"), "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 1]))
+        assert (C.model_fingerprint(a) != before) == seen
+        before = C.model_fingerprint(a)
 
 
 def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
@@ -7090,7 +7191,7 @@ def test_resume_compares_data_files_by_content(tmp_path):
             shutil.copy(b, a)
         with pytest.raises(ValueError, match="is from another config.*'prompts'") as e:
             C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(path)))
-        assert ("has changed since" in str(e.value)) == (path == a)
+        assert ("have changed since" in str(e.value)) == (path == a)
     old = dataclasses.asdict(cfg)  # written before input_sha256: the path decides
     (folder / "config.json").write_text(json.dumps(old))
     C.check_config(str(folder), cfg)
