@@ -25,6 +25,7 @@ ppo.py draws all of its own randomness (sampling noise, minibatch order) from ke
 global row), never from a generator's running state, so a resumed run repeats the uninterrupted one on
 any number of ranks; the global RNGs are saved anyway, for forks that use them.
 """
+import atexit
 import glob
 import hashlib
 import json
@@ -382,7 +383,8 @@ def _claim(out_dir, resume, overwrite, ckpt):
         except (OSError, ValueError):
             pass
 
-    return release
+    atexit.register(release)  # also when the run fails before its loop (a model that does not load, say), whose
+    return release  # `finally` calls it: a lock left behind is refused on another host (a requeued job)
 
 
 # -----------------------------------------------------------------------------
@@ -513,13 +515,20 @@ def verify(folder, legacy_ok=False):
         if glob.glob(os.path.join(folder, "*.safetensors")) and {".metadata", "trainer.pt"} <= set(missing):
             return ("a model folder (the HF export, out_dir/actor?), not a training checkpoint: resume from "
                     "out_dir/checkpoints/step-N or with --resume=auto; an exported model is passed as --model")
+        steps = [os.path.join(d, n) for d in (folder, os.path.join(folder, "checkpoints")) if os.path.isdir(d)
+                 for n in sorted(os.listdir(d)) if STEP_DIR.fullmatch(n)]
+        if steps:  # a run's out_dir, or its checkpoints folder
+            return (f"not a checkpoint but a folder of them: pass one ({steps[-1]}, the newest), or --resume=auto "
+                    "with that run's --out_dir")
         return (f"no {MANIFEST} (the write was cut short, or the checkpoint predates manifests: resume it with "
                 f"--resume={folder})" + (f", and {missing[0]} is missing" if missing else ""))
     try:
         with open(path) as f:
             listed = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({e})"
+        if not all(isinstance(w, dict) and isinstance(w.get("size"), int) for w in listed.values()):
+            raise ValueError("an entry without its size")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({e!r})"
     for name, want in listed.items():
         p = os.path.join(folder, name)
         if not os.path.isfile(p):

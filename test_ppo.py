@@ -6384,6 +6384,23 @@ def test_two_runs_in_one_out_dir_and_a_stale_lock(tiny_run, tmp_path):
     assert not os.path.exists(out / ".lock")
 
 
+def test_a_run_that_fails_before_its_loop_leaves_no_lock(tiny_run, tmp_path):
+    # a failure after out_dir was claimed and before the training loop's `finally` (a model that does not build, say)
+    # left out_dir/.lock behind, which a run on another host (a requeued job) is refused on
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out)}
+    setup = """
+import checkpoint
+def build_models(*args):
+    assert __import__("os").path.isfile(checkpoint.os.path.join(ppo_out, ".lock"))
+    raise MemoryError("no room for the critic")
+checkpoint.build_models = build_models
+""".replace("ppo_out", repr(str(out)))
+    p = run_script(ppo_script(args, setup))
+    assert p.returncode != 0 and "MemoryError: no room for the critic" in p.stderr, p.stderr[-2000:]
+    assert os.listdir(out) == []
+
+
 @slow
 def test_kill_9_anywhere_and_resume_is_exact(tiny_run, tmp_path):
     # kill -9 in the middle of a step, of a checkpoint write and of the export, resuming after each: the final
@@ -6619,6 +6636,22 @@ def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
     with pytest.raises(UsageError, match=re.escape(f"cannot resume from {cut}: a checkpoint whose write was cut short")):
         C.find(cfg)
     assert os.path.isdir(cut)
+
+
+def test_verify_names_a_folder_of_checkpoints_and_a_malformed_manifest(tmp_path):
+    # --resume=out_dir was told to resume with --resume=out_dir; a manifest that is JSON of another shape raised
+    # (AttributeError, KeyError) out of --resume=auto instead of being skipped, named
+    out = tmp_path / "out"
+    newest = fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
+    fake_checkpoint(out / "checkpoints" / "step-000001", step=1)
+    for folder in (out, out / "checkpoints"):
+        assert C.verify(str(folder), legacy_ok=True) == (f"not a checkpoint but a folder of them: pass one ({newest}, "
+                                                         "the newest), or --resume=auto with that run's --out_dir")
+    manifest = os.path.join(newest, "manifest.json")
+    for files in ([], {"trainer.pt": 12}, {"trainer.pt": {"sha256": "0"}}):
+        with open(manifest, "w") as f:
+            json.dump(dict(run_id="r", step=2, files=files), f)
+        assert C.verify(newest).startswith("manifest.json is unreadable"), files  # (--resume=auto skips it)
 
 
 def test_going_back_through_a_link_or_a_renamed_copy(tmp_path, monkeypatch):
