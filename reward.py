@@ -15,7 +15,6 @@ val/reward_errors).
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
 import functools
-import math
 import numbers
 import os
 import re
@@ -47,6 +46,19 @@ def sentiment_reward(record, response):
 
 
 REWARD_FNS = {"sentiment": sentiment_reward}
+FLOAT32_MAX = 3.4028234663852886e38  # the scores become float32 tensors: a larger score is a failed call
+
+
+def real_number(value):
+    """Whether a reward function's return value is one real number: an int, float or bool, or a numpy or torch
+    scalar (a 0-dim array or tensor) of an integer, float or bool dtype; not a string, a complex number or a list."""
+    if isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) != 0 or dtype is None:
+        return False
+    kind = getattr(dtype, "kind", None)  # numpy's: b, i, u, f are real; a torch dtype has none, but is_complex
+    return kind in ("b", "i", "u", "f") if kind is not None else getattr(dtype, "is_complex", None) is False
 
 
 def python_name(fn):
@@ -72,9 +84,11 @@ class RewardCaller:
     Python cannot stop a thread, so a given-up call runs on in its (daemon) thread, its result dropped, and a fresh
     thread takes its place in the pool. The scores come back in the order of the responses whatever order the calls
     end in: for a function of its arguments alone, the workers change the time and nothing else.
-    A call that raised, timed out or returned NaN or inf is scored on_error and counted; with on_error None it
-    stops the run, naming the function, the response and the error. A call that returns something other than a
-    real number is a TypeError whatever on_error says: that is a bug of the function, not a flaky verifier."""
+    A call that raised (any exception: a verifier's sys.exit, asyncio's CancelledError), timed out or returned NaN,
+    inf or a number beyond float32 (the scores' dtype) is scored on_error and counted; with on_error None it stops
+    the run, naming the function, the response and the error. A call that returns something other than one real
+    number (a string, a complex number, a list) is a TypeError whatever on_error says: that is a bug of the function,
+    not a flaky verifier."""
 
     SLOW_S = 60.0  # without a timeout, a call running this long is reported (once)
 
@@ -91,15 +105,20 @@ class RewardCaller:
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
 
     def __call__(self, records, responses):
-        calls = list(zip(records, responses))
-        if len(calls) != len(responses):
+        records, responses = list(records), list(responses)
+        if len(records) != len(responses):
             raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
+        calls = list(zip(records, responses))
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
         scores, errors = [], 0
         for i, (ok, value) in enumerate(results):
-            if ok and (isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0) \
-                    and not math.isfinite(float(value)):  # NaN or inf: a failed call, named, or scored on_error
-                ok, value = False, FloatingPointError(f"returned {float(value)}")
+            if ok and real_number(value):  # NaN, inf, or beyond float32: a failed call, named, or scored on_error
+                try:
+                    bad = not abs(float(value)) <= FLOAT32_MAX
+                except OverflowError:  # an int too large for a float
+                    bad = True
+                if bad:
+                    ok, value = False, FloatingPointError(f"returned {value!r:.40}, not a finite float32")
             if not ok and self.on_error is None:
                 raise RuntimeError(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): "
                                    f"{value!r}; --reward_on_error=X scores such responses X instead") from value
@@ -111,8 +130,8 @@ class RewardCaller:
                     print(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): {value!r}; "
                           f"scored --reward_on_error={self.on_error:g} (further {type(value).__name__}s are counted in "
                           "val/reward_errors only)", flush=True)
-            elif isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:  # float, int, numpy scalars,
-                scores.append(float(value))  # a 0-dim array or tensor
+            elif real_number(value):
+                scores.append(float(value))
             else:
                 raise TypeError(f"reward function {self.name} returned {value!r:.80} ({type(value).__name__}) for "
                                 f"response {i} ({responses[i]!r:.80}); it must return a float")
@@ -128,7 +147,10 @@ class RewardCaller:
             self.watcher.start()
         try:
             return True, self.fn(record, response)
-        except Exception as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised
+        except BaseException as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised,
+            # SystemExit and CancelledError too (in a worker thread they ended it, and the batch waited forever)
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C: the user's, not the function's failure
             return False, e
         finally:
             del self.running[key]
@@ -199,4 +221,4 @@ class RewardCaller:
 if __name__ == "__main__":
     import fire
 
-    fire.Fire(lambda text: sentiment_reward({}, text))
+    fire.Fire(lambda text: sentiment_reward({}, str(text)))  # (fire reads "42" as an int)

@@ -5058,9 +5058,46 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         return float("nan") if response == "bad" else float("-inf") if response == "worse" else 1.0
 
     with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\): FloatingPointError\('returned "
-                                           r"nan'\); --reward_on_error"):
+                                           r"nan, not a finite float32'\); --reward_on_error"):
         RewardCaller(nan_on_bad)([{}] * 2, ["ok", "bad"])
     assert RewardCaller(nan_on_bad, 2, on_error=0.0)([{}] * 3, ["bad", "ok", "worse"]) == ([0.0, 1.0, 0.0], 2)
+    # so is a finite number the float32 scores cannot hold (it stopped the run as "non-finite", past --score_clip)
+    assert RewardCaller(lambda r, t: {"a": 1e39, "b": 10**400, "c": -3e38}[t], on_error=0.0)(
+        [{}] * 3, ["a", "b", "c"]) == ([0.0, 0.0, -3e38], 2)
+    for bad, shown in [(np.array("0.5"), "array('0.5', dtype='<U3') (ndarray)"), (1 + 2j, "(1+2j) (complex)"),
+                       (torch.tensor(1 + 1j), "tensor(1.+1.j) (Tensor)")]:
+        with pytest.raises(TypeError, match=re.escape(f"returned {shown} for response 0 ('x'); it must return a float")):
+            RewardCaller(lambda r, t: bad, on_error=0.0)([{}], ["x"])
+    with pytest.raises(ValueError, match="5 prompt records for 2 responses"):
+        RewardCaller(flaky)([{}] * 5, ["ok", "ok"])
+
+    # an exception that is no Exception (a verifier's sys.exit, an async judge's CancelledError) is a failed call
+    # too: in a worker thread it ended the thread, and the batch waited forever for its result
+    import asyncio
+    import threading
+
+    def exits(record, response):
+        if response == "exit":
+            sys.exit(1)
+        if response == "cancel":
+            raise asyncio.CancelledError()
+        return 1.0
+
+    for workers, timeout in ((1, 0.0), (2, 0.0), (2, 30.0)):
+        out = []
+        done = threading.Thread(target=lambda: out.append(RewardCaller(exits, workers, timeout, on_error=-1.0)(
+            [{}] * 3, ["exit", "ok", "cancel"])), daemon=True)
+        done.start()
+        done.join(10)
+        assert out == [([-1.0, 1.0, -1.0], 2)], (workers, timeout)
+    with pytest.raises(RuntimeError, match=r"exits failed on response 0 \('exit'\): SystemExit\(1\)"):
+        RewardCaller(exits, 2)([{}], ["exit"])
+
+    def interrupted(record, response):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # in the main thread, Ctrl-C: the user's, not the function's failure
+        RewardCaller(interrupted, on_error=0.0)([{}], ["x"])
     with pytest.raises(ValueError, match="reward_workers must be an int >= 1, not 0"):
         RewardCaller(flaky, workers=0)
     with pytest.raises(ValueError, match="reward_timeout must be >= 0"):
