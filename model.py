@@ -133,10 +133,10 @@ class ModelConfig:
             raise UsageError(f"unsupported rope_type {rope_type!r}: default, linear and llama3 are implemented")
         rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
         window = getattr(hf, "sliding_window", None)
-        if mt == "qwen2" and not getattr(hf, "use_sliding_window", False):
+        if mt in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
             window = None
-        if mt == "qwen3" and not getattr(hf, "use_sliding_window", False):
-            window = None
+        if "sliding_attention" not in (getattr(hf, "layer_types", None) or ["sliding_attention"]):
+            window = None  # no layer slides (Qwen's max_window_layers >= the layers): full attention everywhere
         n_heads = hf.num_attention_heads
         return cls(
             model_type=mt,
@@ -757,8 +757,14 @@ class Transformer(nn.Module):
         expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         extra = sorted(k for k in set(state) - set(expected) if "rotary_emb" not in k)
-        if self.config.tie_word_embeddings:  # some tied checkpoints also store lm_head.weight
+        if self.config.tie_word_embeddings and "lm_head.weight" in state:  # some tied checkpoints store a copy too
             extra = [k for k in extra if k != "lm_head.weight"]
+            emb = state.get("model.embed_tokens.weight")
+            if emb is None or not torch.equal(state["lm_head.weight"], emb):  # transformers would use it, untied
+                raise UsageError(f"{name_or_path}: its config ties the LM head to the embeddings "
+                                 "(tie_word_embeddings), but its lm_head.weight differs from model.embed_tokens.weight, "
+                                 "which transformers then loads untied: set \"tie_word_embeddings\": false in its "
+                                 "config.json to train the two as stored")
         if missing or extra:
             raise UsageError(f"{name_or_path}: checkpoint does not match {arch}: "
                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "

@@ -757,6 +757,41 @@ def test_a_sliding_window_as_long_as_the_sequence_is_full_attention(tmp_path, mo
     assert widths == [40, 64]
 
 
+def test_qwen_sliding_window_on_no_layer_is_full_attention(tmp_path):
+    # Qwen2/3 slide only the layers from max_window_layers on: with it at the layer count no layer slides
+    # (transformers' layer_types are all full_attention), and a sequence past the window was refused
+    hf = make_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=TINY[
+        "num_hidden_layers"])
+    assert "sliding_attention" not in hf.config.layer_types
+    model = Transformer.from_pretrained(str(tmp_path)).eval()
+    assert model.config.sliding_window is None
+    idx, mask, pos = left_padded_batch(V, T=13)
+    with torch.no_grad():
+        want = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+        got = model(idx, attention_mask=mask, position_ids=pos)
+    assert max_diff(got[mask.bool()], want[mask.bool()]) < 1e-4
+    make_checkpoint(tmp_path / "slides", "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert Transformer.from_pretrained(str(tmp_path / "slides")).config.sliding_window == 8  # a layer slides: kept
+
+
+def test_a_tied_checkpoint_storing_another_lm_head_is_refused(tmp_path):
+    # tie_word_embeddings with an lm_head.weight that is no copy of the embeddings: transformers loads it untied and
+    # uses it; model.py dropped it and used the embeddings (logits 12 apart on a tiny model): refused by name
+    make_checkpoint(tmp_path, "llama2", tie_word_embeddings=True)
+    weights = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors.torch.load_file(weights)
+    assert "lm_head.weight" not in state
+    Transformer.from_pretrained(str(tmp_path))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # a stored copy: loads
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
+    Transformer.from_pretrained(str(tmp_path))
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(UsageError, match=r"its lm_head.weight differs from model.embed_tokens.weight.*"
+                                         r"\"tie_word_embeddings\": false"):
+        Transformer.from_pretrained(str(tmp_path))
+
+
 def run(model, impl, *args, **kw):
     model.attn_impl = impl
     try:
