@@ -24,9 +24,9 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
                      (decode_graph_bytes)
 
 A phase's peak is that persistent state plus what is live at the phase's worst moment:
-    rollout    the weight sync to the generation copy (one full fp32 parameter at a time; LoRA: a target's
-               merge, lora.merge's float32 temporaries), or the prefill of
-               one rollout micro-batch (no grad, one layer at a time), or its float32 sampling tensors
+    rollout    the weight sync to the generation copy (one full fp32 parameter at a time; LoRA: a target's merge,
+               lora.merge's float32 temporaries), or the prefill of one rollout micro-batch (no grad, one layer at a
+               time), or its float32 sampling tensors
     scoring    one inference micro-batch forward (no grad) of the actor (after the reference's, whose LM head
                and hidden states the fused KL kernel reads), of the critic, or of the reward model
     training   fp32 sharded grads, the saved activations of actor and critic (both losses go through one
@@ -47,10 +47,9 @@ The run fits when peak x (1 + FRAGMENTATION) + RESERVE_GIB <= --gpu_memory_gb.
 Not counted, each under 0.1 GiB at the sizes of the README or live only while nothing larger is: the rollout's
 tensors (tokens, masks, per-token values), rope tables, attention block masks (built from a dense boolean grid
 before the first block), the fused kernels' per-row statistics, AdamW's step counters, the optional ptx (SFT)
-micro-batch (the actor alone, smaller than a PPO micro-batch), flex attention's padding of a length to a
-multiple of 128. Saved activations are counted
-tensor by tensor from model.py (block_saved_bytes); the no-grad working sets and the gradients in flight
-are estimates of the largest set of tensors live at once in eager execution.
+micro-batch (the actor alone, smaller than a PPO micro-batch), flex attention's padding of a length to a multiple
+of 128. Saved activations are counted tensor by tensor from model.py (block_saved_bytes); the no-grad working sets
+and the gradients in flight are estimates of the largest set of tensors live at once in eager execution.
 
     python ppo.py --dry_run=8 --model=meta-llama/Llama-3.1-8B-Instruct --reward_model=path/to/rm \
         --rollout_batch_size=512 --max_prompt_len=1024 --max_new_tokens=1024 --mini_batch_size=64
@@ -63,6 +62,7 @@ from data import check_reward_head
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
+from runtime import need
 from rollout import CACHE_MULTIPLE
 
 GiB = 2**30
@@ -175,8 +175,8 @@ def read_model(name_or_path):
     hf = read_config(name_or_path)
     arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
     is_cls = arch.endswith("ForSequenceClassification")
-    if is_cls and getattr(hf, "num_labels", 1) != 1:
-        raise ValueError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
+    need(not is_cls or getattr(hf, "num_labels", 1) == 1, f"{name_or_path}: reward model must have one label, has "
+         f"{getattr(hf, 'num_labels', 1)}")
     return ModelConfig.from_hf(hf), is_cls
 
 
@@ -189,7 +189,7 @@ def _dims(c):
             c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.num_key_value_heads)
 
 
-def block_saved_bytes(c, cb=2, padding_free=True, lora=None):
+def block_saved_bytes(c, cb=2, padding_free=True, lora=None, mask_bytes=1):
     """What one model.Block forward saves for its backward, per token, each tensor once, parameters excluded
     (they are FSDP's); q = heads x head_dim, kv = kv heads x head_dim:
       each RMSNorm   its float32 input (pow and mul save it), rsqrt (one float), the normed value in the
@@ -214,18 +214,22 @@ def block_saved_bytes(c, cb=2, padding_free=True, lora=None):
       o_proj         the real-tokens copy only if o_proj has an adapter       (+ cb q)
       MLP            the product only if down_proj has one                    3 cb I (+ cb I)
       each target    its adapter's (tokens, r) intermediate x A^T (B's input)   + cb r
+      --lora_dropout each target's dropped input (A's input), its mask (mask_bytes: bool on CUDA), none of the
+                     shared inputs above (norm outputs, o_proj's copy, the product)      + (cb + mask_bytes) in
     (the first block saves a little less: its input, the frozen embedding's output, needs no gradient)."""
     H, I, q, kv, nh, nkv = _dims(c)
     if lora is None:
         norms = 2 * (4 * H + 4 + 2 * cb * H)
         qk = (4 + cb) * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
         return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + 4 * cb * I + (cb * q if padding_free else 0)
-    t = set(lora.targets)
-    norms = 2 * (4 * H + 4) + cb * H * (bool(t & {"q_proj", "k_proj", "v_proj"}) + bool(t & {"gate_proj", "up_proj"}))
+    t, keep = set(lora.targets), lora.dropout == 0  # (dropout: A saves its own dropped input, not the shared one)
+    norms = 2 * (4 * H + 4) + keep * cb * H * (bool(t & {"q_proj", "k_proj", "v_proj"}) + bool(t & {"gate_proj",
+                                                                                                  "up_proj"}))
     qk = 4 * (q + kv) + 4 * (nh + nkv) if c.qk_norm else 0
-    o_in = cb * q if padding_free and "o_proj" in t else 0
-    mlp = cb * I * (3 + ("down_proj" in t))
-    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + o_in + mlp + cb * lora.rank * len(t)
+    o_in = cb * q if padding_free and "o_proj" in t and keep else 0
+    mlp = cb * I * (3 + ("down_proj" in t and keep))
+    dropped = 0 if keep else (cb + mask_bytes) * sum(dict(o_proj=q, down_proj=I).get(k, H) for k in t)
+    return norms + qk + cb * (2 * q + 2 * kv) + 4 * nh + o_in + mlp + cb * lora.rank * len(t) + dropped
 
 
 def block_grad_bytes(c, cb=2):
@@ -320,19 +324,18 @@ def build(cfg, run):
     GPUs (ppo.derive with a CUDA device: the run's checks and per-rank sizes, as on a GPU)."""
     W, lora, off = run.world, run.lora, run.offload_optimizer
     cb = torch.tensor([], dtype=run.dtype).element_size()
-    policy, policy_is_cls = read_model(cfg.model)
-    if policy_is_cls:
-        raise ValueError(f"{cfg.model} is a sequence classifier: the policy needs an LM head")
-    c, T = policy, cfg.max_prompt_len + cfg.max_new_tokens
-    if T > c.max_position_embeddings:
-        raise ValueError(f"max_prompt_len + max_new_tokens = {T} does not fit the context of {cfg.model} "
-                         f"({c.max_position_embeddings} positions)")
+    (c, policy_is_cls), T = read_model(cfg.model), cfg.max_prompt_len + cfg.max_new_tokens
+    need(not policy_is_cls, f"--model: {cfg.model} is a sequence classifier: the policy needs an LM head")
+    need(T <= c.max_position_embeddings, f"--max_prompt_len + --max_new_tokens = {T} does not fit the context of "
+         f"{cfg.model} ({c.max_position_embeddings} positions)")
     # LoRA: the reference is the actor with its adapters off (checkpoint.build_models), no model of its own
     actor, ref = Model(c, "lm", source=cfg.model, lora=lora), None if lora else Model(c, "lm", source=cfg.model)
     if cfg.reward_model:
-        rc, rm_is_cls = read_model(cfg.reward_model)
-        if rc.vocab_size != c.vocab_size:
-            raise ValueError(f"policy (vocab {c.vocab_size}) and reward model (vocab {rc.vocab_size}) differ")
+        rc, rm_is_cls = read_model(cfg.reward_model)  # load_inputs' checks of the two configs
+        need(rc.vocab_size >= c.vocab_size, f"--reward_model: {cfg.reward_model} has {rc.vocab_size} token embeddings, "
+             f"fewer than the {c.vocab_size} of the policy {cfg.model}, which may sample any of them")
+        need(T <= rc.max_position_embeddings, f"--max_prompt_len + --max_new_tokens = {T} does not fit the context of "
+             f"--reward_model {cfg.reward_model} ({rc.max_position_embeddings} positions)")
         rm = Model(rc, "value", value_bias=not rm_is_cls, source=cfg.reward_model)
     else:
         rm, rc = None, c
@@ -344,9 +347,9 @@ def build(cfg, run):
                    reward_head=shared) if run.critic else None
     trained = [m for m in (actor, critic) if m is not None]
     names = "actor and critic" if critic else "actor"
-    for m in (actor, critic, rm):
-        if m is not None and m.c.sliding_window is not None and T > m.c.sliding_window:
-            raise ValueError(f"{m.source}: {T} tokens exceed its sliding window ({m.c.sliding_window})")
+    for m in filter(None, (actor, critic, rm)):
+        need(m.c.sliding_window is None or T <= m.c.sliding_window, f"{m.source}: {T} tokens exceed its sliding "
+             f"window ({m.c.sliding_window})")
 
     S = cdiv(T, CACHE_MULTIPLE) * CACHE_MULTIPLE
     rows_r, rows_i, rows_t = run.rollout_micro, run.infer_micro, run.local_micro
@@ -463,13 +466,11 @@ def build(cfg, run):
         per_block = cb * m.c.hidden_size if run.activation_checkpointing else block_saved_bytes(m.c, cb, lora=lora)
         return tok * (m.L * per_block + 4 * m.c.hidden_size + 4 + (0 if lora else cb * m.c.hidden_size))
 
-    def block_bwd(m):  # one block recomputed (checkpointing) and its gradients (the input's, through frozen
-        # weights too)
+    def block_bwd(m):  # one block recomputed (checkpointing) and its gradients (the input's, frozen weights too)
         recompute = block_saved_bytes(m.c, cb, lora=lora) if run.activation_checkpointing else 0
         return tok * (recompute + block_grad_bytes(m.c, cb))
 
-    def units_bwd(m):  # two blocks gathered, one block's gradients in bf16 and its fp32 reduce-scatter input (LoRA:
-        # the adapters' alone)
+    def units_bwd(m):  # 2 blocks gathered, 1 block's grads in bf16 and its fp32 reduce-scatter input (LoRA: adapters')
         return 2 * cb * m.gathered(m.block, W) + (cb + 4) * m.gathered(m.part(m.block, "trained"), W)
 
     def root_grads(m):  # in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
@@ -478,8 +479,7 @@ def build(cfg, run):
     actor_saved = saved(actor) + saved_h
     lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
     dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0
-    ac = "recomputed" if run.activation_checkpointing else "without checkpointing"
-    what = "adapter " if lora else ""
+    ac, what = "recomputed" if run.activation_checkpointing else "without checkpointing", "adapter " if lora else ""
     always = [(f"{names} {what}grads, fp32 shard{cpu}", on_gpu * 4 * sum(m.shard(W, "trained") for m in trained)),
               (f"{names} root{'s' if critic else ''}, gathered", sum(gathered_root(m) for m in trained))]
     if kl and ref is not None:  # LoRA: the actor's own LM head, in its gathered root

@@ -8413,7 +8413,8 @@ class FusedAttentionStandIn(torch.autograd.Function):
         raise NotImplementedError
 
 
-@pytest.mark.parametrize("lora", [None, "all", ("q_proj", "v_proj"), ("o_proj", "down_proj"), ("k_proj", "up_proj")])
+@pytest.mark.parametrize("lora", [None, "all", ("q_proj", "v_proj"), ("o_proj", "down_proj"), ("k_proj", "up_proj"),
+                                  "all, dropout", ("o_proj", "down_proj", "dropout")])
 @pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("qk_norm, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
 def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, padding_free, lora):
@@ -8421,11 +8422,14 @@ def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, 
     # tables excluded: exactly plan.block_saved_bytes per token (in float32 the norms' .float() is the input itself);
     # padding-free, the (N, H) real tokens in and attention in (B, T) rows, at no padding (N = B T: the plan's case).
     # LoRA: a frozen base (norms and projections) with adapters on some targets, in the compute dtype as FSDP2's
-    # mixed precision gathers them
+    # mixed precision gathers them. With --lora_dropout each target saves its own dropped input and the dropout's
+    # mask (on a CPU in the input's dtype: F.dropout's composite; on CUDA a bool mask, which the plan counts)
     import lora as lora_mod
 
     monkeypatch.setattr(M, "attend", lambda q, k, v, mask, impl: FusedAttentionStandIn.apply(q, k, v))
-    lc = lora and lora_mod.LoRAConfig(3, 16.0, 0.0, lora_mod.TARGETS if lora == "all" else lora)
+    dropout = 0.1 if lora and "dropout" in lora else 0.0
+    targets = lora_mod.TARGETS if isinstance(lora, str) else lora and [t for t in lora if t != "dropout"]
+    lc = lora and lora_mod.LoRAConfig(3, 16.0, dropout, targets)
     c = odd_config(qk_norm=qk_norm)
     if lc:
         blk = lora_mod.add_adapters(Transformer(c), lc).model.layers[0].to(dtype)
@@ -8449,7 +8453,7 @@ def test_block_saved_bytes_are_what_autograd_saves(monkeypatch, qk_norm, dtype, 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         blk(x, cos, sin, None, real=real)
     assert sum(saved.values()) == B * T * plan.block_saved_bytes(c, cb=dtype.itemsize, padding_free=padding_free,
-                                                                 lora=lc)
+                                                                 lora=lc, mask_bytes=dtype.itemsize)
 
 
 def test_head_scratch_follows_the_kernels_chunking():
@@ -8638,6 +8642,25 @@ def test_offload_frozen_and_kv_cache_lines(tmp_path):
     (p2, _), _ = plan_for(8, model=policy, reward_model=rm, max_new_tokens=1000)
     assert [b for label, b in p2.persistent if label.startswith("KV cache")] == \
         [plan.kv_cache_bytes(f["actor"].c, 32, 2048, cb=2)]
+
+
+def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
+    # the plan's checks of the two configs are load_inputs': a reward model with more token embeddings (Qwen2.5-7B's
+    # beside the 1.5B's) was refused with a traceback, one with too short a context passed, and each refusal was a
+    # ValueError (a traceback and exit 1, the status of "does not fit") instead of a one-line UsageError
+    policy, rm = write_configs(tmp_path, "Qwen2.5-1.5B")
+    config = json.loads(open(os.path.join(rm, "config.json")).read())
+    (tmp_path / "rm-big").mkdir()
+    (tmp_path / "rm-big" / "config.json").write_text(json.dumps(dict(config, vocab_size=152064)))
+    plan_for(1, model=policy, reward_model=str(tmp_path / "rm-big"))
+    (tmp_path / "rm-short").mkdir()
+    (tmp_path / "rm-short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    for kw, said in [(dict(reward_model=str(tmp_path / "rm-short")), "does not fit the context of --reward_model"),
+                     (dict(reward_model=str(tmp_path / "rm-big"), model=str(tmp_path / "rm-big")),
+                      "is a sequence classifier: the policy needs an LM head"),
+                     (dict(max_new_tokens=40000), "does not fit the context of")]:
+        with pytest.raises(UsageError, match=said):
+            plan_for(1, **{"model": policy, **kw})
 
 
 def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path):
