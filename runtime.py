@@ -188,7 +188,8 @@ def check_wandb(project):
     """--wandb: the package, the project's name (wandb's rules) and credentials are there, checked before any model
     loads (wandb.init would stop the run after minutes of loading, or wait for a key at a prompt). Credentials:
     WANDB_API_KEY (or an identity token file), a netrc entry for the server (what `wandb login` writes), or
-    WANDB_MODE=offline / disabled."""
+    WANDB_MODE=offline / disabled; the mode and the server as wandb reads them, from the variables or its settings
+    files."""
     import importlib.util
     import netrc
     from urllib.parse import urlparse
@@ -198,10 +199,19 @@ def check_wandb(project):
     bad = sorted(set(project) & set("/\\#?%:"))
     need(not bad and len(project) <= 128, f"--wandb_project={project!r}: wandb takes at most 128 characters, none of "
                                           f"/ \\ # ? % : ({'found ' + ' '.join(bad) if bad else 'too long'})")
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
+    import configparser
+
+    files = configparser.ConfigParser(interpolation=None)  # wandb's settings files (`wandb login --host`, `wandb
+    try:  # offline`): the global one, then the workspace's
+        files.read([os.path.join(os.path.expanduser(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")), "settings"),
+                    os.path.join(os.environ.get("WANDB_DIR", "."), "wandb", "settings")])
+    except configparser.Error:
+        pass  # (one wandb cannot read either)
+    setting = lambda k: os.environ.get(f"WANDB_{k.upper()}") or files.get("default", k, fallback="")  # noqa: E731
+    if setting("mode").lower() in ("offline", "disabled", "dryrun") or \
             os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(setting("base_url") or "https://api.wandb.ai").netloc  # netrc's machine: host[:port], as wandb
     path = os.path.expanduser(os.environ.get("NETRC", "~/.netrc"))
     try:
         if netrc.netrc(path).authenticators(host):

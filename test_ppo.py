@@ -7247,9 +7247,11 @@ def test_reward_model_without_a_score_head_is_refused(tiny_run, group, tmp_path)
 
 def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
     # wandb.init found no credentials after minutes of model loading (or waited at a prompt for a key)
-    for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+    for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DIR"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # this machine's settings files left out
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(UsageError, match=re.escape(f"--wandb: no credentials for api.wandb.ai: run `wandb login` (it "
                                                    f"writes {tmp_path / 'netrc'})")):
         runtime.check_wandb("ppo")
@@ -7265,6 +7267,21 @@ def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
         monkeypatch.setenv(k, v)
         runtime.check_wandb("ppo")
         monkeypatch.delenv(k)
+    # a server on a port: netrc's machine is host:port, as `wandb login` writes it (the host alone was looked up)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://localhost:8080")
+    (tmp_path / "netrc").write_text("machine localhost:8080 login user password 0123456789abcdef\n")
+    runtime.check_wandb("ppo")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    # wandb's settings files: `wandb login --host` (base_url in the global one), `wandb offline` (mode in ./wandb/)
+    os.makedirs(tmp_path / "config")
+    (tmp_path / "config" / "settings").write_text("[default]\nbase_url = http://localhost:8080\n")
+    runtime.check_wandb("ppo")
+    (tmp_path / "config" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
+    with pytest.raises(UsageError, match="no credentials for wandb.example.org"):
+        runtime.check_wandb("ppo")
+    os.makedirs(tmp_path / "wandb")
+    (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    runtime.check_wandb("ppo")
     for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)")):  # wandb.init's own rules
         with pytest.raises(UsageError, match=re.escape(f"--wandb_project={name!r}: wandb takes at most 128 characters, "
                                                        f"none of / \\ # ? % : {found}")):
