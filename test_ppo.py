@@ -7739,7 +7739,7 @@ def nan_on_one(record, response):
 """
     p = run_script(ppo_script(args, setup, reward_fn="nan_on_one"))
     assert p.returncode != 0 and "RuntimeError: reward function nan_on_one failed on response 1 (" in p.stderr \
-        and "FloatingPointError('returned nan'); --reward_on_error" in p.stderr, p.stderr[-2000:]
+        and "FloatingPointError('returned nan, not a finite float32'); --reward_on_error" in p.stderr, p.stderr[-2000:]
     setup = f"""
 import math
 import reward
