@@ -203,8 +203,7 @@ LIMITS = {
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"),
     "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
-IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-            "in [0, 1)": lambda v: 0 <= v < 1,
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1,
             "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
 
 
@@ -243,13 +242,15 @@ def derive(cfg, rank, W, device):
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
     need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
-    idle = [f"--{k}" for k in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(cfg, k) != getattr(Config, k)]
-    need(cfg.lora_rank or not idle, f"{', '.join(idle)} set without --lora_rank: LoRA is off, so they would do nothing")
+    for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
+                           (not cfg.reward_model, ("reward_workers", "reward_timeout", "reward_on_error"),
+                            "with --reward_model, which scores in place of a reward function")):
+        idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
+        need(on or not idle, f"{', '.join(idle)} set {why}, so they would do nothing")
     for k in ("is_band", "is_seq_band"):
         lo, hi = getattr(cfg, k)
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
-    need(cfg.target_kl == 0 or cfg.kl_coef > 0,
-         "--target_kl > 0 needs kl_coef > 0: the adaptive controller multiplies beta, so it would stay 0")
+    need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
          f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
     need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with --async_rollout"

@@ -7200,6 +7200,8 @@ def test_every_number_is_checked_against_its_range():
                       ("--wandb_project must not be empty", dict(wandb=True, wandb_project=" ")),
                       ("--lora_dropout, --lora_targets set without --lora_rank: LoRA is off, so they would do nothing",
                        dict(lora_dropout=0.1, lora_targets=("q_proj",))),
+                      ("--reward_workers, --reward_on_error set with --reward_model, which scores in place of a reward "
+                       "function, so they would do nothing", dict(reward_model="rm", reward_workers=4, reward_on_error=0.0)),
                       ("--dtype must be one of ['auto', 'bf16', 'fp32'], not 'fp16'", dict(dtype="fp16")),
                       ("--resume=/no/such/run: no such folder", dict(resume="/no/such/run"))]:
         with pytest.raises(UsageError, match=re.escape(match)):
