@@ -55,7 +55,7 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
         "policy/approxkl_avg": avg["approxkl"], "policy/clipfrac_avg": avg["clipfrac"],
         "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"],
         "val/ratio": avg["ratio"],
-        "val/ratio_var": (per_mb["ratio_sq"] - per_mb["ratio"].square()).mean().item(),  # each minibatch's own
+        "val/ratio_var": finite_mean(per_mb["ratio_sq"] - per_mb["ratio"].square()).item(),  # each minibatch's own
         "val/response_length": n_resp / B_all,
         **{f"val/grad_norm_{name}": norm for name, norm in zip(trained, norms)},
         "val/skipped_updates": sum(u["skipped"] for u in updates),

@@ -200,8 +200,7 @@ LIMITS = {
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
              "eval_temperature", "lora_rank"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
-    "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"),
-    "in [0, 2**32)": ("seed",),  # NumPy's seed range
+    "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
 IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1,
             "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
@@ -402,7 +401,7 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
 
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
     """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
-    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient skips it.
+    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient or loss skips it.
     key: (step, update of the step), which with the micro-batch and the rank keys --lora_dropout's masks."""
     sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
     for i, (_, mb) in enumerate(micro_batches(batch, rows, run.local_micro)):
@@ -412,14 +411,15 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
         (actor_loss if critic_loss is None else actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
         slots = [slots[0] + mb["slots"], slots[1] + mb["pad"]]
-    if ptx_pairs is not None:
-        pairs, n_ptx = ptx_pairs
-        for i in range(0, len(pairs), run.local_micro):
-            ptx = ptx_loss(m["actor"], pairs[i : i + run.local_micro], n_ptx, run.world, run.device)
-            (cfg.ptx_coef * ptx).backward()
-            sums["ptx"] = sums.get("ptx", 0.0) + ptx.detach().double() * (n_tokens / run.world)  # a token mean x n_tokens
+    pairs, n_ptx = ptx_pairs or ([], 0)
+    for i in range(0, len(pairs), run.local_micro):
+        ptx = ptx_loss(m["actor"], pairs[i : i + run.local_micro], n_ptx, run.world, run.device)
+        (cfg.ptx_coef * ptx).backward()
+        sums["ptx"] = sums.get("ptx", 0.0) + ptx.detach().double() * (n_tokens / run.world)  # a token mean x n_tokens
     norms = torch.stack([grad_norm(m[name], cfg.max_grad_norm) for name in run.trained])
-    finite = bool(torch.isfinite(norms).all())  # a host sync, with micro_batches' one
+    losses = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norms.device) for v in sums.values()])
+    finite = bool(torch.isfinite(norms).all()) and all_sum(float(not losses.isfinite().all())).item() == 0  # (a NaN
+    # log-ratio's clamp passes a zero gradient: its loss is NaN, its gradient finite), the same on every rank
     for name in run.trained:
         if finite:
             m[name + "_opt"].step()

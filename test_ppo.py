@@ -6854,6 +6854,34 @@ def test_wandb_failing_leaves_the_run_going(monkeypatch, tmp_path, capsys):
 
 
 @slow
+def test_a_nan_loss_with_a_finite_gradient_skips_its_update(tiny_run, tmp_path):
+    # a NaN log-ratio makes the policy loss NaN, but its clamp passes a zero gradient: the update was applied (its
+    # tokens silently without gradient) and not counted in val/skipped_updates; and val/ratio_var was null as soon
+    # as one minibatch was not finite, where val/ratio averages the finite ones
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 1}
+    setup = """
+import torch
+forward, calls = ppo.policy_forward, [0]
+
+def nan_in_update_2(*args, **kw):  # one micro-batch of the second update: logp NaN, in the training forward only
+    out = forward(*args, **kw)
+    if torch.is_grad_enabled():
+        calls[0] += 1
+        if calls[0] == 3:
+            out = dict(out, logp=out["logp"] + float("nan"))
+    return out
+
+ppo.policy_forward = nan_in_update_2
+"""
+    p = run_script(ppo_script(args, setup))
+    assert p.returncode == 0, p.stderr[-3000:]
+    row, = read_metrics(out)
+    assert row["val/skipped_updates"] == 1
+    assert all(row[k] is not None for k in ("val/ratio", "val/ratio_var", "loss/policy_avg")), row
+
+
 def test_bad_updates_in_a_row_span_a_resume_and_a_lower_lr_resumes(tiny_run, tmp_path):
     # the count of non-finite updates in a row is in the checkpoint: a run stopped with 2 of --max_bad_updates=3
     # behind it stops at the first bad update after its resume, as the uninterrupted run does (it started again at
