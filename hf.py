@@ -791,8 +791,9 @@ def save_hf(actor, tokenizer, folder, stop_ids=None, pad_id=None, max_shard_size
     config was read from; a local one, or the embedded model's .gguf file, as an absolute path). Every rank calls
     it; first the disk's free space is checked (runtime.check_space)."""
     dtype = actor.config.checkpoint_dtype or torch.float32
-    check_space(os.path.dirname(os.path.abspath(folder)), sum(t.numel() for t in actor.state_dict().values())
-                * dtype.itemsize / dist.get_world_size(), "the HF export")
+    need = sum(t.numel() * (4 if ".lora_" in k else dtype.itemsize) for k, t in actor.state_dict().items())
+    check_space(os.path.dirname(os.path.abspath(folder)), need / dist.get_world_size(), "the HF export")  # (the
+    # adapters are not in the merged model, but beside it in float32)
     write_pretrained(actor, folder, tokenizer, max_shard_size=max_shard_size, master=dist.get_rank() == 0,
                      stop_ids=stop_ids, pad_id=pad_id)
     if getattr(actor, "lora", None) is not None:

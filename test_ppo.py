@@ -1941,6 +1941,17 @@ def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group, m
     with open(out / "actor-lora" / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == str(tmp_path / "src")
     assert "an exported actor-lora/" in C._holds_a_run(str(out))
+    # the free space asked for is what the two folders' tensors take: a bf16 model merged, the adapters in float32
+    # (they were counted in the checkpoint's dtype, 2 bytes short each: 336 MB at Llama-3-8B's rank 64)
+    asked = []
+    monkeypatch.setattr(H, "check_space", lambda folder, local_bytes, what: asked.append(local_bytes))
+    actor.config.checkpoint_dtype = torch.bfloat16
+    H.save_hf(actor, None, str(tmp_path / "bf16" / "actor"))
+    written = 0
+    for path in glob.glob(str(tmp_path / "bf16" / "actor*" / "*.safetensors")):
+        with safetensors.safe_open(path, "pt") as f:
+            written += sum(f.get_tensor(k).nbytes for k in f.keys())
+    assert asked == [written]
     H.save_hf(C.shard(Transformer.from_pretrained(str(tmp_path / "src")), init_device_mesh("cpu", (1,)),
                       torch.float32), None, str(tmp_path / "full" / "actor"))
     assert os.listdir(tmp_path / "full") == ["actor"]  # no adapters, no adapter folder
