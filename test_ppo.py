@@ -2714,6 +2714,30 @@ def test_kl_matches_float64(backend, N, H, V, T, scale, ref_H, cfg):
     close(dw, r_dw, 1e-4, 1e-5, "d weight")
 
 
+@pytest.mark.parametrize("emulate", [False, True])
+def test_kl_of_a_float32_actor_beside_a_float64_reference(monkeypatch, emulate):
+    # the KL takes float64 when either model is float64; the torch backward's GEMMs then met a float32 actor's
+    # operands with float64 dz and raised (the forward ran), without the CUDA casts (a CPU run's); N = 0 rows came
+    # back in float32
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", emulate)
+    N, H, V, T = 5, 8, 37, 0.9
+    hidden, weight, _ = make(N, H, V, seed=3)
+    ref_hidden, ref_weight = (t.double() for t in make_ref(hidden, weight, seed=4))
+    g = per_token(N, 5)
+    kl, dh, dw = run_kl(hidden, weight, ref_hidden, ref_weight, T, "torch", None, g)
+    r_kl, r_dh, r_dw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, T, g)
+    assert kl.dtype == torch.float64 and dh.dtype == dw.dtype == torch.float32
+    close(kl, r_kl, 1e-5, 1e-7, "kl")
+    close(dh, r_dh, 1e-5, 1e-6, "d hidden")
+    close(dw, r_dw, 1e-5, 1e-6, "d weight")
+    for n in (3, 8):  # dh alone (a frozen head), with and without row padding in the GEMMs
+        h = hidden[:n].detach().clone().requires_grad_()
+        dh, = torch.autograd.grad((g[:n] * linear_kl(h, weight, ref_hidden[:n], ref_weight, T, backend="torch")).sum(), h)
+        close(dh, kl_ref_grads(hidden[:n], weight, ref_hidden[:n], ref_weight, T, g[:n])[1], 1e-5, 1e-6, "d hidden")
+    none = linear_kl(hidden[:0].requires_grad_(), weight, ref_hidden[:0], ref_weight, T, backend="torch")
+    assert none.dtype == torch.float64 and none.shape == (0,)  # the dtype of N > 0 rows (it was float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kl_extreme_noncontiguous_bf16(monkeypatch, backend):
     monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)  # one rounding in bf16, as in test_logprob_entropy_bf16

@@ -394,7 +394,8 @@ def linear_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, backend="
                          "requires grad; compute it under torch.no_grad() or pass .detach()")
     backend = resolve_backend(where, backend, hidden.device, (hidden.dtype, ref_hidden.dtype), _kl_fwd_kernel)
     if hidden.shape[0] == 0:
-        dt = torch.float64 if backend == "torch" and hidden.dtype == torch.float64 else torch.float32
+        f64 = torch.float64 in (hidden.dtype, ref_hidden.dtype)  # either model float64: the KL in float64
+        dt = torch.float64 if backend == "torch" and f64 else torch.float32
         return (hidden.sum() + weight.sum()).to(dt).mul(0).expand(0)  # keeps the graph connected
     return LinearKL.apply(hidden, weight, ref_hidden, ref_weight, temperature, backend, cfg)
 

@@ -453,10 +453,11 @@ def torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz, ref_hid
             dz_pad[n:].zero_()  # padding rows: only their own (discarded) dh rows see them
             chunk_dz(r0, r1, v0, v1, h_op, w_op, rh_op, dz_pad[:n])
             g_op = grad_operand(dz_pad, weight.dtype)  # half dz for CUDA's GEMMs (see EMULATE_CUDA)
-            if need_dh:
-                addmm_rows(dh_c, g_op, w_op if w_shared is None else w_op - w_shared)  # (n_pad, C) @ (C, H); exact
+            # (the operands in dz's dtype: float64 for a float32 actor beside a float64 reference's KL)
+            if need_dh:  # (n_pad, C) @ (C, H); exact
+                addmm_rows(dh_c, g_op, (w_op if w_shared is None else w_op - w_shared).to(g_op.dtype))
             if need_dw:
-                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n])  # (C, n) @ (n, H)
+                addmm_f32(dw[v0:v1], g_op[:n].T, h_op[:n].to(g_op.dtype))  # (C, n) @ (n, H)
         if need_dh and n != n_pad:
             dh[r0:r1] = dh_c[:n]
     return (dh.to(hidden.dtype) if need_dh else None), (dw.to(weight.dtype) if need_dw else None)
