@@ -4708,6 +4708,26 @@ def is_cfg(mode="tis", cap=2.0, band=(0.5, 5.0), seq_band=(0.99, 1.01)):
     return types.SimpleNamespace(is_correction=mode, is_cap=cap, is_band=band, is_seq_band=seq_band)
 
 
+def test_kl_estimate_computes_bf16_inputs_in_float32():
+    logp, ref = torch.tensor([-1.0], dtype=torch.bfloat16), torch.tensor([-1.0078125], dtype=torch.bfloat16)  # d = 2^-7
+    d, got = 2.0**-7, kl_estimate(logp, ref, "k3")
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(math.exp(-d) - 1 + d, rel=1e-6)
+
+
+def test_seq_mask_judges_the_response_alone_with_its_band_edges_inside():
+    # the geometric mean of r over the response's tokens, not the row's: r = 1.015 on both tokens of a 2-token
+    # response in a row of 4 is 1.015 > 1.01, dropped (over the 4 columns it would be 1.0075, kept); a mean on
+    # the band's edge is inside it
+    cfg = lambda band: types.SimpleNamespace(is_correction="seq_mask", is_cap=2.0, is_band=(0.5, 5.0),  # noqa: E731
+                                             is_seq_band=band)
+    mask = torch.tensor([[1, 1, 0, 0]], dtype=torch.bool)
+    w, cut = gae.is_weights(torch.where(mask, math.log(1.015), 0.0), torch.zeros(1, 4), mask, cfg((0.99, 1.01)))
+    assert w.tolist() == [[0, 0, 0, 0]] and cut.tolist() == [[True, True, False, False]]
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w, cut = gae.is_weights(torch.zeros(1, 3), torch.zeros(1, 3), mask, cfg((1.0, 1.0)))
+    assert w.tolist() == [[1.0, 1.0, 1.0]] and not cut.any()
+
+
 def test_is_weights_hand_computed():
     # r = exp(old_logp - sampler_logp) set per token; masked slots hold NaN and inf, which must reach nothing.
     #   row 0: r = 2.5, 0.4, 1.0     geometric mean 1.0: seq_mask keeps it
@@ -6296,6 +6316,68 @@ def test_ratio_variance_is_each_minibatchs_own_averaged():
     out = step_metrics(mask, sc, torch.zeros(B), zeros, zeros, None, torch.ones(B, dtype=torch.bool), zeros,
                        [update(100, [1.0]), update(2, [1.0, 3.0])], 0.05, B, ("actor",), cfg)
     assert out["val/ratio"] == pytest.approx(1.5) and out["val/ratio_var"] == pytest.approx(0.5)
+
+
+def test_finite_mean_drops_nan_and_inf():
+    # a skipped update's losses and norms are NaN or inf: both stay out of the step's averages
+    from metrics import finite_mean
+
+    nan, inf = float("nan"), float("inf")
+    assert finite_mean(torch.tensor([1.0, inf, 3.0, nan])).item() == 2.0
+    assert finite_mean(torch.tensor([[1.0, -inf], [3.0, 5.0]]), 0).tolist() == [2.0, 5.0]
+    assert math.isnan(finite_mean(torch.tensor([nan, inf])).item())
+
+
+def hand_step(plant=False, same_returns=False):
+    """step_metrics of a step whose metrics are worked out by hand (test_step_metrics_hand_computed): responses of 3,
+    1 and 2 tokens (6 in all), rows 0 and 2 ended; plant: NaN and inf in every tensor's slots off the mask."""
+    from metrics import step_metrics
+
+    nan, inf = float("nan"), float("inf")
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    zeros = torch.zeros(3, 3)
+    old = zeros.clone()
+    old[0, 1] = math.log(4.0)  # r = 4 on one token: its tis weight 2, truncated
+    kl = torch.tensor([[0.3, 0.3, 0.3], [0.0, 0, 0], [0.0, 0, 0]])
+    ret = torch.tensor([[1.0, 2, 3], [4, 0, 0], [0, 2, 0]])  # on the tokens 1, 2, 3, 4, 0, 2: variance 10 / 5
+    values = torch.tensor([[1.0, 2, 3], [3, 0, 0], [1, 2, 0]])  # residuals 0, 0, 0, 1, -1, 0: variance 2 / 5
+    if same_returns:
+        ret = torch.where(mask, 2.0, 0.0)
+    sc = dict(score=torch.tensor([1.0, 2.0, 3.0]), old_logp=old, ref_logp=zeros.clone(), kl_exact=zeros.clone(),
+              entropy=torch.where(mask, 0.5, 0.0), values=values, slots=8, pad=2)
+    sampler = zeros.clone()
+    if plant:
+        for x in (sc["old_logp"], sc["ref_logp"], sc["kl_exact"], sc["entropy"], sc["values"], sampler, kl, ret):
+            x[~mask] = nan
+        sc["entropy"][1, 2] = inf
+
+    def update(norm):
+        sums = {k: torch.tensor(0.0, dtype=torch.float64) for k in ("policy_loss", "entropy", "approxkl", "clipfrac",
+                                                                     "ratio", "ratio_sq", "value_loss", "vf_clipfrac")}
+        return dict(sums=sums, n_tokens=3, norms=torch.tensor([norm], dtype=torch.float64),
+                    skipped=not math.isfinite(norm), slots=[6, 3])
+
+    cfg = types.SimpleNamespace(is_correction="tis", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
+    return step_metrics(mask, sc, sc["score"], kl, torch.where(mask, -0.1 * kl, 0.0), ret,
+                        torch.tensor([True, False, True]), sampler, [update(1.0), update(inf), update(3.0)], 0.1, 3,
+                        ("actor",), cfg)
+
+
+def test_step_metrics_hand_computed():
+    # the README's definitions, each on numbers worked out by hand (the end-to-end tests compare runs of the same
+    # code, so a wrong formula passed them)
+    out = hand_step()
+    assert out["val/stop_rate"] == pytest.approx(2 / 3)
+    assert out["val/response_length"] == pytest.approx(2.0)  # 6 tokens over 3 responses, EOS included
+    assert out["val/explained_var"] == pytest.approx(1 - 0.4 / 2.0)  # 1 - Var(ret - values) / Var(ret)
+    assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4)) / 6)  # r - 1 - log r at r = 4, per token
+    assert out["val/is_weight_mean"] == pytest.approx(7 / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
+    assert out["perf/padding_frac"] == pytest.approx((2 + 3 * 3) / (8 + 3 * 6))  # scoring's slots and 3 updates'
+    assert out["objective/kl"] == pytest.approx(0.3) and out["objective/non_score_reward"] == pytest.approx(-0.03)
+    assert out["val/grad_norm_actor"] == 2.0  # the inf update's norm left out
+    assert math.isnan(hand_step(same_returns=True)["val/explained_var"])  # every return the same: nothing to explain
+    planted = hand_step(plant=True)  # off the mask, nothing reaches a metric (select, don't multiply)
+    assert planted.keys() == out.keys() and all(planted[k] == pytest.approx(out[k]) for k in out)
 
 
 def test_run_comparisons_skip_only_the_measured_metrics():
