@@ -6999,6 +6999,7 @@ ppo.policy_forward = nan_in_update_2
     assert all(row[k] is not None for k in ("val/ratio", "val/ratio_var", "loss/policy_avg")), row
 
 
+@slow
 def test_bad_updates_in_a_row_span_a_resume_and_a_lower_lr_resumes(tiny_run, tmp_path):
     # the count of non-finite updates in a row is in the checkpoint: a run stopped with 2 of --max_bad_updates=3
     # behind it stops at the first bad update after its resume, as the uninterrupted run does (it started again at
