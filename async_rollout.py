@@ -46,6 +46,7 @@ at the same step boundary by every rank of both groups; the keyed noise and the 
 they are.
 """
 import gc
+import importlib
 import sys
 import time
 import traceback
@@ -90,6 +91,21 @@ def rollout_from_rows(records, pad_id, device):
     return [r["index"] for r in records], ro
 
 
+def own_graph_trees():
+    """On the worker thread: its own empty state of inductor's cudagraph trees. They keep their managers in a
+    threading.local filled only on the thread that imported the module (and autograd's threads, through a
+    thread-local stash): on any other thread the first graph asserts (cudagraph_trees.get_obj). With its own, the
+    worker records the decode's graphs into one manager and one memory pool, which the rollouts and evaluations
+    share (generate_beside)."""
+    from collections import defaultdict
+    from threading import Lock
+
+    from torch._inductor import cudagraph_trees as trees
+
+    if not hasattr(trees.local, "tree_manager_containers"):  # (a worker that imported the module has them)
+        trees.local.tree_manager_containers, trees.local.tree_manager_locks = {}, defaultdict(Lock)
+
+
 class Rollouts:
     """Each step's (prompt indices, Rollout) for this rank: drawn now, or one step ahead (module docstring).
     m: the run's models (m["gen"] generates, m["actor"] fills it); generate: rollout.generate, passed in so that a
@@ -104,6 +120,16 @@ class Rollouts:
         """The worker thread (and its CUDA stream), at the first job: a run that fails before it starts none."""
         if self.pool is None:
             threads = torch.get_num_threads()
+            # Dynamo refuses to run a compiled function while torch.fx traces (eval_frame's nested-trace check), but
+            # the flag it reads (torch.fx._symbolic_trace._is_fx_tracing_flag) is one for the whole process: on an
+            # H100 the main thread compiling step 1's training made the worker's compiled decode step raise, and the
+            # worker compiling a decode size it had not met would make training raise. Nothing here traces compiled
+            # code with torch.fx, so the check is off while the worker exists, on both threads (since torch 2.13 a
+            # set config value holds for the thread that set it); compiles themselves take one lock (convert_frame).
+            self.forced = torch._dynamo.config.force_compile_during_fx_trace
+            torch._dynamo.config.force_compile_during_fx_trace = True
+            if self.run.device.type == "cuda":
+                importlib.import_module("torch._inductor.cudagraph_trees")  # its thread-local state: the main's
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout", initializer=self._init_worker)
             self.pool.submit(lambda: None).result()  # the worker exists and has set its threads
             torch.set_num_threads(threads)  # also the default of threads started later (autograd's, gloo's): the main's
@@ -111,8 +137,10 @@ class Rollouts:
                 self.stream = torch.cuda.Stream(self.run.device)
 
     def _init_worker(self):
+        torch._dynamo.config.force_compile_during_fx_trace = True  # (see _start)
         if self.run.device.type == "cuda":
             torch.cuda.set_device(self.run.device)  # the current device is per thread
+            own_graph_trees()
         else:
             torch.set_num_threads(min(CPU_WORKER_THREADS, torch.get_num_threads()))
 
@@ -235,3 +263,4 @@ class Rollouts:
         at once, not after a rollout (the worker ends when that generation does, its batch dropped)."""
         if self.pool is not None:
             self.pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
+            torch._dynamo.config.force_compile_during_fx_trace = self.forced

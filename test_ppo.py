@@ -6084,6 +6084,97 @@ try:
     assert "the judge is down" in p.stdout and lines["RAISED"] < lines["GENERATED"] - 4, p.stdout[-2000:]
 
 
+@slow
+def test_async_rollout_runs_compiled_code_while_the_other_thread_traces(tiny_run, tmp_path):
+    # torch.fx's tracing flag is one for the process, and dynamo refused to run a compiled function while it was set:
+    # on an H100 the worker's compiled decode raised while the main thread compiled step 1's training (the batch was
+    # generated again, its overlap lost), and training would raise while the worker compiled a decode size. Here
+    # each thread calls a compiled function while the other holds an fx trace open: both run, the run as without
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "r"),
+            "total_steps": 3, "async_rollout": True}
+    setup = """
+import threading
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+import reward
+generate, calls, met = ppo.generate, [], []
+tracing, called = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+
+@torch.compile(backend="eager", fullgraph=True)
+def plus_one(x):
+    return x + 1
+
+def holds_a_trace(i):  # traced as AOTAutograd traces what it compiles (make_fx), until the other thread has called
+    def traced(x):      # plus_one
+        tracing[i].set()
+        called[i].wait(60)
+        return x * 2
+    make_fx(traced)(torch.ones(1))
+
+def calls_compiled(i):  # once the other thread's trace is open
+    if tracing[i].wait(60):
+        met.append(plus_one(torch.ones(1)).item())
+    called[i].set()
+
+def worker_generate(*args, **kw):  # call 2 (step 2's batch, drawn beside step 1's scoring): compiled code;
+    calls.append(1)                # call 3 (beside step 2's): an open trace
+    if len(calls) == 2:
+        calls_compiled(0)
+    elif len(calls) == 3:
+        holds_a_trace(1)
+    return generate(*args, **kw)
+
+def scored(record, response):  # the main thread, while the worker draws the next batch
+    if len(calls) == 2 and not tracing[0].is_set():
+        holds_a_trace(0)
+    elif len(calls) == 3 and not called[1].is_set():
+        calls_compiled(1)
+    return reward.sentiment_reward(record, response)
+
+ppo.generate = worker_generate
+"""
+    p = run_script(ppo_script(args, setup, reward_fn="scored", after="print('MET', met)"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "MET [2.0, 2.0]" in p.stdout and "failed on the worker" not in p.stdout, p.stdout[-3000:]
+    assert without_measured(read_metrics(tmp_path / "r")) == without_measured(run_ppo(
+        tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)[1])
+
+
+def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
+    # inductor's cudagraph trees keep their state in a threading.local that torch 2.11 (the GPU image's) fills on the
+    # importing thread only, its get_obj asserting on any other: the worker's first CUDA graph did (an H100, an
+    # async run's evaluation; test_cuda_async_evaluation_replays_the_rollouts_decode_graphs). torch 2.13 fills it at
+    # first use. Under 2.11's get_obj the worker gets its own, empty; the main thread's stays its own
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from async_rollout import own_graph_trees
+
+    def get_obj_2_11(local, name):
+        if hasattr(local, name):
+            return getattr(local, name)
+        assert torch._C._is_key_in_tls(name)
+        return torch._C._get_obj_in_tls(name)
+
+    monkeypatch.setattr(trees, "get_obj", get_obj_2_11)
+
+    def container(setup, out):
+        try:
+            setup()
+            out.append(trees.get_container(0))
+        except AssertionError as e:
+            out.append(e)
+
+    without, with_own = [], []
+    for setup, out in ((lambda: None, without), (own_graph_trees, with_own)):
+        t = threading.Thread(target=container, args=(setup, out))
+        t.start()
+        t.join()
+    assert isinstance(without[0], AssertionError)
+    assert isinstance(with_own[0], trees.TreeManagerContainer) and 0 not in trees.local.tree_manager_containers
+
+
 def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
     # ended at different steps and one that never ended
