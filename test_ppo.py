@@ -4906,6 +4906,15 @@ def test_masked_stats_and_whiten():
     assert masked_var(x, one) == 0 and (masked_whiten(x, one) == 0).all()
 
 
+def reinforce_pp_of(x, mask):
+    """reinforce_pp's advantages of a batch: row b's score x[b, 0], its per-token KL reward 0.1 x on the mask; they
+    are whitened over every rank's tokens."""
+    from gae import ADVANTAGE_ESTIMATORS
+
+    cfg = types.SimpleNamespace(gamma=0.9)
+    return ADVANTAGE_ESTIMATORS["reinforce_pp"](x[:, 0], torch.where(mask, 0.1 * x, 0.0), None, mask, cfg)[0]
+
+
 def _whiten_worker(rank, world, init_file, x, mask, out_dir):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -4918,6 +4927,7 @@ def _whiten_worker(rank, world, init_file, x, mask, out_dir):
             "mean": masked_mean(xr, mr),
             "var": masked_var(xr, mr),
             "local_mean": masked_mean(xr, mr, all_ranks=False),
+            "reinforce_pp": reinforce_pp_of(x[rows], mr),
         }
         with pytest.raises(RuntimeError, match="requires grad"):
             masked_mean(xr.clone().requires_grad_(), mr)
@@ -4940,7 +4950,8 @@ def test_whiten_two_processes_equals_one(tmp_path):
     outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     want_mean, want_var = masked_mean(x, mask), masked_var(x, mask)
     for key, want in [("whiten", masked_whiten(x, mask)),
-                      ("whiten_keep", masked_whiten(x, mask, shift_mean=False))]:
+                      ("whiten_keep", masked_whiten(x, mask, shift_mean=False)),
+                      ("reinforce_pp", reinforce_pp_of(x, mask))]:  # (its whitening too: every rank's tokens)
         got = torch.cat([o[key] for o in outs])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for o in outs:
@@ -5654,7 +5665,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     nan = float("nan")
     ratio = torch.tensor([[1.5, 0.5, 1.1, 1.5, 1.0]])
     logp = torch.cat([ratio.log(), torch.tensor([[nan]])], 1).requires_grad_()  # old_logp = 0: exp(logp) is the ratio
-    vpred = torch.tensor([[0.5, 1.0, 0.0, 2.0, 9.0, nan]], requires_grad=True)
+    vpred = torch.tensor([[0.5, -1.0, 0.0, 2.0, 9.0, nan]], requires_grad=True)
     entropy = torch.tensor([[1.0, 2.0, 0.5, 1.0, 3.0, nan]])
 
     def use(logp, vpred, entropy):
@@ -5664,7 +5675,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     use(logp, vpred, entropy)
     mb = dict(response_mask=torch.tensor([[True] * 5 + [False]]), old_logp=torch.tensor([[0.0] * 5 + [nan]]),
               adv=torch.tensor([[2.0, -1.0, 1.0, -1.0, -1.0, nan]]), old_values=torch.tensor([[0.0, 0, 0, 1.5, 0, nan]]),
-              ret=torch.tensor([[1.0] * 5 + [nan]]))
+              ret=torch.tensor([[1.0, -2.0, 1.0, 1.0, 1.0, nan]]))
     mb["sampler_logp"] = mb["old_logp"]  # the sampler is pi_old: every importance weight is 1
     cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1)
     critic = torch.nn.Identity()  # a stand-in: value_forward is replaced (None would mean "no critic")
@@ -5676,13 +5687,13 @@ def test_ppo_losses_hand_computed(monkeypatch):
     #   r=1.5, A=-1: max( 1.5,  1.2) =  1.5   the pessimistic bound keeps the unclipped term: gradient 1.5
     #   r=1.0, A=-1: max( 1.0,  1.0) =  1.0   dual clip min(1.0, 3.0) does not bind: gradient 1.0
     pg, g_pg = [-2.4, 0.8, -1.1, 1.5, 1.0], [0.0, 0.0, -1.1, 1.5, 1.0]
-    # value per token (V, V_old, R = 1): 0.5 max((V - R)^2, (V_old + clip(V - V_old, -0.2, 0.2) - R)^2)
-    #   V=0.5, V_old=0:   max(0.25, 0.64) / 2 = 0.32   clipped term wins, saturated: gradient 0
-    #   V=1.0, V_old=0:   max(0.00, 0.64) / 2 = 0.32   likewise
+    # value per token (V, V_old, R = 1 but where said): 0.5 max((V - R)^2, (V_old + clip(V - V_old, -0.2, 0.2) - R)^2)
+    #   V=0.5, V_old=0:   max(0.25, 0.64) / 2 = 0.32   clipped term wins, saturated above: gradient 0
+    #   V=-1, V_old=0, R=-2: max(1.00, 3.24) / 2 = 1.62   likewise, saturated below
     #   V=0.0, V_old=0:   max(1.00, 1.00) / 2 = 0.5    inside the range: gradient V - R = -1
     #   V=2.0, V_old=1.5: max(1.00, 0.49) / 2 = 0.5    unclipped term wins: gradient 1
     #   V=9.0, V_old=0:   max(64.0, 0.64) / 2 = 32     gradient 8
-    vf, g_vf = [0.32, 0.32, 0.5, 0.5, 32.0], [0.0, 0.0, -1.0, 1.0, 8.0]
+    vf, g_vf = [0.32, 1.62, 0.5, 0.5, 32.0], [0.0, 0.0, -1.0, 1.0, 8.0]
     scale = 2 / 10  # world / n_tokens
     assert actor_loss.item() == pytest.approx((sum(pg) - 0.1 * 7.5) * scale, rel=1e-6)
     assert critic_loss.item() == pytest.approx(sum(vf) * scale, rel=1e-6)
@@ -6429,7 +6440,7 @@ def hand_step(plant=False, same_returns=False):
     zeros = torch.zeros(3, 3)
     old = zeros.clone()
     old[0, 1] = math.log(4.0)  # r = 4 on one token: its tis weight 2, truncated
-    kl = torch.tensor([[0.3, 0.3, 0.3], [0.0, 0, 0], [0.0, 0, 0]])
+    kl = torch.tensor([[0.3, 0.3, 0.3], [0.0, 0, 0], [-0.3, 0.6, 0]])  # k1 is negative where logp < ref_logp
     ret = torch.tensor([[1.0, 2, 3], [4, 0, 0], [0, 2, 0]])  # on the tokens 1, 2, 3, 4, 0, 2: variance 10 / 5
     values = torch.tensor([[1.0, 2, 3], [3, 0, 0], [1, 2, 0]])  # residuals 0, 0, 0, 1, -1, 0: variance 2 / 5
     if same_returns:
@@ -6464,7 +6475,7 @@ def test_step_metrics_hand_computed():
     assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4)) / 6)  # r - 1 - log r at r = 4, per token
     assert out["val/is_weight_mean"] == pytest.approx(7 / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
     assert out["perf/padding_frac"] == pytest.approx((2 + 3 * 3) / (8 + 3 * 6))  # scoring's slots and 3 updates'
-    assert out["objective/kl"] == pytest.approx(0.3) and out["objective/non_score_reward"] == pytest.approx(-0.03)
+    assert out["objective/kl"] == pytest.approx(0.4) and out["objective/non_score_reward"] == pytest.approx(-0.04)
     assert out["val/grad_norm_actor"] == 2.0  # the inf update's norm left out
     assert math.isnan(hand_step(same_returns=True)["val/explained_var"])  # every return the same: nothing to explain
     planted = hand_step(plant=True)  # off the mask, nothing reaches a metric (select, don't multiply)
