@@ -254,6 +254,11 @@ class Logger:
             self.wandb_id = None if went_back else wandb_id
             self.wandb = self._start_wandb(self.wandb_id, last if went_back else None)
             self.wandb_id = self.wandb.id if self.wandb is not None else self.wandb_id
+            # the newest evaluation the wandb run has: what metrics.jsonl had (wandb got every line), none if new
+            self.wandb_evals = -1 if went_back else max((m["step"] for m in before if "eval/score" in m), default=-1)
+            if self.wandb is not None:  # evaluations on an axis of their own, eval/step: one a resumed run does first
+                self._guarded(lambda: (  # (it had failed, or a stop deferred it) is at a step below the wandb run's
+                    self.wandb.define_metric("eval/step"), self.wandb.define_metric("eval/*", step_metric="eval/step")))
         evaluated = {m["step"] for m in history if "eval/score" in m}  # (a checkpoint precedes its evaluation)
         for name in os.listdir(self.samples) if os.path.isdir(self.samples) else []:
             n = re.fullmatch(r"step-(\d+)\.jsonl", name)
@@ -284,13 +289,25 @@ class Logger:
         print("logging without wandb: metrics.jsonl and samples/ hold every line", flush=True)
         return None
 
-    def _to_wandb(self, row):
+    def _to_wandb(self, row, evaluation=False):
         """wandb.log(row()) at the row's step, unless wandb already has a later one (a resumed run repeats the
-        steps logged after its checkpoint, with the same numbers); wandb failing stops wandb, not the run."""
-        try:
+        steps logged after its checkpoint, with the same numbers); an evaluation that wandb does not have yet is
+        logged at wandb's step if its own is behind (it is plotted against eval/step). wandb failing stops wandb,
+        not the run."""
+        def log():
             m = row()
-            if m["step"] >= self.wandb.step:
+            if evaluation and (m["step"] >= self.wandb.step or m["step"] > self.wandb_evals):
+                self.wandb.log({**m, "eval/step": m["step"]}, step=max(m["step"], self.wandb.step))
+                self.wandb_evals = max(self.wandb_evals, m["step"])
+            elif not evaluation and m["step"] >= self.wandb.step:
                 self.wandb.log(m, step=m["step"])
+
+        self._guarded(log)
+
+    def _guarded(self, fn):
+        """fn(), a call to wandb: wandb failing stops wandb, not the run."""
+        try:
+            fn()
         except Exception as e:  # noqa: BLE001
             print(f"wandb failed ({type(e).__name__}: {e}); logging on without it: metrics.jsonl holds every line",
                   flush=True)
@@ -333,7 +350,8 @@ class Logger:
             import wandb
 
             self._to_wandb(lambda: {**m, "eval/samples": wandb.Table(columns=list(rows[0]),
-                                                                     data=[list(r.values()) for r in rows])})
+                                                                     data=[list(r.values()) for r in rows])},
+                           evaluation=True)
         se = f"{m['eval/score_std'] / len(rows) ** 0.5:.3f}" if len(rows) > 1 else "n/a"  # (one prompt: no spread)
         print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} | kl {m['eval/kl']:+.3f} "
               f"| len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} | {len(rows)} prompts "

@@ -7044,6 +7044,9 @@ def test_wandb_failing_leaves_the_run_going(monkeypatch, tmp_path, capsys):
         def finish(self):
             finished.append(1)
 
+        def define_metric(self, name, step_metric=None):
+            pass
+
     def init(mode=None, **kw):
         inits.append((mode, kw["name"], kw["id"]))
         if mode is None or fails_offline:
@@ -8034,6 +8037,70 @@ def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, eva
     run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
     _, rows = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)
     assert without_measured(rows) == without_measured(full)
+
+
+@slow
+def test_a_failed_evaluation_reaches_wandb_when_resumed(tiny_run, tmp_path):
+    # a resumed wandb run starts at the step after the last it logged, and a lower step is dropped: the evaluation
+    # that a resumed run does first (it had failed; or a stop deferred it) never reached wandb. Evaluations have an
+    # axis of their own, eval/step, and go in at wandb's step when theirs is behind. wandb stood in for by its
+    # server's rule (wandb's offline mode does not resume steps)
+    E = len(TINY_EVAL_PROMPTS)
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
+            "total_steps": 2, "save_every": 1, "eval_prompts": tiny_run["eval_prompts"], "eval_every": 1, "wandb": True}
+    script = f"""
+import importlib.machinery, json, sys, types
+sys.path.insert(0, {REPO!r})
+server = {{}}  # run id -> [(wandb step, the row's keys)], and each run's defined metrics
+
+class Run:
+    def __init__(self, id):
+        self.id, self.rows = id, server.setdefault(id, [])
+        self.step = max((s for s, _ in self.rows), default=-1) + 1  # a resumed run: after the last step it logged
+
+    def log(self, m, step):
+        if step < self.step:
+            raise AssertionError(f"wandb drops step {{step}} < {{self.step}}")
+        self.rows.append((step, {{k: v for k, v in m.items() if k in ("step", "eval/step", "eval/score")}}))
+        self.step = step
+
+    def define_metric(self, name, step_metric=None):
+        server.setdefault("metrics", []).append([name, step_metric])
+
+    def finish(self):
+        pass
+
+wandb = types.ModuleType("wandb")
+wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+wandb.init = lambda mode=None, id=None, **kw: Run(id or "run1")
+wandb.Table = lambda columns, data: None
+sys.modules["wandb"] = wandb
+import ppo, reward
+calls, fail = [], [True]
+
+def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, evaluation 1, step 2, evaluation 2
+    calls.append(1)
+    if fail[0] and len(calls) > 2 * {E} + 2 * 8:
+        raise ConnectionError("judge unreachable")
+    return reward.sentiment_reward(record, response)
+
+args = json.loads({json.dumps(json.dumps(args))})
+try:
+    ppo.main(ppo.Config(**args), reward_fn=fails_in_the_last_evaluation)
+except RuntimeError as e:
+    print("FAILED", e)
+fail[0] = False
+ppo.main(ppo.Config(**dict(args, resume="auto", total_steps=3)), reward_fn=fails_in_the_last_evaluation)
+print("SERVER", json.dumps(server))
+"""
+    p = run_script(script, env={"WANDB_MODE": "offline"})
+    assert p.returncode == 0 and "FAILED" in p.stdout and "judge unreachable" in p.stdout, p.stderr[-3000:]
+    server = json.loads(p.stdout.split("SERVER ")[-1])
+    assert server["metrics"] == [["eval/step", None], ["eval/*", "eval/step"]] * 2
+    evals = [(step, m["eval/step"]) for step, m in server["run1"] if "eval/score" in m]
+    assert evals == [(0, 0), (1, 1), (3, 2), (3, 3)]  # evaluation 2 at wandb's step 3, once; nothing dropped
+    scores = {m["eval/step"]: m["eval/score"] for _, m in server["run1"] if "eval/score" in m}
+    assert [scores[r["step"]] for r in read_metrics(tmp_path / "run") if "eval/score" in r] == [scores[s] for s in range(4)]
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
