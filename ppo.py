@@ -70,7 +70,7 @@ from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import REWARD_FNS, RewardCaller, python_name
-from rollout import generate
+from rollout import MIN_TEMPERATURE, generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
                      print0, progress, run_command, setup_distributed)
 
@@ -210,9 +210,10 @@ def derive(cfg, rank, W, device):
     """The derived values of a run of W ranks, after checking every flag of the Config for it (a UsageError names
     the flag and what it expects); the files are checked next, by load_inputs, before any model loads."""
     for rule, names in LIMITS.items():
-        for k in names:
-            v = getattr(cfg, k)
+        for k, v in ((k, getattr(cfg, k)) for k in names):
             need(IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
+    for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
+        need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
         need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
@@ -283,8 +284,7 @@ def grad_norm(model, max_norm):
 
 def response_labels(mb):
     """(B, P+R) labels: position t predicts token t+1; -100 outside the response."""
-    P, tokens = mb["P"], mb["tokens"]
-    labels = torch.full_like(tokens, -100)
+    P, tokens, labels = mb["P"], mb["tokens"], torch.full_like(mb["tokens"], -100)
     labels[:, P - 1 : -1] = torch.where(mb["response_mask"], tokens[:, P:], -100)
     return labels
 

@@ -106,6 +106,7 @@ waiting on a core that a neighbour holds, which otherwise slows every step sever
 """
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -164,9 +165,12 @@ def pad_prompts(prompts, pad_id, vocab_size, device):
         raise ValueError("prompts must be a non-empty list of token id lists")
     rows = []
     for i, p in enumerate(prompts):
-        p = torch.as_tensor(p, dtype=torch.long).flatten()
+        p = torch.as_tensor(p).flatten()
         if p.numel() == 0:
             raise ValueError(f"prompts[{i}] is empty")
+        if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:  # (3.7 would be read as 3)
+            raise ValueError(f"prompts[{i}] holds {p.dtype} values, not integer token ids")
+        p = p.long()
         if p.min() < 0 or p.max() >= vocab_size:
             raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): "
                              f"min {p.min().item()}, max {p.max().item()}")
@@ -187,26 +191,38 @@ def eval_seeds(seed, rows):
     return row_seeds(seed, 0, rows) + 2**62
 
 
+MIN_TEMPERATURE = 1e-6  # below it logits / temperature can overflow to inf (1e-40: every token id 0, logprobs NaN)
+
+
+def is_int(x):
+    """An integer (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id, generator):
     """Validates the sampling arguments; returns (eos ids as a list, pad id, device)."""
     if getattr(model, "head", "lm") != "lm":
         raise ValueError(f"generate needs a model with an LM head, this one has head={model.head!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(top_k, int) or top_k < 0:
+    if not (temperature == 0 or temperature >= MIN_TEMPERATURE):
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature!r}")
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     V = model.config.vocab_size
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if any(not isinstance(e, int) or not 0 <= e < V for e in eos):
+    try:
+        eos = [] if eos_token_id is None else [eos_token_id] if is_int(eos_token_id) else list(eos_token_id)
+    except TypeError:  # not iterable
+        eos = [None]
+    if any(not is_int(e) or not 0 <= e < V for e in eos):
         raise ValueError(f"eos_token_id must be None, an int or a list of ints in [0, {V}), got {eos_token_id!r}")
+    eos = [int(e) for e in eos]
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    if not isinstance(pad, int) or not 0 <= pad < V:
+    if not is_int(pad) or not 0 <= pad < V:
         raise ValueError(f"pad_token_id must be an int in [0, {V}), got {pad_token_id!r}")
-    device = model.lm_head_weight.device
+    pad, device = int(pad), model.lm_head_weight.device
     if generator is not None and generator.device.type != device.type:
         raise ValueError(f"generator is on {generator.device} but the model is on {device}: "
                          f"use torch.Generator(device={device.type!r})")
@@ -310,8 +326,12 @@ def exponential_noise(seeds, step, V):
     u is in (0, 1), never 0 or 1. float32 cannot hold those midpoints above 1/2 (its spacing there is 2^-24),
     so q is computed from u's distance to 0 or to 1, whichever is smaller, which is exact:
     a = min(u, 1 - u) = (min(k, 2^24 - 1 - k) + 1/2) / 2^24, q = -log(a) below 1/2, -log1p(-a) above."""
-    k = noise_bits(seeds, step, V)  # (B, V)
-    a = torch.minimum(k, 0xFFFFFF - k).float().add_(0.5).mul_(2.0**-24)  # (B, V) in (0, 1/2), exact
+    return noise_from_bits(noise_bits(seeds, step, V))
+
+
+def noise_from_bits(k):
+    """exponential_noise of 24-bit values k (any shape): -log((k + 1/2) / 2^24), float32."""
+    a = torch.minimum(k, 0xFFFFFF - k).float().add_(0.5).mul_(2.0**-24)  # in (0, 1/2), exact
     return torch.where(k >= 1 << 23, a.neg().log1p_().neg_(), a.log().neg_())
 
 

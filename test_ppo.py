@@ -3728,6 +3728,23 @@ def test_bad_arguments(rollout_tiny):
         generate(model, [[3]], 0)
     with pytest.raises(ValueError, match="eos_token_id"):
         generate(model, [[3]], 4, eos_token_id=[2, 500])
+    # token ids that are not integers were cut to them (3.7 read as 3), bools read as 1, a tiny temperature overflowed
+    # logits / temperature (1e-40: every token 0, logprobs NaN); numpy's integers are integers
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds torch.float32 values, not integer token ids"):
+        generate(model, [[3.7, 4.2], [5]], 4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] holds torch.bool values"):
+        generate(model, [[3], [True]], 4)
+    for bad in (dict(eos_token_id=True), dict(pad_token_id=True), dict(top_k=True), dict(eos_token_id=2.0)):
+        with pytest.raises(ValueError, match=list(bad)[0]):
+            generate(model, [[3]], 4, **bad)
+    with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or >= 1e-06, got 1e-40"):
+        generate(model, [[3]], 4, temperature=1e-40)
+    import numpy as np
+
+    kw = dict(temperature=0.0, pad_token_id=0)
+    want = generate(model, [[3, 4], [5]], 4, eos_token_id=[7], **kw)
+    got = generate(model, [np.array([3, 4]), [5]], 4, eos_token_id=np.int64(7), **kw)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_mask, want.response_mask)
 
 
 def test_compiled_decode_matches_eager(rollout_tiny):
@@ -3971,6 +3988,16 @@ def check_uniform_and_independent(bits):
     return stats
 
 
+def test_row_seeds_are_distinct_for_every_step_and_row():
+    # the noise is keyed by (seed, step, row): no two (step, row) of a run, nor two runs' seeds at a step, share a
+    # seed, and an evaluation's seeds are apart from every training row's
+    seeds = torch.stack([R.row_seeds(seed, step, range(1024)) for seed in (0, 1, 3) for step in range(64)])
+    assert seeds.unique().numel() == seeds.numel() and seeds.min() >= 0 and seeds.max() < 2**62
+    evals = torch.stack([R.eval_seeds(seed, range(1024)) for seed in (0, 1, 3)])
+    assert evals.unique().numel() == evals.numel() and evals.min() >= 2**62 and evals.max() < 2**63 - 1
+    assert torch.equal(R.row_seeds(3, 5, [7, 2]), R.row_seeds(3, 5, range(8))[[7, 2]])  # a row's, wherever it is
+
+
 def test_hashed_uniforms_are_uniform_and_uncorrelated():
     S, T, V = 64, 16, 1024  # 1M values, ~1M pairs in each direction
     for base in (0, (1 * 1_000_003 + 5) * 1_000_033):  # small seeds, and ppo.py's row_seeds (seed, step) offsets
@@ -3993,7 +4020,7 @@ def test_hashed_uniforms_are_uniform_and_uncorrelated():
 def test_exponential_noise_from_every_24_bit_value():
     # all 2^24 values of k: q = -log((k + 1/2) / 2^24) to float32 accuracy, never 0 or inf
     k = torch.arange(2**24)
-    q = exp_from_bits(k)
+    q = R.noise_from_bits(k)
     u = (k.double() + 0.5) / 2**24  # exact in float64
     ref = -torch.log(u)  # float64, accurate also near u = 1 (log's relative error, not 1 - u's)
     assert (q > 0).all() and torch.isfinite(q).all()
@@ -4007,14 +4034,7 @@ def test_exponential_noise_from_every_24_bit_value():
     assert abs(qn.mean().item() - 1) < 0.01 and abs(qn.var().item() - 1) < 0.02
     for x in (0.1, 1.0, 3.0):
         assert abs((qn > x).double().mean().item() - math.exp(-x)) < 4e-3
-    # the copy above is what exponential_noise does
-    assert torch.equal(R.exponential_noise(torch.arange(3), 7, 50), exp_from_bits(R.noise_bits(torch.arange(3), 7, 50)))
-
-
-def exp_from_bits(k):
-    """exponential_noise's last two lines, on given 24-bit values k."""
-    a = torch.minimum(k, 0xFFFFFF - k).float().add_(0.5).mul_(2.0**-24)
-    return torch.where(k >= 1 << 23, a.neg().log1p_().neg_(), a.log().neg_())
+    assert torch.equal(R.exponential_noise(torch.arange(3), 7, 50), R.noise_from_bits(R.noise_bits(torch.arange(3), 7, 50)))
 
 
 def test_sampler_with_structured_seeds_draws_from_the_filtered_distribution():
@@ -7316,6 +7336,8 @@ def test_config_errors_name_the_problem():
                              ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
                              ("--eval_every must be >= 0, not -1", dict(eval_every=-1), 1),
                              ("--eval_temperature must be >= 0, not -0.5", dict(eval_temperature=-0.5), 1),
+                             ("--temperature must be >= 1e-06, not 1e-07", dict(temperature=1e-7), 1),
+                             ("--eval_temperature must be 0 (greedy) or >= 1e-06, not 1e-09", dict(eval_temperature=1e-9), 1),
                              ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2),
                              ("--sft_data is set but --ptx_coef is 0", dict(sft_data="x"), 1)]:
         with pytest.raises(UsageError, match=re.escape(match)):
