@@ -3679,6 +3679,34 @@ def test_eos_padding_masks_and_early_stop(rollout_tiny):
         assert torch.equal(r.tokens, ref.tokens)
 
 
+def test_default_pad_is_the_first_eos_id_and_each_micro_batch_prefills_its_own_width(rollout_tiny, monkeypatch):
+    model, _ = rollout_tiny["llama"]
+    prompts = random_prompts([6, 3, 12, 8, 2], seed=9)
+    N = 12
+    greedy = generate(model, prompts, N, temperature=0).responses
+    eos = [greedy[0, 2].item(), greedy[2, 5].item()]  # in this order: the default pad is eos[0], not the smaller
+    if eos[0] < eos[1]:
+        eos = eos[::-1]
+    assert eos[0] != eos[1]
+    widths = []
+    prefill = R.prefill
+    monkeypatch.setattr(R, "prefill", lambda model, idx, *a: widths.append(idx.size(1)) or prefill(model, idx, *a))
+    r = generate(model, prompts, N, temperature=0, eos_token_id=eos, micro_batch_size=2)
+    assert widths == [6, 12, 2]  # each micro-batch's widest prompt, not the call's 12
+    assert (~r.response_mask).any() and (~r.prompt_mask).any()
+    assert (r.responses[~r.response_mask] == eos[0]).all()
+    assert (r.tokens[:, :r.prompt_len][~r.prompt_mask] == eos[0]).all()  # the left padding too
+    for pad in (eos[0], 1):
+        given = generate(model, prompts, N, temperature=0, eos_token_id=eos, pad_token_id=pad)
+        real = r.attention_mask.bool()
+        assert torch.equal(given.attention_mask, r.attention_mask) and (given.tokens[~real] == pad).all()
+        assert torch.equal(given.tokens[real], r.tokens[real])
+        assert torch.equal(given.response_mask, r.response_mask)
+        assert (given.logprobs - r.logprobs).abs().max() < 1e-5  # one batch against micro-batches of 2: rounding
+    free = generate(model, prompts, N, temperature=0)  # no EOS: pad 0, on the left only
+    assert (free.tokens[:, :free.prompt_len][~free.prompt_mask] == 0).all() and free.response_mask.all()
+
+
 def test_sampler_draws_from_the_filtered_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 40000
