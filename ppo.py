@@ -303,8 +303,7 @@ def policy_forward(actor, mb, temperature, ref=None):
 
 def value_forward(critic, mb):
     """values (B, R) float32: the critic's estimate at the state before each response token."""
-    P = mb["P"]
-    return critic(mb["tokens"], mb["attention_mask"], mb["position_ids"])[:, P - 1 : -1].float()
+    return critic(mb["tokens"], mb["attention_mask"], mb["position_ids"])[:, mb["P"] - 1 : -1].float()
 
 
 @torch.no_grad()
@@ -362,6 +361,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     pg = torch.max(pg_losses, pg_losses2)
     if cfg.dual_clip > 0:
         pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
+    clipped = pg != pg_losses  # a clip (the ratio's or the dual) is the active term: the token's gradient is 0
     pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg)[0]
     actor_tok = pg - cfg.entropy_coef * pol["entropy"]
     if cfg.kl_loss_coef > 0:
@@ -369,7 +369,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
 
     tsum = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
     stats = dict(policy_loss=tsum(pg), entropy=tsum(pol["entropy"]), approxkl=tsum(0.5 * logratio.square()),
-                 clipfrac=tsum((pg_losses2 > pg_losses).float()), ratio=tsum(ratio), ratio_sq=tsum(ratio.square()))
+                 clipfrac=tsum(clipped.float()), ratio=tsum(ratio), ratio_sq=tsum(ratio.square()))
     critic_loss, scale = None, world / n_tokens
     if critic is not None:
         # clipped value loss around the rollout's values (off the response the critic's output is cleaned too:

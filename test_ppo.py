@@ -5774,9 +5774,10 @@ def test_ppo_losses_hand_computed(monkeypatch):
     one = dict(response_mask=torch.tensor([[True]]), old_logp=torch.zeros(1, 1), adv=torch.tensor([[-1.0]]),
                old_values=torch.zeros(1, 1), ret=torch.zeros(1, 1))
     one["sampler_logp"] = one["old_logp"]
-    a, _, _ = ppo.ppo_losses(None, critic, one, cfg, n_tokens=1, world=1)
+    a, _, st = ppo.ppo_losses(None, critic, one, cfg, n_tokens=1, world=1)
     a.backward()
     assert a.item() == pytest.approx(3.0) and logp1.grad.item() == 0.0
+    assert st["clipfrac"].item() == 1  # the dual clip is a clip: the token's gradient is gone
     a, _, _ = ppo.ppo_losses(None, critic, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
     assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
 
