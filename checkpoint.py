@@ -111,6 +111,14 @@ def shard(model, mesh, dtype, frozen=False, offload=False):
     return model
 
 
+def reshard(*models):
+    """FSDP2 keeps a root's parameters gathered after its forward (the backward would need them at once): frees
+    them on each model that has any (a plain model, or None, is passed over)."""
+    for model in models:
+        if hasattr(model, "reshard"):
+            model.reshard()
+
+
 def place(model, mesh, dtype, frozen=False, offload=False):
     """shard(), except where FSDP2 has nothing to do: one rank on a CPU, nothing offloaded, and no mixed
     precision (a frozen model, or compute in float32). There FSDP2 would still copy every unit's weights in for

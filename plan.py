@@ -38,7 +38,8 @@ A phase's peak is that persistent state plus what is live at the phase's worst m
                rollout phase, where nothing generates)
 Every prompt counts max_prompt_len tokens and every response max_new_tokens (the worst micro-batch).
 FSDP2 does not reshard a root after its forward (the backward needs it at once), so the actor's and the
-critic's roots count as gathered from their first scoring forward until a training backward ends.
+critic's roots count as gathered from their first scoring forward until a training backward ends, and the
+reference's and the reward model's through the scoring phase (ppo.py reshards them at its end and after training).
 
 Counted: what the CUDA caching allocator hands out, so a phase's peak compares with
 torch.cuda.max_memory_allocated() over that phase. In the reserve instead: the CUDA context, NCCL's and
@@ -295,9 +296,8 @@ def head_bytes(N, H, V, cb=2, kl=False):
     if N == 0:
         return 0, 0, 0
     splits = vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0]
-    saved, fwd = N * (cb * H + 36), (8 if kl else 4) * splits * N * 4
-    if kl:
-        saved += N * (cb * H + 12)
+    saved = N * (cb * H + 36) + (N * (cb * H + 12) if kl else 0)  # the KL's reference hidden states and stats
+    fwd = (8 if kl else 4) * splits * N * 4
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
     return saved, fwd, N * vc * cb + N * H * 4 + vc * H * cb
 
@@ -429,11 +429,12 @@ def build(cfg, run):
         return [(f"{who} blocks' shards copied from the CPU and cast (--offload_optimizer)", h2d(m))] if off else []
 
     N_i, N_t = rows_i * R, rows_t * R
+    frozen = [(f"{who} root, gathered from its first forward until the phase ends", gathered_root(m))
+              for who, m in (("reference", ref), ("reward model", None if shared else rm)) if m is not None]
     _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
     work_i = rows_i * T
     scoring = [
         ("actor forward", [
-            *([("reference LM head, gathered for the fused KL", gathered_root(ref))] if ref else []),
             (f"reference hidden states, {N_i} response tokens" + (" (the actor, adapters off)" if lora else ""),
              N_i * cb * H),
             ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)), *fetched("actor", actor),
@@ -450,12 +451,11 @@ def build(cfg, run):
             (f"critic block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(critic.c, cb))]))
     elif rm is not None:
         scoring.append(("reward model forward", [
-            ("reward model root, gathered", gathered_root(rm)),
             ("reward model blocks gathered", units_fwd(rm)),
             (f"reward model block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(rm.c, cb))]))
     p.phases.append((f"scoring: {run.local_rows} sequences per GPU, {rows_i} at a time, no grad",
                      [(f"{names} root{'s' if critic else ''}, gathered (FSDP2 keeps a root after its forward)",
-                       sum(gathered_root(m) for m in trained))] + beside, scoring))
+                       sum(gathered_root(m) for m in trained))] + frozen + beside, scoring))
 
     # ---- training: one micro-batch's forward of actor and critic, then one backward for both losses
     kl = cfg.kl_loss_coef > 0

@@ -295,8 +295,8 @@ def policy_forward(actor, mb, temperature, ref=None):
     P, labels, kw = mb["P"], response_labels(mb), {}
     if ref is not None:
         with torch.no_grad():
-            ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)  # (B, T, H)
-        kw = dict(ref_hidden=ref_h[labels != -100], ref_weight=ref.lm_head_weight)  # (N, H) at the scored tokens
+            ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)[labels != -100]
+        kw = dict(ref_hidden=ref_h, ref_weight=ref.lm_head_weight)  # (N, H) at the scored tokens; (B, T, H) freed
     out = actor(mb["tokens"], mb["attention_mask"], mb["position_ids"], labels=labels, temperature=temperature, **kw)
     return {k: v[:, P - 1 : -1] for k, v in out.items()}
 
@@ -331,9 +331,7 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
             else:
                 dst[rows] = v
         out["slots"], out["pad"] = out["slots"] + mb["slots"], out["pad"] + mb["pad"]
-    for model in (actor, ref, critic, reward_model):  # FSDP2 keeps a root gathered after its forward: free it
-        if hasattr(model, "reshard"):
-            model.reshard()
+    checkpoint.reshard(actor, ref, critic, reward_model)
     return out
 
 
@@ -540,6 +538,7 @@ def main(cfg: Config, reward_fn=None):
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
                             "is untouched: resume with a lower --lr (and --critic_lr)")
+            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, is not kept into the rollout
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward

@@ -5613,6 +5613,34 @@ def test_place_plain_equals_fsdp(tiny_run, group):
     assert C.place(actor, mesh, torch.bfloat16) is actor and all(isinstance(p, DTensor) for p in actor.parameters())
 
 
+def test_a_frozen_fsdp_root_stays_gathered_until_resharded_and_the_plan_counts_it(tiny_run, group, tmp_path):
+    # FSDP2 keeps a root's parameters gathered after its forward, a frozen model's too (no backward frees them):
+    # ppo.py reshards the reference and the reward model after scoring (and the reference after training, where
+    # --kl_loss_coef runs it), and the plan counts both roots as live through the scoring phase
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import ppo
+
+    _, _, ref = build_models(tiny_run["policy"], shard=False)
+    C.shard(ref, init_device_mesh("cpu", (1,)), torch.bfloat16, frozen=True)
+    sharded = lambda: isinstance(ref.model.embed_tokens.weight, DTensor)
+    (_, mb), = ppo.micro_batches(fake_batch(64), torch.arange(4), 4)
+    assert sharded()
+    for _ in range(2):
+        with torch.no_grad():
+            ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)
+        assert not sharded()  # gathered by the forward, and kept
+    C.reshard(None, ref, torch.nn.Linear(1, 1))  # the models that are not FSDP2 are passed over
+    assert sharded()
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    for kw, who in (({}, ("reference", "reward model")), (dict(lora_rank=64), ())):  # LoRA: both are the trained
+        (p, f), _ = plan_for(8, model=policy, reward_model=rm, **kw)  # models, adapters off, roots counted already
+        title, always, _ = p.phases[1]
+        assert title.startswith("scoring")
+        frozen = {label.split(" root")[0]: b for label, b in always if "first forward" in label}
+        assert frozen == {w: 2 * f[k].gathered(f[k].root, 8) for w, k in zip(who, ("ref", "rm"))}
+
+
 def test_activation_checkpointing_same_loss_and_gradients(tiny_run, group):
     # FSDP2-sharded actor and critic, KL and ptx terms on: recomputing each block in the backward
     # gives the gradients of the stored activations
