@@ -1004,20 +1004,28 @@ def _warm_compiled(model, prompts, new_tokens):
     generate(model, prompts, min(new_tokens, max(3, S - CACHE_MULTIPLE + 1 - P)), temperature=0, compile=True)
 
 
+def _decode_weight_bytes(model):
+    """Bytes of weights one decode step reads: every parameter, except an untied input embedding, of which a step
+    reads only its batch's rows (a tied one is the LM head, read whole)."""
+    emb = model.model.embed_tokens.weight
+    untied = emb.numel() * emb.element_size() if emb is not model.lm_head_weight else 0
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - untied
+
+
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
     eager with each of model.CPU_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
     takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed,
     as the rollout's copy has them); and our eager decode (the kernel model.cpu_matmul() picks, the rollout's
     layout) against the bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1
-    token)), the roof = batch / ((every weight + the filled KV cache, on average) / the bandwidth measured in this
+    token)), the roof = batch / ((the weights a step reads + the filled KV cache, on average) / the bandwidth measured in this
     run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
     import model as M
 
     device = model.lm_head_weight.device
     cfg = model.config
     head = model.lm_head_weight
-    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    w_bytes = _decode_weight_bytes(model)
     if device.type == "cpu":  # the decode reads rollout.head_weight's float32 copy of the head (tied or not)
         w_bytes += head.numel() * (rollout.head_weight(model).element_size() - head.element_size())
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
@@ -1212,11 +1220,11 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     model.load_state_dict(hf.state_dict(), strict=True, assign=True)  # the same weight tensors as hf
     model.hf_config = hf.config
     model.eval()
-    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    w_bytes = _decode_weight_bytes(model)
     bw = _copy_bandwidth(device, min(2 << 30, 4 * w_bytes))
     kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
     print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: prompts of {prompt_len // 2}-{prompt_len} "
-          f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights {w_bytes / 1e9:.2f} GB, copy bandwidth "
+          f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights read a step {w_bytes / 1e9:.2f} GB, copy bandwidth "
           f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
     print(f"{'batch':>5} {'KV GB':>6} {'roof tok/s':>10} {'engine':>14} {'decode tok/s':>12} {'% of roof':>9} "
           f"{'end-to-end tok/s':>16}", flush=True)

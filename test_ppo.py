@@ -8552,6 +8552,20 @@ def test_model_flops_match_torchs_count():
                                                              + bench.model_flops(critic, lens, sum(lens)))
 
 
+def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
+    # the bandwidth roof's bytes a decode step: an untied input embedding gives only the batch's rows (Llama-3-8B's
+    # table is 1.05 of its 16.06 GB), a tied one is the LM head and is read in full
+    import bench
+
+    for tied in (False, True):
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=101, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+        total = sum(p.numel() for p in model.parameters())
+        assert bench._decode_weight_bytes(model) == 2 * (total - (0 if tied else 101 * 32))
+
+
 def test_profile_update_profiles_the_nth_call_only(monkeypatch, capsys):
     # bench.py real_shapes --profile_update=n (the GPU runbook's profile stage): the run's nth ppo.update runs under
     # torch.profiler and its table is printed; the others run as they are; ppo.update is restored after
