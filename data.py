@@ -73,6 +73,8 @@ def _read_jsonl(path):
                 obj = json.loads(line.rstrip("\r\n"))  # columns counted in this line
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an int of over 4300 digits; nesting deeper than the stack
+                raise UsageError(f"{path}:{lineno}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
             if not isinstance(obj, dict):
                 raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             n += 1
@@ -106,11 +108,14 @@ def _messages_from(obj, where, prompt_key, messages_key):
         if not isinstance(msgs, list) or not msgs:
             raise UsageError(f"{where}: '{messages_key}' must be a non-empty list of {{role, content}} objects")
         for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise UsageError(f"{where}: '{messages_key}'[{i}] must be an object with string 'role' and 'content', "
-                                 f"got {m!r:.60}")
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"].strip()
+                    and isinstance(m.get("content"), str)):
+                raise UsageError(f"{where}: '{messages_key}'[{i}] must be an object with a non-empty string 'role' "
+                                 f"and a string 'content', got {m!r:.60}")
             _utf8(m["role"], where, f"'{messages_key}'[{i}]'s role")  # a template writes both into the text
             _utf8(m["content"], where, f"'{messages_key}'[{i}]")
+        if not any(m["content"].strip() for m in msgs):  # as an empty 'prompt' is refused: nothing to answer
+            raise UsageError(f"{where}: every 'content' of '{messages_key}' is empty or whitespace: an empty prompt")
         return msgs
     raise UsageError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
 

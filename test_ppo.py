@@ -2297,6 +2297,15 @@ BAD_LINES = {
     "message_not_dict": ('{"messages": ["hi"]}', "'messages'[0]"),
     "message_no_content": ('{"messages": [{"role": "user"}]}', "'messages'[0]"),
     "both_fields": ('{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}', "has both"),
+    "prompt_whitespace": ('{"prompt": " \\t "}', "must be a non-empty string"),
+    "messages_empty": ('{"messages": []}', "must be a non-empty list"),
+    "message_no_role": ('{"messages": [{"content": "hi"}]}', "'messages'[0]"),
+    "message_role_not_string": ('{"messages": [{"role": 5, "content": "hi"}]}', "'messages'[0]"),
+    "message_role_empty": ('{"messages": [{"role": " ", "content": "hi"}]}', "'messages'[0]"),
+    "message_content_empty": ('{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": " "}]}',
+                              "every 'content' of 'messages' is empty"),
+    "huge_int": ('{"prompt": "hi", "n": ' + "9" * 5000 + "}", "not valid JSON (ValueError"),
+    "deep_nesting": ('{"prompt": "hi", "n": ' + "[" * 100000 + "]" * 100000 + "}", "not valid JSON (RecursionError"),
 }
 
 
