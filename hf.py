@@ -254,6 +254,10 @@ def check_model(name_or_path, architectures=None):
         check_hub_id(path)
 
 
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                     "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}  # bytes per element
+
+
 def check_safetensors(path):
     """A safetensors file is an 8-byte little-endian header length n, an n-byte JSON header giving each tensor's
     data_offsets (begin, end) into the data that follows, then the data. A truncated copy or download fails here,
@@ -267,8 +271,15 @@ def check_safetensors(path):
         try:
             header = json.loads(f.read(n))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            sizes = {k: math.prod(t["shape"]) * SAFETENSORS_BYTES.get(t["dtype"], 0) for k, t in header.items()
+                     if k != "__metadata__"}
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise UsageError(f"{path}: not a safetensors file (its header is no tensor table: {e!r})") from None
+    for k, n_bytes in sizes.items():  # else the reader's error, naming no file
+        (b, e), t = header[k]["data_offsets"], header[k]
+        if n_bytes and e - b != n_bytes:
+            raise UsageError(f"{path}: damaged header: tensor {k} of shape {t['shape']} in {t['dtype']} takes "
+                             f"{n_bytes} bytes, its data_offsets give {e - b}")
     if 8 + n + end > size:
         raise UsageError(f"{path}: truncated: its header puts tensor data up to byte {8 + n + end}, the file has "
                          f"{size}")

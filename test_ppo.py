@@ -270,6 +270,27 @@ def test_model_files_checked_by_their_headers(tmp_path):
         H.check_model(str(tmp_path / "ok" / "model.safetensors"))
 
 
+
+def rewrite_safetensors_header(path, edit):
+    """path's safetensors file with edit(header) applied to its JSON header; the data untouched (its data_offsets are
+    relative to the data's start, so the header may change length)."""
+    data = open(path, "rb").read()
+    n = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:n])
+    edit(header)
+    text = json.dumps(header).encode()
+    open(path, "wb").write(len(text).to_bytes(8, "little") + text + data[n:])
+
+
+def test_safetensors_header_shape_must_fill_its_byte_range(tmp_path):
+    # a header whose shape x dtype size is not its data_offsets' range loaded as safetensors' error, naming no file
+    make_checkpoint(tmp_path / "m", "llama2")
+    path = str(tmp_path / "m" / "model.safetensors")
+    rewrite_safetensors_header(path, lambda h: h["model.norm.weight"].update(shape=[7]))
+    with pytest.raises(UsageError, match=re.escape(f"{path}: damaged header: tensor model.norm.weight of shape [7] in "
+                                                   "F32 takes 28 bytes, its data_offsets give ")):
+        H.check_model(str(tmp_path / "m"))
+
 def write_gguf(path, alignment=None, arch="llama"):
     """A small GGUF file written by the gguf package: metadata of every value type (strings, arrays of strings and
     of numbers, a bool, floats) and tensors of float32, float16 and Q8_0 (32-value blocks of 34 bytes)."""
