@@ -388,9 +388,8 @@ def load_inputs(cfg):
         parent = os.path.dirname(parent)
     need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK), f"--out_dir={cfg.out_dir}: {parent} is "
          + ("not writable" if os.path.isdir(parent) else "a file, not a folder"))
-    for name in ("model", "reward_model"):
-        if getattr(cfg, name):
-            flag(name, check_model, getattr(cfg, name), architectures=SUPPORTED)
+    headers = {name: flag(name, check_model, getattr(cfg, name), architectures=SUPPORTED)
+               for name in ("model", "reward_model") if getattr(cfg, name)}
     check_reward_head(cfg)
     n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key)  # before the tokenizer's seconds
     need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="
@@ -398,7 +397,10 @@ def load_inputs(cfg):
     if cfg.ptx_coef > 0:
         flag("sft_data", check_jsonl, cfg.sft_data, extra_key="response")
     tokenizer = flag("model", load_tokenizer, cfg.model)
-    actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta").config  # config checks
+    actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta")  # config checks
+    if headers["model"]:  # every tensor there, in the config's shape: before any weights are read
+        flag("model", actor.check_shapes, *headers["model"], cfg.model)
+    actor = actor.config
     V = actor.vocab_size  # every id of the files must have an embedding (a tokenizer may have more ids than that)
     prompts = flag("prompts", load_prompts, cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key,
                    cfg.messages_key, vocab_size=V)
@@ -428,6 +430,8 @@ def load_inputs(cfg):
     within_window("model", actor)
     if cfg.reward_model:
         rm_model = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta")
+        if headers["reward_model"]:
+            flag("reward_model", rm_model.check_shapes, *headers["reward_model"], cfg.reward_model)
         rm, rm_pad = rm_model.config, rm_model.hf_config.pad_token_id
         within_window("reward_model", rm)
         need(rm_pad is not None or cfg.inference_micro_batch_size == 1, f"--reward_model: {cfg.reward_model} has no "

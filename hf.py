@@ -193,10 +193,22 @@ def _safetensors_files(folder):
 def read_safetensors(folder):
     from safetensors.torch import load_file
 
-    state = {}
+    state, file_of = {}, {}
     for p in _safetensors_files(folder):
-        state.update(load_file(p))
+        part = load_file(p)
+        _no_tensor_twice(file_of, part, p)
+        state.update(part)
     return state
+
+
+def _no_tensor_twice(file_of, names, path):
+    """Records in file_of (tensor name -> file) the tensors of the file at path; refuses one an earlier file holds,
+    which would silently replace it (a stale copy beside fresh shards)."""
+    dup = sorted(set(names) & set(file_of))
+    if dup:
+        raise UsageError(f"{path}: tensor {dup[0]} is in {file_of[dup[0]]} too ({len(dup)} tensors in both): one "
+                         "file would silently replace the other's; remove the stale file")
+    file_of.update(dict.fromkeys(names, path))
 
 
 # -----------------------------------------------------------------------------
@@ -213,7 +225,8 @@ def check_model(name_or_path, architectures=None):
     needs a config.json in JSON and complete safetensors files, a .gguf file must be complete, and a Hub id
     must be in the local cache or answered by the Hub (check_hub_id). Reads headers, never tensors. architectures:
     the model_types the caller can build (model.SUPPORTED), which config.json's model_type or the GGUF file's
-    general.architecture must be one of."""
+    general.architecture must be one of. Returns, for a folder, the headers' ({tensor: shape}, {tensor: file}),
+    which Transformer.check_shapes compares with the config; else None."""
     path = resolve(name_or_path)
 
     def known(arch, file, key):
@@ -235,8 +248,12 @@ def check_model(name_or_path, architectures=None):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
                 if name == "config.json":
                     known(obj["model_type"], file, "model_type")
+        shapes, file_of = {}, {}
         for p in _safetensors_files(path):
-            check_safetensors(p)
+            part = check_safetensors(p)
+            _no_tensor_twice(file_of, part, p)
+            shapes.update(part)
+        return shapes, file_of
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise UsageError(f"{path}: a file, but not a .gguf file: expected a model folder, a .gguf file or a Hub id")
@@ -261,7 +278,7 @@ SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_
 def check_safetensors(path):
     """A safetensors file is an 8-byte little-endian header length n, an n-byte JSON header giving each tensor's
     data_offsets (begin, end) into the data that follows, then the data. A truncated copy or download fails here,
-    named, rather than as the reader's error without a file name."""
+    named, rather than as the reader's error without a file name. Returns {tensor: shape}."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
@@ -283,6 +300,7 @@ def check_safetensors(path):
     if 8 + n + end > size:
         raise UsageError(f"{path}: truncated: its header puts tensor data up to byte {8 + n + end}, the file has "
                          f"{size}")
+    return {k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"}
 
 
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # -> struct

@@ -754,26 +754,42 @@ class Transformer(nn.Module):
         if self.head == "value" and not arch.endswith("ForSequenceClassification"):  # critic from a policy
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
             state.update(new_value_head(self.config.hidden_size))
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(k for k in set(state) - set(expected) if "rotary_emb" not in k)
         if self.config.tie_word_embeddings and "lm_head.weight" in state:  # some tied checkpoints store a copy too
-            extra = [k for k in extra if k != "lm_head.weight"]
             emb = state.get("model.embed_tokens.weight")
             if emb is None or not torch.equal(state["lm_head.weight"], emb):  # transformers would use it, untied
                 raise UsageError(f"{name_or_path}: its config ties the LM head to the embeddings "
                                  "(tie_word_embeddings), but its lm_head.weight differs from model.embed_tokens.weight, "
                                  "which transformers then loads untied: set \"tie_word_embeddings\": false in its "
                                  "config.json to train the two as stored")
+        self._check_shapes({k: tuple(v.shape) for k, v in state.items()}, name_or_path)
+        return {k: state[k].to(device="cpu", dtype=dtype) for k in self.state_dict()}
+
+    def check_shapes(self, shapes, file_of, name_or_path):
+        """Refuses, before any tensor is read, a checkpoint whose safetensors headers ({tensor: shape}, {tensor:
+        file}: hf.check_model's) miss a tensor of this model (built on the meta device) or give one another shape;
+        the names and shapes _checked_state compares after reading them all."""
+        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
+        if self.head == "value" and not arch.endswith("ForSequenceClassification"):  # critic from a policy
+            shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+            shapes.update({k: tuple(v.shape) for k, v in self.state_dict().items() if k.startswith("score.")})
+        self._check_shapes(shapes, name_or_path, file_of)
+
+    def _check_shapes(self, shapes, name_or_path, file_of=None):
+        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(shapes))
+        extra = sorted(k for k in set(shapes) - set(expected) if "rotary_emb" not in k)
+        if self.config.tie_word_embeddings:
+            extra = [k for k in extra if k != "lm_head.weight"]
         if missing or extra:
             raise UsageError(f"{name_or_path}: checkpoint does not match {arch}: "
                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                              f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}")
         for k, v in expected.items():
-            if tuple(state[k].shape) != tuple(v.shape):
-                raise UsageError(f"{name_or_path}: shape mismatch for {k}: checkpoint "
-                                 f"{tuple(state[k].shape)}, config expects {tuple(v.shape)}")
-        return {k: state[k].to(device="cpu", dtype=dtype) for k in expected}
+            if tuple(shapes[k]) != tuple(v.shape):
+                where = f"{file_of[k]}: " if file_of else f"{name_or_path}: "
+                raise UsageError(f"{where}shape mismatch for {k}: checkpoint {tuple(shapes[k])}, config expects "
+                                 f"{tuple(v.shape)}")
 
     @torch.no_grad()
     def copy_weights_from(self, src):

@@ -291,6 +291,40 @@ def test_safetensors_header_shape_must_fill_its_byte_range(tmp_path):
                                                    "F32 takes 28 bytes, its data_offsets give ")):
         H.check_model(str(tmp_path / "m"))
 
+
+def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
+    # a tensor missing, of another shape, or in two files (no index: the later one replaced the earlier silently) was
+    # refused only by build_models, after the out_dir was claimed and every weight read; now by load_inputs, from the
+    # headers (the same key rules as _checked_state: a tied checkpoint's copy of lm_head.weight, rotary buffers)
+    import dataclasses
+    import shutil
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8,
+                     out_dir=str(tmp_path / "out"))
+    data.load_inputs(dataclasses.replace(cfg, reward_model=policy, reward_model_random_head=True))  # critic: no lm_head
+    key = "model.layers.0.mlp.gate_proj.weight"
+    for name, edit, match in (
+            ("swapped", lambda h: h[key].update(shape=h[key]["shape"][::-1]),
+             lambda p, s: f"--model: {s}: shape mismatch for {key}: checkpoint (32, 64), config expects (64, 32)"),
+            ("missing", lambda h: h.pop(key), lambda p, s: f"--model: {p}: checkpoint does not match LlamaForCausalLM: "
+                                                           f"missing ['{key}']")):
+        bad = str(tmp_path / name)
+        shutil.copytree(policy, bad)
+        rewrite_safetensors_header(os.path.join(bad, "model.safetensors"), edit)
+        with pytest.raises(UsageError, match=re.escape(match(bad, os.path.join(bad, "model.safetensors")))):
+            data.load_inputs(dataclasses.replace(cfg, model=bad))
+        assert not os.path.exists(cfg.out_dir)
+    shutil.copy(os.path.join(policy, "model.safetensors"), os.path.join(tmp_path / "swapped", "old.safetensors"))
+    for f in (lambda: H.check_model(str(tmp_path / "swapped")), lambda: H.read_safetensors(str(tmp_path / "swapped"))):
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'swapped' / 'old.safetensors'}: tensor ")
+                           + f".* is in {re.escape(str(tmp_path / 'swapped' / 'model.safetensors'))} too"):
+            f()
+
 def write_gguf(path, alignment=None, arch="llama"):
     """A small GGUF file written by the gguf package: metadata of every value type (strings, arrays of strings and
     of numbers, a bool, floats) and tensors of float32, float16 and Q8_0 (32-value blocks of 34 bytes)."""
