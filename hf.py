@@ -197,6 +197,10 @@ def read_safetensors(folder):
     for p in _safetensors_files(folder):
         part = load_file(p)
         _no_tensor_twice(file_of, part, p)
+        for k, t in part.items():  # else the run fails steps later, its NaN loss blamed on --lr
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise UsageError(f"checkpoint holds {'NaN' if t.isnan().any() else 'inf'} in {k} ({p}): a damaged "
+                                 "or diverged checkpoint")
         state.update(part)
     return state
 

@@ -236,6 +236,19 @@ def test_loading_errors_name_the_problem(tmp_path):
         Transformer.from_pretrained(str(tmp_path / "miss"))
 
 
+
+def test_nan_or_inf_weights_are_refused_at_load(tmp_path):
+    # they loaded silently, and the run failed steps later with a NaN loss that pointed at --lr
+    make_checkpoint(tmp_path / "m", "llama2")
+    path = str(tmp_path / "m" / "model.safetensors")
+    state = safetensors.torch.load_file(path)
+    for bad, what in ((float("nan"), "NaN"), (float("inf"), "inf")):
+        state["model.norm.weight"][3] = bad
+        safetensors.torch.save_file(state, path, metadata={"format": "pt"})
+        with pytest.raises(UsageError, match=re.escape(f"checkpoint holds {what} in model.norm.weight ({path})")):
+            Transformer.from_pretrained(str(tmp_path / "m"))
+
+
 def test_model_files_checked_by_their_headers(tmp_path):
     # hf.check_model reads config.json and each weights file's header, never the tensors: a safetensors file cut
     # anywhere is named (loading it gave safetensors' own error, naming no file), and so is a folder without a
