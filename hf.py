@@ -92,12 +92,18 @@ def read_checkpoint(name_or_path):
 
 def read_config(name_or_path):
     """-> the transformers config alone, no weights read: config.json, or a GGUF file's metadata."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     path = resolve(name_or_path)
     if path.endswith(".gguf"):
         return copy.deepcopy(_gguf_config(*_gguf_file(path)))
-    return AutoConfig.from_pretrained(_hf_folder(name_or_path, path, ["config.json"]))
+    folder = _hf_folder(name_or_path, path, ["config.json"])
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:  # transformers' validation names no file
+        raise UsageError(f"{os.path.join(folder, 'config.json')}: transformers refuses it: "
+                         f"{' '.join(str(e).split())[:300]}") from None
 
 
 def _gguf_file(path):
@@ -252,6 +258,7 @@ def check_model(name_or_path, architectures=None):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
                 if name == "config.json":
                     known(obj["model_type"], file, "model_type")
+                    read_config(path)  # its values: a later reader (the tokenizer's) would blame itself
         shapes, file_of = {}, {}
         for p in _safetensors_files(path):
             part = check_safetensors(p)

@@ -284,6 +284,27 @@ def test_model_files_checked_by_their_headers(tmp_path):
 
 
 
+def test_config_json_values_transformers_refuses_are_named(tmp_path):
+    # transformers 5 validates config.json's values (heads dividing the hidden size, field types); its error named
+    # no file and came from the tokenizer's loading ("its tokenizer does not load"), and --dry_run showed a traceback
+    import dataclasses
+
+    import ppo
+
+    policy = make_policy(tmp_path / "pol")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8,
+                     out_dir=str(tmp_path / "out"))
+    config = json.loads(open(os.path.join(policy, "config.json")).read())
+    for over, match in ((dict(num_attention_heads=5), "not a multiple of the number of attention heads (5)"),
+                        (dict(vocab_size="64"), "Field 'vocab_size' expected int, got str")):
+        with open(os.path.join(policy, "config.json"), "w") as f:
+            json.dump({**config, **over}, f)
+        want = re.escape(f"{policy}/config.json: transformers refuses it: ") + ".*" + re.escape(match)
+        for f in (lambda: ppo.load_inputs(cfg), lambda: ppo.main(dataclasses.replace(cfg, dry_run=1))):
+            with pytest.raises(UsageError, match=want):
+                f()
+
 def rewrite_safetensors_header(path, edit):
     """path's safetensors file with edit(header) applied to its JSON header; the data untouched (its data_offsets are
     relative to the data's start, so the header may change length)."""
