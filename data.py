@@ -448,6 +448,8 @@ def load_inputs(cfg):
     bad = [i for i in cfg.stop_token_ids if not 0 <= i < n]
     need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {n}))")
     stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids, vocab_size=V)
+    need(stop_ids, f"--model: {cfg.model} names no EOS token (tokenizer, generation_config.json, config.json), so no "
+         "response would ever end: give the ids that end one with --stop_token_ids")
     return tokenizer, stop_ids, pad_id, prompts, sft, evalset
 
 

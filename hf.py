@@ -567,7 +567,8 @@ def stop_and_pad_ids(name_or_path, tokenizer, extra=(), vocab_size=None):
         (before 5.23 that tokenizer's EOS is the BOS token);
       and the ids in `extra`.
     Pad id, the first of: HF: tokenizer.pad_token_id, the generation config's pad_token_id, tokenizer.eos_token_id;
-      GGUF: tokenizer.ggml.padding_token_id, tokenizer.ggml.eos_token_id; then the first stop id (None without).
+      GGUF: tokenizer.ggml.padding_token_id, tokenizer.ggml.eos_token_id; then the first stop id, else 0
+      (generate's default; async_rollout fills rows with it).
     Each id must be an int in [0, len(tokenizer)), and below vocab_size (the model's token embeddings) when given;
     otherwise a UsageError names it and where it came from."""
     path = resolve(name_or_path)
@@ -588,7 +589,7 @@ def stop_and_pad_ids(name_or_path, tokenizer, extra=(), vocab_size=None):
             ids.add(_checked_id(i, f"stop_and_pad_ids: {source}", V, name_or_path))
     ids = sorted(ids)
     pad = next((_checked_id(i, f"stop_and_pad_ids: {source}", V, name_or_path) for source, i in pads if i is not None),
-               ids[0] if ids else None)
+               ids[0] if ids else 0)  # generate's default: a pad id is always needed to fill rows
     return ids, pad
 
 

@@ -754,6 +754,30 @@ def write_tiny_gguf(path, **ids):
     return str(path)
 
 
+def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
+    # no EOS in the tokenizer, config.json or generation_config.json: accepted, and no response ever ended; without a
+    # pad either, the pad id was None, which async_rollout's rows could not be filled with on resume
+    import dataclasses
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol")
+    for name, drop in (("tokenizer_config.json", ("eos_token", "pad_token")), ("config.json", ("eos_token_id", "pad_token_id")),
+                       ("generation_config.json", ("eos_token_id", "pad_token_id"))):
+        obj = json.loads(open(os.path.join(policy, name)).read())
+        with open(os.path.join(policy, name), "w") as f:
+            json.dump({k: v for k, v in obj.items() if k not in drop}, f)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8,
+                     out_dir=str(tmp_path / "out"))
+    assert stop_and_pad_ids(policy, H.load_tokenizer(policy)) == ([], 0)
+    with pytest.raises(UsageError, match=re.escape(f"--model: {policy} names no EOS token (tokenizer, "
+                                                   "generation_config.json, config.json), so no response would ever "
+                                                   "end: give the ids that end one with --stop_token_ids")):
+        data.load_inputs(cfg)
+    assert data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[3]))[1:3] == ([3], 3)
+
 def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
     # the metadata is the source, whichever transformers reads it (5.17 builds the EOS from bos_token_id and
     # no pad); like llama.cpp, eot_token_id (Llama-3's <|eot_id|>) ends a response as well as eos_token_id
@@ -768,7 +792,7 @@ def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
     tok = H.load_tokenizer(path)
     assert H.stop_and_pad_ids(path, tok) == ([2], 2)
     path = write_tiny_gguf(tmp_path / "none.gguf")
-    assert H.stop_and_pad_ids(path, tok) == ([], None)
+    assert H.stop_and_pad_ids(path, tok) == ([], 0)  # no EOS, no pad: generate's default pad, 0
     assert H.stop_and_pad_ids(path, tok, extra=(5, 4)) == ([4, 5], 4)
     # an id outside the vocabulary is named with its key and file
     path = write_tiny_gguf(tmp_path / "bad.gguf", bos_token_id=1, eos_token_id=2, eom_token_id=99)
