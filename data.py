@@ -395,7 +395,7 @@ def load_inputs(cfg):
     need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
     if cfg.ptx_coef > 0:
-        flag("sft_data", check_jsonl, cfg.sft_data, extra_key="response")
+        flag("sft_data", check_jsonl, cfg.sft_data, cfg.prompt_key, cfg.messages_key, extra_key="response")
     tokenizer = flag("model", load_tokenizer, cfg.model)
     actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta")  # config checks
     if headers["model"]:  # every tensor there, in the config's shape: before any weights are read
@@ -410,7 +410,7 @@ def load_inputs(cfg):
     sft = None
     if cfg.ptx_coef > 0:
         sft = flag("sft_data", load_sft, cfg.sft_data, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens,
-                   vocab_size=V)
+                   prompt_key=cfg.prompt_key, messages_key=cfg.messages_key, vocab_size=V)  # as --eval_prompts reads
         need(len(sft) >= cfg.ptx_batch_size, f"--sft_data: {cfg.sft_data} has {len(sft)} pairs of at most "
              f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens ({sft.n_dropped} longer ones dropped), fewer than "
              f"--ptx_batch_size={cfg.ptx_batch_size}")

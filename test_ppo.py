@@ -2373,6 +2373,27 @@ def test_custom_keys(tok, tmp_path):
     assert ps.ids[0] == ps.ids[1] and len(ps) == 2
 
 
+def test_custom_keys_apply_to_sft_data(tmp_path):
+    # --prompt_key/--messages_key named the fields of --prompts and --eval_prompts, but --sft_data was read with
+    # "prompt"/"messages" whatever they said: a file in the run's own keys was refused as missing its field
+    import dataclasses
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"question": "a good day"}] * 8)
+    sft = write_jsonl(tmp_path / "s.jsonl", [{"question": "hi", "response": "a good"},
+                                            {"chat": [{"role": "user", "content": "hi"}], "response": "a good"}])
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8, prompt_key="question",
+                     messages_key="chat", sft_data=sft, ptx_coef=0.1, ptx_batch_size=2, out_dir=str(tmp_path / "out"))
+    pairs = data.load_inputs(cfg)[4].pairs
+    assert len(pairs) == 2 and pairs[0] == pairs[1]
+    with pytest.raises(UsageError, match=re.escape(f"--sft_data: {sft}:1: missing field: expected 'prompt' or")):
+        data.load_inputs(dataclasses.replace(cfg, prompt_key="prompt", prompts=write_jsonl(
+            tmp_path / "q.jsonl", [{"prompt": "a good day"}] * 8)))
+
+
 def test_bos_not_doubled(tmp_path):
     """A template that writes BOS itself must not get a second one from the tokenizer; without a
     template the tokenizer's own BOS is kept."""
