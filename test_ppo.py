@@ -2496,6 +2496,26 @@ def test_prompt_with_no_tokens(tok_plain, tmp_path):
         load_prompts(path, tok_plain, 100)
 
 
+def test_prompt_the_normalizer_empties_is_refused(tmp_path):
+    # a prompt of text the tokenizer's normalizer deletes (a zero-width space) passes the non-empty check, then
+    # tokenizes to nothing: named with its line, not left for generate to fail on an empty row
+    from tokenizers import normalizers
+
+    tok = make_tiny_tokenizer(tmp_path / "t", chat_template=False)
+    tok.backend_tokenizer.normalizer = normalizers.Replace("\u200b", "")
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"prompt": "\u200b"}])
+    with pytest.raises(UsageError, match=re.escape(f"{path}:2: the prompt tokenizes to no tokens")):
+        load_prompts(path, tok, 100)
+
+
+def test_token_id_equal_to_the_vocab_size_is_refused(tok, tmp_path):
+    # the boundary: id 63 has no embedding in a model of 63, one in a model of 64
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "no"}])  # "no" is id 63
+    with pytest.raises(UsageError, match=re.escape(f"{path}:1: token id 63 ('no') has no embedding")):
+        load_prompts(path, tok, 100, vocab_size=63)
+    assert TINY_VOCAB.index("no") in load_prompts(path, tok, 100, vocab_size=64).ids[0]
+
+
 # -----------------------------------------------------------------------------
 # load_sft
 
@@ -2511,6 +2531,15 @@ def test_load_sft(tok, tmp_path):
         load_sft(bad, tok, 100)
     with pytest.raises(UsageError, match="all 2 prompt/response pairs are longer than 3 tokens"):
         load_sft(path, tok, 3)
+    assert len(load_sft(path, tok, max_len=10)) == 1  # 6 prompt + 3 response + EOS: exactly max_len is kept
+    blank = write_jsonl(tmp_path / "blank.jsonl", [rows[0], {"prompt": "hi", "response": " \t "}])
+    for f in (lambda: load_sft(blank, tok, 100), lambda: check_jsonl(blank, extra_key="response")):
+        with pytest.raises(UsageError, match=re.escape(f"{blank}:2: 'response' must be a non-empty string")):
+            f()
+    # a tokenizer that adds BOS: the prompt starts with it, the response (its continuation) does not
+    tok_bos = make_tiny_tokenizer(tmp_path / "bos", chat_template=False, bos=True)
+    (p, r), = load_sft(write_jsonl(tmp_path / "one.jsonl", rows[:1]), tok_bos, 100).pairs
+    assert p == [S, TINY_VOCAB.index("hi")] and r == ids_of("hello world.") + [tok_bos.eos_token_id]
 
 
 # -----------------------------------------------------------------------------
@@ -2545,6 +2574,12 @@ def test_sampler_epochs_are_permutations_and_tail_dropped():
     assert sum(e0, []) != sum(e1, [])  # a fresh shuffle each epoch
     perm0 = torch.randperm(10, generator=torch.Generator().manual_seed(3 * 1_000_003)).tolist()
     assert flat == perm0[:8]  # the documented seeding
+
+
+def test_sampler_with_n_a_multiple_of_the_batch_covers_every_row_each_epoch():
+    s = PromptSampler(n=8, batch_size=4, seed=0)
+    for epoch in range(3):  # no tail to drop: each epoch is all 8 rows
+        assert sorted(sum(take(s, 2), [])) == list(range(8)) and (s.epoch, s.position) == (epoch, 8)
 
 
 def test_sampler_deterministic_and_seed_dependent():
