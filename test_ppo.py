@@ -7909,6 +7909,10 @@ def bad_input_files(tiny_run, root):
     make_reward_model(files["rm_small_vocab"])
     cfg = json.loads((files["rm_small_vocab"] / "config.json").read_text())
     (files["rm_small_vocab"] / "config.json").write_text(json.dumps(dict(cfg, vocab_size=cfg["vocab_size"] - 1)))
+    weights = str(files["rm_small_vocab"] / "model.safetensors")  # and its weights so: else the shapes are refused
+    state = safetensors.torch.load_file(weights)
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:-1].clone()
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
     files["rm_short"] = root / "rm_short"  # a reward model with 8 positions
     make_reward_model(files["rm_short"])
     cfg = json.loads((files["rm_short"] / "config.json").read_text())
