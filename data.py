@@ -398,7 +398,7 @@ def load_inputs(cfg):
         flag("sft_data", check_jsonl, cfg.sft_data, cfg.prompt_key, cfg.messages_key, extra_key="response")
     tokenizer = flag("model", load_tokenizer, cfg.model)
     actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta")  # config checks
-    if headers["model"]:  # every tensor there, in the config's shape: before any weights are read
+    if headers.get("model"):  # every tensor there, in the config's shape: before any weights are read
         flag("model", actor.check_shapes, *headers["model"], cfg.model)
     actor = actor.config
     V = actor.vocab_size  # every id of the files must have an embedding (a tokenizer may have more ids than that)
@@ -430,7 +430,7 @@ def load_inputs(cfg):
     within_window("model", actor)
     if cfg.reward_model:
         rm_model = flag("reward_model", Transformer.from_pretrained, cfg.reward_model, head="value", device="meta")
-        if headers["reward_model"]:
+        if headers.get("reward_model"):
             flag("reward_model", rm_model.check_shapes, *headers["reward_model"], cfg.reward_model)
         rm, rm_pad = rm_model.config, rm_model.hf_config.pad_token_id
         within_window("reward_model", rm)
