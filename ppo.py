@@ -224,8 +224,8 @@ def derive(cfg, rank, W, device):
         need(getattr(cfg, k).strip(), f"--{k} must not be empty")
     need(cfg.prompt_key != cfg.messages_key, f"--prompt_key and --messages_key must differ, both {cfg.prompt_key!r}")
     n, rows = cfg.samples_per_prompt, cfg.rollout_batch_size * cfg.samples_per_prompt
-    need(cfg.rollout_batch_size % W == 0, f"--rollout_batch_size {cfg.rollout_batch_size} must divide by {W} ranks")
-    need(cfg.mini_batch_size % W == 0, f"--mini_batch_size {cfg.mini_batch_size} must divide by {W} ranks")
+    for k in ("rollout_batch_size", "mini_batch_size") + (("ptx_batch_size",) if cfg.ptx_coef > 0 else ()):
+        need(getattr(cfg, k) % W == 0, f"--{k} {getattr(cfg, k)} must divide by {W} ranks")
     need(rows % cfg.mini_batch_size == 0, f"--rollout_batch_size x --samples_per_prompt = {rows} rows must be a "
                                           f"multiple of mini_batch_size {cfg.mini_batch_size}")
     need(n >= 2 or not ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].groups, f"--advantage_estimator="
@@ -238,13 +238,14 @@ def derive(cfg, rank, W, device):
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
          "--ptx_coef > 0, or leave --sft_data out")
-    need(cfg.ptx_coef == 0 or cfg.ptx_batch_size % W == 0, f"--ptx_batch_size {cfg.ptx_batch_size} must divide by {W} ranks")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
     need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
     for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
-                           (not cfg.reward_model, ("reward_workers", "reward_timeout", "reward_on_error"),
-                            "with --reward_model, which scores in place of a reward function")):
+                           (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
+                            "with --reward_model, which scores in place of a reward function"),
+                           (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
+                           (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl")):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so they would do nothing")
     for k in ("is_band", "is_seq_band"):

@@ -7710,6 +7710,10 @@ def test_every_number_is_checked_against_its_range():
                        dict(lora_dropout=0.1, lora_targets=("q_proj",))),
                       ("--reward_workers, --reward_on_error set with --reward_model, which scores in place of a reward "
                        "function, so they would do nothing", dict(reward_model="rm", reward_workers=4, reward_on_error=0.0)),
+                      ("--reward_fn set with --reward_model", dict(reward_model="rm", reward_fn="length")),
+                      ("--reward_model_random_head set without --reward_model", dict(reward_model_random_head=True)),
+                      ("--ptx_batch_size set without --ptx_coef", dict(ptx_batch_size=4)),
+                      ("--kl_horizon set without --target_kl", dict(kl_horizon=100)),
                       ("--dtype must be one of ['auto', 'bf16', 'fp32'], not 'fp16'", dict(dtype="fp16")),
                       ("--resume=/no/such/run: no such folder", dict(resume="/no/such/run"))]:
         with pytest.raises(UsageError, match=re.escape(match)):
