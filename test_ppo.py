@@ -2768,6 +2768,27 @@ def test_logprob_entropy_extreme_logits(backend, offset):
     close(dw, r_dw, 0, 5e-3, "d weight")
 
 
+def test_torch_backward_is_finite_at_a_tiny_temperature():
+    # at T = 1e-19 the torch backwards' zs A (A ~ 1/(s T)) overflowed to inf at columns where e = exp(z - m) is 0,
+    # and 0 * inf made dh NaN while the forward, the Triton backward and the reference stayed finite
+    torch.manual_seed(0)
+    hidden, weight, labels = torch.randn(3, 8), torch.randn(11, 8), torch.tensor([0, 5, 10])
+    h = hidden.clone().requires_grad_()
+    _, ent = linear_logprob_entropy(h, weight, labels, 1e-19, backend="torch")
+    ent.sum().backward()
+    assert torch.isfinite(h.grad).all()
+    h = hidden.clone().requires_grad_()  # the one-pass scoring op's backward (same model as reference)
+    _, ent, _, kl = linear_logprob_entropy_kl(h, weight, labels, hidden, weight, 1e-19, backend="torch")
+    (ent + kl).sum().backward()
+    assert torch.isfinite(h.grad).all()
+    # the clamp changes only columns where e is 0: at an ordinary T the gradients stay the reference's
+    g_lp, g_ent = per_token(3, 1), per_token(3, 2)
+    _, _, dh, dw = run_lpe(hidden, weight, labels, 0.7, "torch", TILES, g_lp, g_ent)
+    _, _, r_dh, r_dw = lpe_ref_grads(hidden, weight, labels, 0.7, g_lp, g_ent)
+    close(dh, r_dh, 1e-5, 1e-6, "d hidden")
+    close(dw, r_dw, 1e-5, 1e-6, "d weight")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprob_entropy_noncontiguous_inputs(backend):
     N, H, V, T = 7, 40, 130, 0.7

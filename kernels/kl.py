@@ -623,7 +623,10 @@ def _score_backward_torch(hidden, weight, labels, ref_hidden, ref_weight, norm, 
         zs = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, w_op, scale)[:n].sub_(m[r0:r1, None])
         zr = chunk_logits(chunk_view(zrbuf, n_pad, v1 - v0), rh_op, gemm_operand(ref_weight[v0:v1]), scale)[:n]
         e = torch.exp(zs, out=dz)
-        d = zr.sub_(mr[r0:r1, None]).neg_().add_(zs)  # in place over zr
+        # where e = 0 (z - m < -1e3, see logprob_entropy._backward_torch) zs and d are set to values that keep
+        # zs A and d Ak finite: at a tiny T (A, Ak ~ 1/T) they overflowed to inf there, and 0 * inf made dz NaN
+        zs.clamp_(min=-1e3)
+        d = zr.sub_(mr[r0:r1, None]).neg_().add_(zs).masked_fill_(zs == -1e3, 0.0)  # in place over zr
         e.mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]).add_(d.sub_(c[r0:r1, None]).mul_(Ak[r0:r1, None])))
         add_label_term(dz, labels[r0:r1], v0, v1, g_lp[r0:r1] * scale)
 

@@ -324,7 +324,9 @@ def _backward_torch(hidden, weight, labels, row_max, log_sum, entropy, g_lp, g_e
     def chunk_dz(r0, r1, v0, v1, h_op, w_op, _, dz):
         zs = chunk_logits(chunk_view(zbuf, h_op.shape[0], v1 - v0), h_op, w_op, scale)[: r1 - r0]
         zs.sub_(row_max[r0:r1, None])  # z - m
-        torch.exp(zs, out=dz).mul_(zs.mul_(A[r0:r1, None]).add_(B[r0:r1, None]))  # fp32
+        # e = 0 wherever z - m < -1e3 (float32 and float64); the clamp changes no product e (zs A + B) but keeps
+        # zs A finite there, where at a tiny T (A ~ 1/T) it overflowed to inf and 0 * inf made dz NaN
+        torch.exp(zs, out=dz).mul_(zs.clamp_(min=-1e3).mul_(A[r0:r1, None]).add_(B[r0:r1, None]))  # fp32
         add_label_term(dz, labels[r0:r1], v0, v1, g_lp[r0:r1] * scale)
 
     return torch_backward(hidden, weight, need_dh, need_dw, R, C, dt, chunk_dz)
