@@ -3655,6 +3655,27 @@ def test_label_check_messages():
     with pytest.raises(RuntimeError, match=r"labels must lie in \[0, 97\)"):
         check_labels("op", y, 97, sync=False)
     check_labels("op", torch.tensor([0, 96]), 97, sync=False)
+    for bad in (torch.tensor([True, False]), torch.tensor([1.0, 2.0])):  # True would be read as token 1
+        with pytest.raises(ValueError, match=f"labels must be integer token ids, got dtype {bad.dtype}"):
+            check_labels("op", bad, 97)
+    hidden, weight, _ = make(2, 16, 97)
+    with pytest.raises(ValueError, match="labels must be integer token ids, got dtype torch.bool"):
+        linear_logprob_entropy(hidden, weight, torch.tensor([True, False]))
+
+
+def test_temperature_whose_reciprocal_overflows_float32_is_refused():
+    # T < 2.94e-39 scaled every logit to inf (all-NaN outputs, silently); a T whose 1/T is finite is accepted
+    hidden, weight, labels = make(3, 16, 97)
+    for T in (1e-39, 2.9e-39):
+        with pytest.raises(ValueError, match="too small: 1/T overflows float32"):
+            linear_logprob_entropy(hidden, weight, labels, T)
+        with pytest.raises(ValueError, match="too small: 1/T overflows float32"):
+            linear_kl(hidden, weight, hidden, weight, T)
+        with pytest.raises(ValueError, match="too small: 1/T overflows float32"):
+            linear_logprob_entropy_kl(hidden, weight, labels, hidden, weight, T)
+    linear_logprob_entropy(hidden, weight, labels, 3e-39, backend="torch")  # (its logits h w / T may overflow)
+    lp, ent = linear_logprob_entropy(hidden, weight, labels, 1e-30, backend="torch")
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

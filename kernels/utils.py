@@ -134,6 +134,9 @@ def check_temperature(where: str, temperature: float) -> float:
     t = float(temperature)
     if not (t > 0.0 and t < float("inf")):
         raise ValueError(f"{where}: temperature must be a positive finite number, got {temperature}")
+    if 1.0 / t > torch.finfo(torch.float32).max:  # the kernels scale the logits by 1/T in float32: inf, then NaN
+        raise ValueError(f"{where}: temperature {temperature} is too small: 1/T overflows float32 (T must be "
+                         f">= {1.0 / torch.finfo(torch.float32).max:.3g})")
     return t
 
 
@@ -149,9 +152,11 @@ def check_label_vector(where: str, labels, hidden: torch.Tensor, vocab: int) -> 
 
 
 def check_labels(where: str, labels: torch.Tensor, vocab: int, sync=None) -> None:
-    """labels (N,) integer, all in [0, vocab). On CUDA (sync=None) the check runs on the device: reading
+    """labels (N,) integer (not bool), all in [0, vocab). On CUDA (sync=None) the check runs on the device: reading
     min/max back would stall the host every micro-batch. A failure there is a device-side assert, raised at
     a later synchronisation, and it leaves the CUDA context unusable; elsewhere a ValueError with the range."""
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():  # (True would be read as 1)
+        raise ValueError(f"{where}: labels must be integer token ids, got dtype {labels.dtype}")
     if labels.numel() == 0:
         return
     if sync is None:
