@@ -56,7 +56,8 @@ from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_g
 from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_kl,
                      linear_logprob_entropy_reference)
 from kernels.kl import DEFAULT_KL_CONFIG
-from kernels.utils import DEFAULT_CONFIG, aligned_rows, check_labels, chunk_shape
+from kernels.utils import (DEFAULT_CONFIG, aligned_rows, cdiv, check_labels, chunk_shape, default_config,
+                           vocab_chunk)
 from hf import stop_and_pad_ids
 from model import ModelConfig, Transformer, reward_at_last_token
 import rollout as R
@@ -2768,6 +2769,36 @@ def test_logprob_entropy_extreme_logits(backend, offset):
     close(dw, r_dw, 0, 5e-3, "d weight")
 
 
+def exact_logits(N, H, V, offset, seed):
+    """hidden in {-1, 0, 1} and weight k/64 with a column at `offset`: logits offset + k/64, exact in float32 (every
+    partial sum of the GEMMs too), so that only the kernels' own rounding is left."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-1, 2, (N, H), generator=g).float()
+    weight = torch.randint(-128, 129, (V, H), generator=g).float() / 64
+    hidden[:, 0], weight[:, 0] = 1.0, offset
+    return hidden, weight, torch.randint(0, V, (N,), generator=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [-1e4, 1e4])
+def test_exact_logits_at_large_offsets(backend, offset):
+    # with exact logits at 1e4 + k/64 the ops hold 1e-5 of the float64 reference; a backward forming
+    # log p = z - (m + log s) (m + log s rounds at 1e4's ulp, ~1e-3) instead of (z - m) - log s misses by ~1e-4,
+    # which the random inputs of test_logprob_entropy_extreme_logits (tolerance 5e-3) let through
+    N, H, V = 7, 16, 97
+    hidden, weight, labels = exact_logits(N, H, V, offset, 0)
+    ref_hidden, ref_weight, _ = exact_logits(N, H, V, -offset, 1)
+    g_lp, g_ent, g_kl = per_token(N, 1), per_token(N, 2), per_token(N, 3)
+    lp, ent, dh, dw = run_lpe(hidden, weight, labels, 1.0, backend, TILES, g_lp, g_ent)
+    r_lp, r_ent, r_dh, r_dw = lpe_ref_grads(hidden, weight, labels, 1.0, g_lp, g_ent)
+    for name, a, b in (("logprob", lp, r_lp), ("entropy", ent, r_ent), ("d hidden", dh, r_dh), ("d weight", dw, r_dw)):
+        close(a, b, 0, 1e-5, name)
+    kl, dh, dw = run_kl(hidden, weight, ref_hidden, ref_weight, 1.0, backend, TILES, g_kl)
+    r_kl, r_dh, r_dw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, 1.0, g_kl)
+    for name, a, b in (("kl", kl, r_kl), ("kl d hidden", dh, r_dh), ("kl d weight", dw, r_dw)):
+        close(a, b, 0, 1e-5, name)
+
+
 def test_torch_backward_is_finite_at_a_tiny_temperature():
     # at T = 1e-19 the torch backwards' zs A (A ~ 1/(s T)) overflowed to inf at columns where e = exp(z - m) is 0,
     # and 0 * inf made dh NaN while the forward, the Triton backward and the reference stayed finite
@@ -2935,6 +2966,26 @@ def test_kl_of_a_float32_actor_beside_a_float64_reference(monkeypatch, emulate):
         close(dh, kl_ref_grads(hidden[:n], weight, ref_hidden[:n], ref_weight, T, g[:n])[1], 1e-5, 1e-6, "d hidden")
     none = linear_kl(hidden[:0].requires_grad_(), weight, ref_hidden[:0], ref_weight, T, backend="torch")
     assert none.dtype == torch.float64 and none.shape == (0,)  # the dtype of N > 0 rows (it was float32)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_triton_kl_of_models_of_two_dtypes(monkeypatch, dtypes):
+    # each model's tiles take its own dtype's dot settings: the reference's UPCAST taken from the actor's dtype
+    # (the interpreter's bf16 dot then multiplies bit patterns as integers) gave a KL of ~1e10
+    interpreter_or_skip("triton", "cpu")
+    monkeypatch.setattr("kernels.utils.EMULATE_CUDA", False)
+    N, H, V, T = 13, 40, 97, 0.9
+    hidden, weight, _ = make(N, H, V, scale=3.0, seed=31)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=32, ref_H=24)
+    hidden, weight = hidden.to(dtypes[0]), weight.to(dtypes[0])
+    ref_hidden, ref_weight = ref_hidden.to(dtypes[1]), ref_weight.to(dtypes[1])
+    g = per_token(N, 33)
+    kl, dh, dw = run_kl(hidden, weight, ref_hidden, ref_weight, T, "triton", TILES, g)
+    r_kl, r_dh, r_dw = kl_ref_grads(hidden, weight, ref_hidden, ref_weight, T, g)
+    tol = 1e-5 if dtypes[0] == torch.float32 else 2**-8  # dh, dW come back in the actor's dtype
+    close(kl, r_kl, 1e-5, 1e-6, "kl")
+    close(dh, r_dh, tol, 1e-5, "d hidden")
+    close(dw, r_dw, tol, 1e-5, "d weight")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -3306,6 +3357,16 @@ def test_torch_path_rows_independent_of_batch_at_real_hidden_sizes(op, dtype, H,
     # row of 16 or more there (and by its place in blocks of 6 rows with AVX2 code), which the hidden sizes of 24
     # and 32 above did not show; the per-token products run on oneDNN (kernels.utils.rows_exact)
     assert_rows_equal(op, [300, 3, 77, 8, 16, 9], H=H, V=V, dtype=dtype, backend="torch", cfg=None)
+
+
+def test_triton_backward_chunk_is_never_wider_than_the_vocabulary():
+    # the Triton backward's dz buffer is (N, chunk): without the cap at the vocabulary a single row at the default
+    # config took gpu_chunk_elems columns (a 4 GiB float32 buffer on a CPU, for V = 97)
+    for cfg in (DEFAULT_CONFIG, default_config(torch.float32), DEFAULT_KL_CONFIG, TILES):
+        for N in (1, 7, 1000):
+            for V in (5, 97, 32000):
+                vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v)
+                assert vc % cfg.block_v == 0 and vc <= cdiv(V, cfg.block_v) * cfg.block_v, (cfg, N, V, vc)
 
 
 def test_chunk_width_is_a_function_of_the_config_only():
