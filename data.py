@@ -164,6 +164,9 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, voca
                 if not (type(e).__module__.startswith("jinja2")
                         or isinstance(e, ValueError) and msgs[-1]["role"] == "assistant"):
                     raise
+                if type(e).__name__ == "TemplateSyntaxError":  # the template itself, not this line's messages
+                    raise UsageError(f"{tokenizer.name_or_path}: its chat template is not valid Jinja (template line "
+                                     f"{e.lineno}: {e.message}); found reading {where}") from None
                 raise UsageError(f"{where}: the model's chat template refuses these messages: {e}") from None
     if tokenizer is None:
         return records, None, None, (extras if extra_key is not None else None)

@@ -738,11 +738,11 @@ class Transformer(nn.Module):
         arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
         is_cls = arch.endswith("ForSequenceClassification")
         head = head or ("value" if is_cls else "lm")
+        if head == "lm" and is_cls:  # before its labels: a classifier of any label count is no policy
+            raise UsageError(f"{name_or_path} is a {arch}: it has no LM head to generate with")
         if is_cls and getattr(hf, "num_labels", 1) != 1:
             raise UsageError(f"{name_or_path}: reward model must have one label, has {hf.num_labels}")
         cfg = ModelConfig.from_hf(hf)
-        if head == "lm" and is_cls:
-            raise UsageError(f"{name_or_path} is a {arch}: it has no LM head to generate with")
         with torch.device("meta"):  # no memory, no RNG draws
             model = cls(cfg, head=head, value_bias=not is_cls)  # a reward model's score layer has no bias
         model.hf_config = hf

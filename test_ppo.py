@@ -2154,6 +2154,8 @@ def test_meta_build_and_read_state_errors(tmp_path):
             f(str(tmp_path / "rm2"))
         with pytest.raises(UsageError, match="no LM head"):
             f(str(tmp_path / "rm"), head="lm")
+        with pytest.raises(UsageError, match="no LM head"):  # as a policy, not "must have one label"
+            f(str(tmp_path / "rm2"), head="lm")
     # what only the weights show: read_state raises as from_pretrained does
     make_checkpoint(tmp_path / "bad", "llama2")
     cfg = transformers.AutoConfig.from_pretrained(tmp_path / "bad")
@@ -2337,6 +2339,11 @@ def test_a_prefill_the_template_rewrites_is_named_with_its_line(tmp_path):
     prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a good"}]
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"messages": prefill}])
     with pytest.raises(UsageError, match=re.escape(f"{path}:2: the model's chat template refuses these messages")):
+        load_prompts(path, tok, 100)
+    # a template that does not compile is the template's fault, not line 1's
+    tok.chat_template = CHATML.replace("{% endfor %}", "{% endfor }")
+    with pytest.raises(UsageError, match=re.escape(f"{tok.name_or_path}: its chat template is not valid Jinja "
+                                                   f"(template line ") + r"\d+: .*\); found reading " + re.escape(f"{path}:1")):
         load_prompts(path, tok, 100)
 
 
