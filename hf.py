@@ -434,6 +434,10 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
     if renamed:
         print0(f"note: the reward model {reward_path} names {len(renamed)} special tokens otherwise (same ids: "
                + ", ".join(f"{i} {name(mine[i])} / {name(theirs[i])}" for i in renamed[:3]) + ")")
+    a, b = (tok.encode(TOKENIZER_PROBE) for tok in (tokenizer, other))  # with the tokens each adds around a text
+    if a != b:  # (a BOS): the reward model reads the policy's ids, without the ones its own tokenizer would add
+        print0(f"note: the reward model's tokenizer adds other special tokens around a text than the policy's "
+               f"({a[:2]}...{a[-2:]} against {b[:2]}...{b[-2:]}); it reads the ids the policy's tokenizer wrote")
 
 
 def check_hub_id(path):

@@ -7745,8 +7745,13 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     check_same_tokenizer(load_tokenizer(dup), "P", dup)  # compared with itself, whatever order the strings come in
     for ok in (variant("same"), str(padded), variant("renamed", rename)):
         check_same_tokenizer(policy, "P", ok)
+    out = capsys.readouterr().out
     assert "note: the reward model " + str(tmp_path / "renamed") + " names 1 special tokens otherwise (same ids: 4 " \
-        "'<s>' / '<|begin_of_text|>')" in capsys.readouterr().out
+        "'<s>' / '<|begin_of_text|>')" in out and "adds other special tokens" not in out
+    make_tiny_tokenizer(tmp_path / "bos", bos=True)  # the same ids, and a <s> in front of a plain text: a note
+    check_same_tokenizer(policy, "P", str(tmp_path / "bos"))
+    assert "note: the reward model's tokenizer adds other special tokens around a text than the policy's ([" \
+        in capsys.readouterr().out
     split = variant("split", lambda t: t.update(pre_tokenizer={"type": "WhitespaceSplit"}))
     for folder, what in ((variant("swapped", swap), "2 of the policy's 64 token ids are other tokens, or none, for the "
                           f"reward model: {TINY_VOCAB.index('good')} is 'good' against 'bad', "
