@@ -247,7 +247,7 @@ def derive(cfg, rank, W, device):
                            (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
                            (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl")):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
-        need(on or not idle, f"{', '.join(idle)} set {why}, so they would do nothing")
+        need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
     for k in ("is_band", "is_seq_band"):
         lo, hi = getattr(cfg, k)
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
