@@ -750,8 +750,8 @@ class Transformer(nn.Module):
 
     def _checked_state(self, state, name_or_path, dtype):
         """The checkpoint's tensors for exactly this model's keys and shapes, CPU, in dtype."""
-        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
-        if self.head == "value" and not arch.endswith("ForSequenceClassification"):  # critic from a policy
+        self.check_shapes({k: tuple(v.shape) for k, v in state.items()}, None, name_or_path)
+        if self._critic_from_policy():
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
             state.update(new_value_head(self.config.hidden_size))
         if self.config.tie_word_embeddings and "lm_head.weight" in state:  # some tied checkpoints store a copy too
@@ -761,28 +761,28 @@ class Transformer(nn.Module):
                                  "(tie_word_embeddings), but its lm_head.weight differs from model.embed_tokens.weight, "
                                  "which transformers then loads untied: set \"tie_word_embeddings\": false in its "
                                  "config.json to train the two as stored")
-        self._check_shapes({k: tuple(v.shape) for k, v in state.items()}, name_or_path)
         return {k: state[k].to(device="cpu", dtype=dtype) for k in self.state_dict()}
 
+    def _critic_from_policy(self):  # a value head on a causal LM's checkpoint: its lm_head is dropped, a head drawn
+        return self.head == "value" and not self._arch().endswith("ForSequenceClassification")
+
+    def _arch(self):
+        return (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
+
     def check_shapes(self, shapes, file_of, name_or_path):
-        """Refuses, before any tensor is read, a checkpoint whose safetensors headers ({tensor: shape}, {tensor:
-        file}: hf.check_model's) miss a tensor of this model (built on the meta device) or give one another shape;
-        the names and shapes _checked_state compares after reading them all."""
-        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
-        if self.head == "value" and not arch.endswith("ForSequenceClassification"):  # critic from a policy
+        """Refuses a checkpoint whose tensors ({name: shape}; file_of: {name: file} or None) miss one of this model's
+        (built on the meta device) or give one another shape: from the safetensors headers (hf.check_model's) before
+        any tensor is read, and again on the tensors read (_checked_state)."""
+        if self._critic_from_policy():
             shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
             shapes.update({k: tuple(v.shape) for k, v in self.state_dict().items() if k.startswith("score.")})
-        self._check_shapes(shapes, name_or_path, file_of)
-
-    def _check_shapes(self, shapes, name_or_path, file_of=None):
-        arch = (getattr(self.hf_config, "architectures", None) or ["?ForCausalLM"])[0]
         expected = self.state_dict()
         missing = sorted(set(expected) - set(shapes))
         extra = sorted(k for k in set(shapes) - set(expected) if "rotary_emb" not in k)
         if self.config.tie_word_embeddings:
             extra = [k for k in extra if k != "lm_head.weight"]
         if missing or extra:
-            raise UsageError(f"{name_or_path}: checkpoint does not match {arch}: "
+            raise UsageError(f"{name_or_path}: checkpoint does not match {self._arch()}: "
                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                              f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}")
         for k, v in expected.items():
