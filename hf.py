@@ -85,7 +85,7 @@ def read_checkpoint(name_or_path):
         hf.dtype = None
         if hasattr(hf, "quantization_config"):
             del hf.quantization_config
-        return hf, dict(hf_model.state_dict())
+        return hf, _finite(dict(hf_model.state_dict()), path)
     path = _hf_folder(name_or_path, path, ["*.json", "*.safetensors", "*.model", "*.txt"])
     return AutoConfig.from_pretrained(path), read_safetensors(path)
 
@@ -203,11 +203,17 @@ def read_safetensors(folder):
     for p in _safetensors_files(folder):
         part = load_file(p)
         _no_tensor_twice(file_of, part, p)
-        for k, t in part.items():  # else the run fails steps later, its NaN loss blamed on --lr
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise UsageError(f"checkpoint holds {'NaN' if t.isnan().any() else 'inf'} in {k} ({p}): a damaged "
-                                 "or diverged checkpoint")
-        state.update(part)
+        state.update(_finite(part, p))
+    return state
+
+
+def _finite(state, path):
+    """state, after refusing a NaN or inf in any of its tensors, read from path (else the run fails steps later,
+    its NaN loss blamed on --lr)."""
+    for k, t in state.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise UsageError(f"checkpoint holds {'NaN' if t.isnan().any() else 'inf'} in {k} ({path}): a damaged "
+                             "or diverged checkpoint")
     return state
 
 

@@ -736,9 +736,10 @@ def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
         stop_and_pad_ids(str(tmp_path / "nowhere"), tok)
 
 
-def write_tiny_gguf(path, **ids):
+def write_tiny_gguf(path, weights=(), **ids):
     """A GGUF file with a 16-token byte-level BPE tokenizer (<unk> <s> </s> <pad> <eot>, then a-i, "ab", "cd") and
-    the special ids given as tokenizer.ggml.<key>=id (hf.GGUF_IDS names the keys); no weights."""
+    the special ids given as tokenizer.ggml.<key>=id (hf.GGUF_IDS names the keys); weights: (name, float32 array)
+    pairs in llama.cpp's names (tiny_gguf_weights: a whole one-block Llama), none by default."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -750,9 +751,37 @@ def write_tiny_gguf(path, **ids):
     w.add_token_merges(["a b", "c d"])  # two: transformers 5.17 reads a one-element array as a single string
     for key, i in ids.items():
         w.add_uint32(f"tokenizer.ggml.{key}", i)
+    for name, t in weights:
+        w.add_tensor(name, t)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def tiny_gguf_weights(seed=0):
+    """The weights of write_tiny_gguf's one-block Llama (16 wide, 2 heads, 1 KV head, tied head), random."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd": (16, 16), "output_norm": (16,), "blk.0.attn_norm": (16,), "blk.0.attn_q": (16, 16),
+              "blk.0.attn_k": (8, 16), "blk.0.attn_v": (8, 16), "blk.0.attn_output": (16, 16), "blk.0.ffn_norm": (16,),
+              "blk.0.ffn_gate": (32, 16), "blk.0.ffn_up": (32, 16), "blk.0.ffn_down": (16, 32)}
+    return [(f"{k}.weight", rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()]
+
+
+def test_nan_or_inf_gguf_weights_are_refused_at_load(tmp_path):
+    # a GGUF file's tensors, dequantized by transformers, were not scanned as a safetensors file's are: a NaN loaded
+    # silently and the first forward gave NaN logits
+    weights = tiny_gguf_weights()
+    path = write_tiny_gguf(tmp_path / "ok.gguf", weights, eos_token_id=2)
+    model = Transformer.from_pretrained(path)
+    assert torch.isfinite(model(torch.tensor([[5, 6, 7]]))).all()
+    for bad, what in ((float("nan"), "NaN"), (float("-inf"), "inf")):
+        broken = [(k, t.copy()) for k, t in weights]
+        broken[1][1][3] = bad  # output_norm.weight: model.norm.weight
+        path = write_tiny_gguf(tmp_path / f"{what}.gguf", broken, eos_token_id=2)
+        with pytest.raises(UsageError, match=re.escape(f"checkpoint holds {what} in model.norm.weight ({path})")):
+            Transformer.from_pretrained(path)
 
 
 def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
