@@ -785,11 +785,13 @@ class Transformer(nn.Module):
             raise UsageError(f"{name_or_path}: checkpoint does not match {self._arch()}: "
                              f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                              f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}")
+        expected = {k: tuple(v.shape) for k, v in expected.items()}
+        if self.config.tie_word_embeddings and "lm_head.weight" in shapes:  # a tied checkpoint's stored copy
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
         for k, v in expected.items():
-            if tuple(shapes[k]) != tuple(v.shape):
+            if tuple(shapes[k]) != v:
                 where = f"{file_of[k]}: " if file_of else f"{name_or_path}: "
-                raise UsageError(f"{where}shape mismatch for {k}: checkpoint {tuple(shapes[k])}, config expects "
-                                 f"{tuple(v.shape)}")
+                raise UsageError(f"{where}shape mismatch for {k}: checkpoint {tuple(shapes[k])}, config expects {v}")
 
     @torch.no_grad()
     def copy_weights_from(self, src):

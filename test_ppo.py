@@ -933,6 +933,15 @@ def test_a_tied_checkpoint_storing_another_lm_head_is_refused(tmp_path):
     with pytest.raises(UsageError, match=r"its lm_head.weight differs from model.embed_tokens.weight.*"
                                          r"\"tie_word_embeddings\": false"):
         Transformer.from_pretrained(str(tmp_path))
+    # a stored copy of another shape: named from the headers before any tensor is read (it passed them, and loading
+    # said only that it differs)
+    V, H_ = state["model.embed_tokens.weight"].shape
+    state["lm_head.weight"] = torch.zeros(V + 1, H_)
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
+    meta = Transformer.from_pretrained(str(tmp_path), device="meta")
+    with pytest.raises(UsageError, match=re.escape(f"{weights}: shape mismatch for lm_head.weight: checkpoint "
+                                                   f"({V + 1}, {H_}), config expects ({V}, {H_})")):
+        meta.check_shapes(*H.check_model(str(tmp_path)), str(tmp_path))
 
 
 def run(model, impl, *args, **kw):
