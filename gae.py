@@ -480,7 +480,7 @@ class AdaptiveKLController:
 
     Ziegler et al. 2019 (section 2.2): KL is the mean over the batch of each sequence's
     summed per-token KL, n_steps the number of samples since the last update, and
-    horizon is in samples (their 10000).
+    horizon is in samples (their 10000), over 0.2 n_steps: the step 1 - 0.2 n_steps / horizon must leave beta > 0.
     """
 
     def __init__(self, init_kl_coef, target, horizon):
@@ -495,6 +495,9 @@ class AdaptiveKLController:
         current_kl = float(current_kl)
         if not math.isfinite(current_kl):
             raise ValueError(f"current_kl must be finite, got {current_kl}")
+        if 0.2 * n_steps >= self.horizon:  # a KL under target would scale beta by 1 - 0.2 n / horizon <= 0
+            raise ValueError(f"n_steps {n_steps} must be under 5 x the horizon {self.horizon:g}: "
+                             "beta would turn 0 or negative, rewarding the KL")
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
         return self.value

@@ -5426,8 +5426,15 @@ def test_adaptive_kl_controller():
     assert c.value == c2.value
     with pytest.raises(ValueError, match="finite"):
         c.update(float("nan"), 1)
-    with pytest.raises(ValueError, match="target"):
-        AdaptiveKLController(0.1, 0.0, 10000)
+    for bad in [(0.1, 0.0, 10000), (0.1, 6.0, 0), (-0.1, 6.0, 10000)]:
+        with pytest.raises(ValueError, match="init_kl_coef >= 0, target > 0, horizon > 0"):
+            AdaptiveKLController(*bad)
+    # a step of 5 horizons or more: a KL under target scales beta by 1 - 0.2 n / horizon <= 0, and a negative beta
+    # rewards the KL (it was taken); just under, beta shrinks and stays positive
+    c = AdaptiveKLController(0.1, 6.0, 100)
+    assert c.update(0.0, 499) == pytest.approx(0.1 * (1 - 0.2 * 4.99), rel=1e-12) and c.value > 0
+    with pytest.raises(ValueError, match="n_steps 500 must be under 5 x the horizon 100"):
+        c.update(0.0, 500)
 
 
 def test_fixed_kl_controller():
@@ -5436,6 +5443,9 @@ def test_fixed_kl_controller():
     c2 = FixedKLController(0.3)
     c2.load_state_dict(c.state_dict())
     assert c2.value == 0.05 and type(c.state_dict()["value"]) is float
+    assert FixedKLController(0.0).value == 0.0
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        FixedKLController(-0.01)
 
 
 # ==================================================================================================
@@ -7838,6 +7848,7 @@ def test_every_number_is_checked_against_its_range():
                       ("--reward_model_random_head set without --reward_model", dict(reward_model_random_head=True)),
                       ("--ptx_batch_size set without --ptx_coef", dict(ptx_batch_size=4)),
                       ("--kl_horizon set without --target_kl", dict(kl_horizon=100)),
+                      ("--kl_horizon must be over a step's 32 rows / 5", dict(target_kl=1.0, kl_horizon=6, samples_per_prompt=2)),
                       ("--dtype must be one of ['auto', 'bf16', 'fp32'], not 'fp16'", dict(dtype="fp16")),
                       ("--resume=/no/such/run: no such folder", dict(resume="/no/such/run"))]:
         with pytest.raises(UsageError, match=re.escape(match)):
@@ -7845,6 +7856,7 @@ def test_every_number_is_checked_against_its_range():
     edges = dict(seed=2**32 - 1, gamma=0.0, lam=1.0, lr=0.0, critic_lr=0.0, kl_coef=0.0, score_clip=0.0, save_every=0,
                  ppo_epochs=1, total_steps=1, temperature=1e-3, entropy_coef=-0.01, non_stop_penalty=-1.0)
     ppo.derive(ppo.Config(**edges), 0, 1, cpu)  # the ends of the ranges pass
+    ppo.derive(ppo.Config(target_kl=1.0, kl_horizon=7, samples_per_prompt=2), 0, 1, cpu)  # 35 > 32 rows: beta > 0
     # LoRA's dropout draws from the default generator, which an async worker's compiles rewind (dynamo restores the
     # RNG states it found) and, on CUDA, its CUDA-graph recordings mark as capturing: refused together on a GPU only
     async_dropout = ppo.Config(async_rollout=True, lora_rank=4, lora_dropout=0.1)
