@@ -5987,6 +5987,35 @@ def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
         assert torch.equal(g1[k], g2[k]), k
 
 
+def test_forwards_score_each_token_from_the_prefix_before_it(tiny_run):
+    # against plain forwards of each prefix, no labels: policy_forward's logp, entropy, ref_logp and exact KL at
+    # response column t, and value_forward's value there, are those at the last token of the row's prompt and first
+    # t response tokens (the state before token t); ptx_loss is the NLL of each response token given all before it,
+    # over n_tokens, times the world size. Ragged prompts (left padding) and responses.
+    import ppo
+
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    batch, T = fake_batch(64, B=4, P=5, R=5, seed=3), 0.8
+    with torch.no_grad():
+        pol, values = ppo.policy_forward(actor, batch, T, ref=ref), ppo.value_forward(critic, batch)
+        for b, t in batch["response_mask"].nonzero().tolist():
+            row = [batch[k][b : b + 1, : batch["P"] + t] for k in ("tokens", "attention_mask", "position_ids")]
+            logq, logr = (torch.log_softmax(m(*row)[0, -1].double() / T, -1) for m in (actor, ref))
+            token = batch["tokens"][b, batch["P"] + t]
+            want = dict(logp=logq[token], ref_logp=logr[token], entropy=-(logq.exp() * logq).sum(),
+                        kl=(logq.exp() * (logq - logr)).sum())
+            for k, v in want.items():
+                assert pol[k][b, t].item() == pytest.approx(v.item(), rel=1e-4, abs=1e-5), (k, b, t)
+            assert values[b, t].item() == pytest.approx(critic(*row)[0, -1].item(), rel=1e-4, abs=1e-5)
+        pairs = fake_ptx_pairs(64, n=4)
+        nll = 0.0
+        for p, r in pairs:
+            logq = torch.log_softmax(actor(torch.tensor([p + r]))[0].double(), -1)  # temperature 1
+            nll -= sum(logq[len(p) + i - 1, x].item() for i, x in enumerate(r))
+        n = sum(len(r) for _, r in pairs) + 3  # the batch's tokens over all ranks: more than this rank's
+        assert ppo.ptx_loss(actor, pairs, n, 2, "cpu").item() == pytest.approx(2 * nll / n, rel=1e-5)
+
+
 @slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
