@@ -6113,6 +6113,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     assert st["value_loss"].item() == pytest.approx(sum(vf), rel=1e-6)
     assert st["clipfrac"].item() == 2 and st["vf_clipfrac"].item() == 2  # tokens where the clipped term won
     assert st["entropy"].item() == pytest.approx(7.5) and st["ratio"].item() == pytest.approx(5.6, rel=1e-6)
+    assert st["ratio_sq"].item() == pytest.approx(sum(r * r for r in ratio[0].tolist()), rel=1e-6)  # val/ratio_var
     assert st["approxkl"].item() == pytest.approx(sum(0.5 * math.log(r) ** 2 for r in ratio[0].tolist()), rel=1e-5)
     (actor_loss + critic_loss).backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg + [0.0]) * scale, rtol=1e-5, atol=1e-7)
@@ -6131,6 +6132,18 @@ def test_ppo_losses_hand_computed(monkeypatch):
     a1.backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor([x * y for x, y in zip(w, g_pg)] + [0.0]) * scale,
                                rtol=1e-5, atol=1e-7)
+    # the KL loss (--kl_loss_coef): + coef x the exact per-token KL, whose gradient is coef x scale on each token;
+    # policy_forward gets the reference only then
+    kl, refs = torch.tensor([[0.5, 0.0, 2.0, 0.25, 1.0, nan]], requires_grad=True), []
+    monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: refs.append(ref) or dict(
+        logp=logp, entropy=entropy, kl=kl))
+    kl_cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1, kl_loss_coef=0.5)
+    a2, _, _ = ppo.ppo_losses(None, critic, mb, kl_cfg, n_tokens=10, world=2, ref="ref")
+    assert a2.item() == pytest.approx((sum(pg) - 0.1 * 7.5 + 0.5 * 3.75) * scale, rel=1e-6)
+    a2.backward()
+    torch.testing.assert_close(kl.grad[0], torch.tensor([0.5] * 5 + [0.0]) * scale, rtol=1e-6, atol=0)
+    ppo.ppo_losses(None, critic, mb, cfg, n_tokens=10, world=2, ref="ref")
+    assert refs == ["ref", None]
 
     # the dual clip binding: A = -1, r = 5: max(5, 0.8) = 5, above -c A = 3, so 3 with gradient 0
     logp1 = torch.tensor([[math.log(5.0)]], requires_grad=True)
