@@ -6858,7 +6858,9 @@ def test_finite_mean_drops_nan_and_inf():
 
 def hand_step(plant=False, same_returns=False):
     """step_metrics of a step whose metrics are worked out by hand (test_step_metrics_hand_computed): responses of 3,
-    1 and 2 tokens (6 in all), rows 0 and 2 ended; plant: NaN and inf in every tensor's slots off the mask."""
+    1 and 2 tokens (6 in all), rows 0 and 2 ended (row 1's score replaced by a non-stop penalty of -1); three updates
+    of 3 tokens, the second skipped, whose per-token means are 1, 2 and 3 times the key's place in `sums` (1 to 9);
+    plant: NaN and inf in every tensor's slots off the mask."""
     from metrics import step_metrics
 
     nan, inf = float("nan"), float("inf")
@@ -6871,24 +6873,26 @@ def hand_step(plant=False, same_returns=False):
     values = torch.tensor([[1.0, 2, 3], [3, 0, 0], [1, 2, 0]])  # residuals 0, 0, 0, 1, -1, 0: variance 2 / 5
     if same_returns:
         ret = torch.where(mask, 2.0, 0.0)
-    sc = dict(score=torch.tensor([1.0, 2.0, 3.0]), old_logp=old, ref_logp=zeros.clone(), kl_exact=zeros.clone(),
-              entropy=torch.where(mask, 0.5, 0.0), values=values, slots=8, pad=2)
+    sc = dict(score=torch.tensor([1.0, 2.0, 3.0]), old_logp=old, ref_logp=zeros.clone(), kl_exact=torch.where(mask, 0.2, 0.0),
+              entropy=torch.tensor([[0.5, 1.0, 1.5], [2.0, 0, 0], [0.5, 0.5, 0]]), values=values, slots=8, pad=2)
     sampler = zeros.clone()
+    sampler[2, 0] = 0.5  # r = exp(-0.5) there: sampler_logp above old_logp
     if plant:
         for x in (sc["old_logp"], sc["ref_logp"], sc["kl_exact"], sc["entropy"], sc["values"], sampler, kl, ret):
             x[~mask] = nan
         sc["entropy"][1, 2] = inf
 
-    def update(norm):
-        sums = {k: torch.tensor(0.0, dtype=torch.float64) for k in ("policy_loss", "entropy", "approxkl", "clipfrac",
-                                                                     "ratio", "ratio_sq", "value_loss", "vf_clipfrac")}
+    def update(norm, times):
+        keys = ("policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac", "ptx")
+        sums = {k: torch.tensor(3.0 * times * (i + 1), dtype=torch.float64) for i, k in enumerate(keys)}
         return dict(sums=sums, n_tokens=3, norms=torch.tensor([norm], dtype=torch.float64),
                     skipped=not math.isfinite(norm), slots=[6, 3])
 
     cfg = types.SimpleNamespace(is_correction="tis", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
-    return step_metrics(mask, sc, sc["score"], kl, torch.where(mask, -0.1 * kl, 0.0), ret,
-                        torch.tensor([True, False, True]), sampler, [update(1.0), update(inf), update(3.0)], 0.1, 3,
-                        ("actor",), cfg)
+    used = torch.tensor([1.0, -1.0, 3.0])
+    rewards = torch.where(mask, -0.1 * kl, 0.0) + gae.score_on_last_token(used, mask)
+    return step_metrics(mask, sc, used, kl, rewards, ret, torch.tensor([True, False, True]), sampler,
+                        [update(1.0, 1), update(inf, 2), update(3.0, 3)], 0.1, 3, ("actor",), cfg)
 
 
 def test_step_metrics_hand_computed():
@@ -6898,8 +6902,20 @@ def test_step_metrics_hand_computed():
     assert out["val/stop_rate"] == pytest.approx(2 / 3)
     assert out["val/response_length"] == pytest.approx(2.0)  # 6 tokens over 3 responses, EOS included
     assert out["val/explained_var"] == pytest.approx(1 - 0.4 / 2.0)  # 1 - Var(ret - values) / Var(ret)
-    assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4)) / 6)  # r - 1 - log r at r = 4, per token
-    assert out["val/is_weight_mean"] == pytest.approx(7 / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
+    r = math.exp(-0.5)  # r - 1 - log r at r = 4 and r = exp(-0.5), per token; the weights 2 (4 truncated), r and 1
+    assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4) + r - 1 + 0.5) / 6)
+    assert out["val/is_weight_mean"] == pytest.approx((2 + r + 4) / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
+    assert out["val/sampler_logprob_diff"] == pytest.approx((math.log(4) + 0.5) / 6)  # |sampler_logp - old_logp|
+    assert out["objective/scores"] == pytest.approx(2.0) and out["objective/score_used"] == pytest.approx(1.0)
+    d = math.log(4)  # old_logp - ref_logp on one token; the exact KL 0.2 on each
+    for k, want in dict(k1=d, k2=d * d / 2, k3=math.exp(-d) - 1 + d, exact=6 * 0.2).items():
+        assert out[f"objective/kl_{k}"] == pytest.approx(want / 3), k  # summed per response
+    assert out["objective/rlhf_reward"] == pytest.approx((-0.1 * 1.2 + 3.0) / 3)  # the KL penalty and the scores used
+    assert out["objective/entropy"] == pytest.approx(6.0 / 6)
+    avg = dict(zip(["loss/policy_avg", "policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio",
+                    None, "loss/value_avg", "val/clipfrac_avg", "loss/ptx_avg"], range(1, 10)))
+    assert {k: out[k] for k in avg if k} == {k: 2.0 * i for k, i in avg.items() if k}  # (1 + 2 + 3) / 3 x the place
+    assert out["val/skipped_updates"] == 1
     assert out["perf/padding_frac"] == pytest.approx((2 + 3 * 3) / (8 + 3 * 6))  # scoring's slots and 3 updates'
     assert out["objective/kl"] == pytest.approx(0.4) and out["objective/non_score_reward"] == pytest.approx(-0.04)
     assert out["val/grad_norm_actor"] == 2.0  # the inf update's norm left out
