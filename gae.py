@@ -540,6 +540,8 @@ def random_prefix_mask(B, T, generator=None):
     lengths[0] = T  # a full row
     if B > 1:
         lengths[1] = 1  # a one-token row
+    if B > 2:
+        lengths[2] = 0  # an empty row
     return torch.arange(T) < lengths[:, None]
 
 
