@@ -5010,8 +5010,11 @@ def test_gae_rejects_bad_input():
         compute_gae(r, r, torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]), 1.0, 0.95)
     with pytest.raises(ValueError, match="shape"):
         compute_gae(r, r, torch.ones(2, 3), 1.0, 0.95)
-    with pytest.raises(ValueError, match="gamma"):
-        compute_gae(r, r, torch.ones(2, 4), 1.5, 0.95)
+    for gamma, lam in [(1.5, 0.95), (-0.1, 0.95), (1.0, 1.5), (1.0, -0.1)]:
+        with pytest.raises(ValueError, match="need 0 <= gamma <= 1 and 0 <= lam <= 1"):
+            compute_gae(r, r, torch.ones(2, 4), gamma, lam)
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        compute_gae(r, r, torch.tensor([[1, 2, 0, 0], [1, 1, 0, 0]]), 1.0, 0.95)
 
 
 # ---- KL estimators ----------------------------------------------------------
@@ -5043,6 +5046,10 @@ def test_kl_estimators_against_float64():
         assert (kl_estimate(logp, logp.clone(), kind) == 0).all()
     with pytest.raises(ValueError, match="k4"):
         kl_estimate(logp, ref_logp, "k4")
+    # float64 under its series threshold (0.01), where expm1(-d) + d would lose up to 4e-13: k3 to about an ulp
+    d64 = torch.tensor([0.0099, -0.0099, 0.0071, -0.005, 3e-3, -1e-3, 2e-4], dtype=torch.float64)
+    want = torch.tensor([float((-Decimal(x)).exp() - 1 + Decimal(x)) for x in d64.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(kl_estimate(d64, torch.zeros_like(d64), "k3"), want, rtol=4e-16, atol=0)
 
 
 # ---- importance weights for the sampler-trainer mismatch ---------------------------------------
@@ -5106,6 +5113,10 @@ def test_is_weights_hand_computed():
     assert w[1, :2].tolist() == pytest.approx([1.1, 1.0], rel=1e-6) and (w[2] == 0).all()
     logp = old_logp.clone().requires_grad_()
     assert not gae.is_weights(logp, sampler_logp, mask, is_cfg())[0].requires_grad
+    # a weight exactly at the cap is not truncated (r = 1 where old_logp == sampler_logp)
+    for mode in ("tis", "seq_mask"):
+        w, cut = gae.is_weights(old_logp, old_logp, mask, is_cfg(mode, cap=1.0))
+        assert torch.equal(w, mask.float()) and not cut.any(), mode
     with pytest.raises(ValueError, match="unknown importance-weight mode 'is'"):
         gae.is_weights(old_logp, sampler_logp, mask, is_cfg("is"))
     with pytest.raises(ValueError, match=r"sampler_logp \(3, 3\) differ in shape"):
@@ -5159,6 +5170,14 @@ def test_score_clip_and_non_stop_penalty():
     assert torch.equal(r1, r2)
     with pytest.raises(ValueError, match="ended"):
         shape_rewards(score, zeros, zeros, mask, 0.05, non_stop_penalty=-1.0)
+    with pytest.raises(ValueError, match=r"ended has shape \(2,\), expected \(3,\)"):
+        final_score(score, ended[:2], non_stop_penalty=-1.0)
+    for clip in (0.0, -1.0):  # (ppo.py passes --score_clip=0 as None: off)
+        with pytest.raises(ValueError, match="score_clip must be > 0"):
+            final_score(score, score_clip=clip)
+    used = final_score(torch.tensor([3, -5, 1]), score_clip=2.5)  # an integer score: computed in float32
+    assert used.dtype == torch.float32 and used.tolist() == [2.5, -2.5, 1.0]
+    assert final_score(torch.tensor([3, -5])).dtype == torch.float32  # (grpo_scores returns the score's dtype)
     with pytest.raises(ValueError, match="score"):
         shape_rewards(score[:2], zeros, zeros, mask, 0.05)
 
@@ -5382,6 +5401,9 @@ def test_group_baselines_give_a_group_of_equal_scores_zero():
             assert out.dtype == torch.float32 and torch.equal(out, torch.zeros_like(out)), (n, fn.__name__, out.abs().max())
     s = torch.randn(24, generator=g)  # and the float32 result of any group is the float64 one, rounded
     assert torch.equal(grpo_scores(s, 6), grpo_scores(s.double(), 6).float())
+    for fn in (grpo_scores, rloo_scores):  # a group of one has no baseline (grpo's std NaN, rloo's mean of none)
+        with pytest.raises(ValueError, match="groups of n >= 2 samples per prompt; got 24 rows, n=1"):
+            fn(s, 1)
 
 
 def test_gae_estimator_is_the_gae_of_the_shaped_rewards():
