@@ -6038,6 +6038,37 @@ def test_forwards_score_each_token_from_the_prefix_before_it(tiny_run):
         assert ppo.ptx_loss(actor, pairs, n, 2, "cpu").item() == pytest.approx(2 * nll / n, rel=1e-5)
 
 
+def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(tiny_run):
+    # ppo.update's optimizer step: SGD at lr 1 moves each weight by minus the gradient of the micro-batches' losses plus
+    # ptx_coef x the ptx loss (loss_and_grads' accumulation, no clipping); a NaN in a response token's advantage makes
+    # the gradient NaN, and that update is skipped: no weight moves, and no gradient is left for the next
+    import ppo
+
+    cfg = ppo.Config(**{**LOSS_CFG, "max_grad_norm": 1e9})
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
+    ptx, n = (pairs, sum(len(r) for _, r in pairs)), batch["response_mask"].sum().item()
+    _, grads = loss_and_grads(actor, critic, batch, cfg, micro=2, ref=ref, ptx=ptx)
+    m, models = dict(actor=actor, critic=critic, ref=ref), (("actor.", actor), ("critic.", critic))
+    for name in ("actor", "critic"):
+        m[name + "_opt"] = torch.optim.SGD(m[name].parameters(), lr=1.0)
+        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lambda step: 1.0)
+    run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
+    weights = lambda: {p + k: w.detach().clone() for p, mod in models for k, w in mod.named_parameters()}  # noqa: E731
+    before = weights()
+    assert not ppo.update(m, batch, torch.arange(6), n, cfg, run, ptx)["skipped"]
+    after = weights()
+    for k, w in after.items():
+        assert torch.allclose(w, before[k] - grads[k], rtol=1e-5, atol=1e-7), k
+    assert any(grads[k].abs().max() > 0 for k in grads if k.startswith("actor."))
+    nan_adv = batch["adv"].clone()
+    nan_adv[0, 0] = float("nan")  # column 0 is a response token of every row
+    out = ppo.update(m, dict(batch, adv=nan_adv), torch.arange(6), n, cfg, run, ptx)
+    assert out["skipped"] and not torch.isfinite(out["norms"]).all()
+    assert all(torch.equal(w, after[k]) for k, w in weights().items())
+    assert all(w.grad is None for _, mod in models for w in mod.parameters())
+
+
 @slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
