@@ -5268,6 +5268,14 @@ def test_masked_stats_and_whiten():
     assert (masked_whiten(xg, empty) == 0).all()
     one = _lengths_mask([1] + [0] * (B - 1), T)
     assert masked_var(x, one) == 0 and (masked_whiten(x, one) == 0).all()
+    # a tensor that requires grad: refused over all ranks (the all_reduce would drop the other ranks' gradient) on
+    # one process as on N; local statistics are differentiable
+    xg = x.clone().requires_grad_()
+    for stat in (masked_mean, masked_var, masked_whiten):
+        with pytest.raises(RuntimeError, match="over all ranks got a tensor that requires grad"):
+            stat(xg, mask)
+    masked_mean(xg, mask, all_ranks=False).backward()
+    torch.testing.assert_close(xg.grad, mask / mask.sum())
 
 
 def reinforce_pp_of(x, mask):
