@@ -105,12 +105,7 @@ def _distributed():
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _all_reduce_sum(t, x, what):
-    # the statistics are for no-grad use (advantage whitening, logging): an all_reduce
-    # is invisible to autograd, so a gradient through it would miss the other ranks
-    if x.requires_grad:
-        raise RuntimeError(f"{what} over all ranks got a tensor that requires grad; "
-                           "pass all_ranks=False (local, differentiable) or detach it")
+def _all_reduce_sum(t):
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
@@ -342,16 +337,22 @@ def masked_sum(x, mask, dim=None):
 def _masked_moments(x, mask, unbiased, all_ranks):
     """Global (count, mean, var) of x over mask as float64 0-d tensors; two-pass."""
     mask = _check_mask(mask, x.shape)
+    # the statistics over all ranks are for no-grad use (advantage whitening, logging): an all_reduce is invisible
+    # to autograd, so a gradient through it would miss the other ranks. Refused on one process too, where it would
+    # be right, so that code which runs on one process runs on N.
+    if all_ranks and x.requires_grad:
+        raise RuntimeError("masked statistics over all ranks got a tensor that requires grad; "
+                           "pass all_ranks=False (local, differentiable) or detach it")
     reduce = all_ranks and _distributed()
     x64 = torch.where(mask, x.to(torch.float64), 0.0)
     stats = torch.stack([mask.sum().to(torch.float64), x64.sum()])  # [count, sum]
     if reduce:
-        stats = _all_reduce_sum(stats, x, "masked statistics")
+        stats = _all_reduce_sum(stats)
     count, total = stats[0], stats[1]
     mean = total / count.clamp(min=1.0)  # 0 when nothing is masked in
     sq_dev = torch.where(mask, (x64 - mean).square(), 0.0).sum()
     if reduce:
-        sq_dev = _all_reduce_sum(sq_dev, x, "masked statistics")
+        sq_dev = _all_reduce_sum(sq_dev)
     denom = count - 1.0 if unbiased else count
     var = torch.where(denom > 0, sq_dev / denom.clamp(min=1.0), 0.0)  # 0 for n <= 1
     return count, mean, var
@@ -480,7 +481,7 @@ class AdaptiveKLController:
 
     Ziegler et al. 2019 (section 2.2): KL is the mean over the batch of each sequence's
     summed per-token KL, n_steps the number of samples since the last update, and
-    horizon is in samples (their 10000).
+    horizon is in samples (their 10000), over 0.2 n_steps: the step 1 - 0.2 n_steps / horizon must leave beta > 0.
     """
 
     def __init__(self, init_kl_coef, target, horizon):
@@ -495,6 +496,9 @@ class AdaptiveKLController:
         current_kl = float(current_kl)
         if not math.isfinite(current_kl):
             raise ValueError(f"current_kl must be finite, got {current_kl}")
+        if 0.2 * n_steps >= self.horizon:  # a KL under target would scale beta by 1 - 0.2 n / horizon <= 0
+            raise ValueError(f"n_steps {n_steps} must be under 5 x the horizon {self.horizon:g}: "
+                             "beta would turn 0 or negative, rewarding the KL")
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
         return self.value
@@ -537,6 +541,8 @@ def random_prefix_mask(B, T, generator=None):
     lengths[0] = T  # a full row
     if B > 1:
         lengths[1] = 1  # a one-token row
+    if B > 2:
+        lengths[2] = 0  # an empty row
     return torch.arange(T) < lengths[:, None]
 
 

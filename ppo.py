@@ -104,7 +104,7 @@ class Config:
     kl_estimator: str = "k1"  # per-token KL in the reward, a key of gae.KL_ESTIMATORS: k1 | k2 | k3 | exact
     use_absolute_kl: bool = False  # penalise |kl_t| instead of kl_t (NeMo-Aligner)
     target_kl: float = 0.0  # adaptive KL target (sum over a response); 0 keeps beta fixed
-    kl_horizon: int = 10000  # adaptive KL horizon, in samples
+    kl_horizon: int = 10000  # adaptive KL horizon, in samples (over a step's rows / 5, so that beta stays > 0)
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
@@ -252,6 +252,7 @@ def derive(cfg, rank, W, device):
         lo, hi = getattr(cfg, k)
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
+    need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows, f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
          f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
     need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with --async_rollout"
@@ -391,8 +392,7 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     """Supervised NLL of (prompt, response) pairs, summed over their response tokens and scaled like
     ppo_losses: summed over micro-batches and ranks, the token mean over the whole ptx batch."""
     tokens, attn, pos = (t.to(device) for t in left_pad([p + r for p, r in pairs], 0))
-    labels = torch.full_like(tokens, -100)
-    T = tokens.size(1)
+    labels, T = torch.full_like(tokens, -100), tokens.size(1)
     for b, (p, r) in enumerate(pairs):  # position t predicts token t+1: the response tokens
         labels[b, T - len(r) - 1 : T - 1] = tokens[b, T - len(r) :]
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)

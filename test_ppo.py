@@ -5048,8 +5048,11 @@ def test_gae_rejects_bad_input():
         compute_gae(r, r, torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]), 1.0, 0.95)
     with pytest.raises(ValueError, match="shape"):
         compute_gae(r, r, torch.ones(2, 3), 1.0, 0.95)
-    with pytest.raises(ValueError, match="gamma"):
-        compute_gae(r, r, torch.ones(2, 4), 1.5, 0.95)
+    for gamma, lam in [(1.5, 0.95), (-0.1, 0.95), (1.0, 1.5), (1.0, -0.1)]:
+        with pytest.raises(ValueError, match="need 0 <= gamma <= 1 and 0 <= lam <= 1"):
+            compute_gae(r, r, torch.ones(2, 4), gamma, lam)
+    with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+        compute_gae(r, r, torch.tensor([[1, 2, 0, 0], [1, 1, 0, 0]]), 1.0, 0.95)
 
 
 # ---- KL estimators ----------------------------------------------------------
@@ -5081,6 +5084,10 @@ def test_kl_estimators_against_float64():
         assert (kl_estimate(logp, logp.clone(), kind) == 0).all()
     with pytest.raises(ValueError, match="k4"):
         kl_estimate(logp, ref_logp, "k4")
+    # float64 under its series threshold (0.01), where expm1(-d) + d would lose up to 4e-13: k3 to about an ulp
+    d64 = torch.tensor([0.0099, -0.0099, 0.0071, -0.005, 3e-3, -1e-3, 2e-4], dtype=torch.float64)
+    want = torch.tensor([float((-Decimal(x)).exp() - 1 + Decimal(x)) for x in d64.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(kl_estimate(d64, torch.zeros_like(d64), "k3"), want, rtol=4e-16, atol=0)
 
 
 # ---- importance weights for the sampler-trainer mismatch ---------------------------------------
@@ -5144,6 +5151,10 @@ def test_is_weights_hand_computed():
     assert w[1, :2].tolist() == pytest.approx([1.1, 1.0], rel=1e-6) and (w[2] == 0).all()
     logp = old_logp.clone().requires_grad_()
     assert not gae.is_weights(logp, sampler_logp, mask, is_cfg())[0].requires_grad
+    # a weight exactly at the cap is not truncated (r = 1 where old_logp == sampler_logp)
+    for mode in ("tis", "seq_mask"):
+        w, cut = gae.is_weights(old_logp, old_logp, mask, is_cfg(mode, cap=1.0))
+        assert torch.equal(w, mask.float()) and not cut.any(), mode
     with pytest.raises(ValueError, match="unknown importance-weight mode 'is'"):
         gae.is_weights(old_logp, sampler_logp, mask, is_cfg("is"))
     with pytest.raises(ValueError, match=r"sampler_logp \(3, 3\) differ in shape"):
@@ -5197,6 +5208,14 @@ def test_score_clip_and_non_stop_penalty():
     assert torch.equal(r1, r2)
     with pytest.raises(ValueError, match="ended"):
         shape_rewards(score, zeros, zeros, mask, 0.05, non_stop_penalty=-1.0)
+    with pytest.raises(ValueError, match=r"ended has shape \(2,\), expected \(3,\)"):
+        final_score(score, ended[:2], non_stop_penalty=-1.0)
+    for clip in (0.0, -1.0):  # (ppo.py passes --score_clip=0 as None: off)
+        with pytest.raises(ValueError, match="score_clip must be > 0"):
+            final_score(score, score_clip=clip)
+    used = final_score(torch.tensor([3, -5, 1]), score_clip=2.5)  # an integer score: computed in float32
+    assert used.dtype == torch.float32 and used.tolist() == [2.5, -2.5, 1.0]
+    assert final_score(torch.tensor([3, -5])).dtype == torch.float32  # (grpo_scores returns the score's dtype)
     with pytest.raises(ValueError, match="score"):
         shape_rewards(score[:2], zeros, zeros, mask, 0.05)
 
@@ -5287,6 +5306,14 @@ def test_masked_stats_and_whiten():
     assert (masked_whiten(xg, empty) == 0).all()
     one = _lengths_mask([1] + [0] * (B - 1), T)
     assert masked_var(x, one) == 0 and (masked_whiten(x, one) == 0).all()
+    # a tensor that requires grad: refused over all ranks (the all_reduce would drop the other ranks' gradient) on
+    # one process as on N; local statistics are differentiable
+    xg = x.clone().requires_grad_()
+    for stat in (masked_mean, masked_var, masked_whiten):
+        with pytest.raises(RuntimeError, match="over all ranks got a tensor that requires grad"):
+            stat(xg, mask)
+    masked_mean(xg, mask, all_ranks=False).backward()
+    torch.testing.assert_close(xg.grad, mask / mask.sum())
 
 
 def reinforce_pp_of(x, mask):
@@ -5420,6 +5447,9 @@ def test_group_baselines_give_a_group_of_equal_scores_zero():
             assert out.dtype == torch.float32 and torch.equal(out, torch.zeros_like(out)), (n, fn.__name__, out.abs().max())
     s = torch.randn(24, generator=g)  # and the float32 result of any group is the float64 one, rounded
     assert torch.equal(grpo_scores(s, 6), grpo_scores(s.double(), 6).float())
+    for fn in (grpo_scores, rloo_scores):  # a group of one has no baseline (grpo's std NaN, rloo's mean of none)
+        with pytest.raises(ValueError, match="groups of n >= 2 samples per prompt; got 24 rows, n=1"):
+            fn(s, 1)
 
 
 def test_gae_estimator_is_the_gae_of_the_shaped_rewards():
@@ -5464,8 +5494,15 @@ def test_adaptive_kl_controller():
     assert c.value == c2.value
     with pytest.raises(ValueError, match="finite"):
         c.update(float("nan"), 1)
-    with pytest.raises(ValueError, match="target"):
-        AdaptiveKLController(0.1, 0.0, 10000)
+    for bad in [(0.1, 0.0, 10000), (0.1, 6.0, 0), (-0.1, 6.0, 10000)]:
+        with pytest.raises(ValueError, match="init_kl_coef >= 0, target > 0, horizon > 0"):
+            AdaptiveKLController(*bad)
+    # a step of 5 horizons or more: a KL under target scales beta by 1 - 0.2 n / horizon <= 0, and a negative beta
+    # rewards the KL (it was taken); just under, beta shrinks and stays positive
+    c = AdaptiveKLController(0.1, 6.0, 100)
+    assert c.update(0.0, 499) == pytest.approx(0.1 * (1 - 0.2 * 4.99), rel=1e-12) and c.value > 0
+    with pytest.raises(ValueError, match="n_steps 500 must be under 5 x the horizon 100"):
+        c.update(0.0, 500)
 
 
 def test_fixed_kl_controller():
@@ -5474,6 +5511,9 @@ def test_fixed_kl_controller():
     c2 = FixedKLController(0.3)
     c2.load_state_dict(c.state_dict())
     assert c2.value == 0.05 and type(c.state_dict()["value"]) is float
+    assert FixedKLController(0.0).value == 0.0
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        FixedKLController(-0.01)
 
 
 # ==================================================================================================
@@ -6015,6 +6055,66 @@ def test_nan_in_masked_slots_changes_nothing(tiny_run, group):
         assert torch.equal(g1[k], g2[k]), k
 
 
+def test_forwards_score_each_token_from_the_prefix_before_it(tiny_run):
+    # against plain forwards of each prefix, no labels: policy_forward's logp, entropy, ref_logp and exact KL at
+    # response column t, and value_forward's value there, are those at the last token of the row's prompt and first
+    # t response tokens (the state before token t); ptx_loss is the NLL of each response token given all before it,
+    # over n_tokens, times the world size. Ragged prompts (left padding) and responses.
+    import ppo
+
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    batch, T = fake_batch(64, B=4, P=5, R=5, seed=3), 0.8
+    with torch.no_grad():
+        pol, values = ppo.policy_forward(actor, batch, T, ref=ref), ppo.value_forward(critic, batch)
+        for b, t in batch["response_mask"].nonzero().tolist():
+            row = [batch[k][b : b + 1, : batch["P"] + t] for k in ("tokens", "attention_mask", "position_ids")]
+            logq, logr = (torch.log_softmax(m(*row)[0, -1].double() / T, -1) for m in (actor, ref))
+            token = batch["tokens"][b, batch["P"] + t]
+            want = dict(logp=logq[token], ref_logp=logr[token], entropy=-(logq.exp() * logq).sum(),
+                        kl=(logq.exp() * (logq - logr)).sum())
+            for k, v in want.items():
+                assert pol[k][b, t].item() == pytest.approx(v.item(), rel=1e-4, abs=1e-5), (k, b, t)
+            assert values[b, t].item() == pytest.approx(critic(*row)[0, -1].item(), rel=1e-4, abs=1e-5)
+        pairs = fake_ptx_pairs(64, n=4)
+        nll = 0.0
+        for p, r in pairs:
+            logq = torch.log_softmax(actor(torch.tensor([p + r]))[0].double(), -1)  # temperature 1
+            nll -= sum(logq[len(p) + i - 1, x].item() for i, x in enumerate(r))
+        n = sum(len(r) for _, r in pairs) + 3  # the batch's tokens over all ranks: more than this rank's
+        assert ppo.ptx_loss(actor, pairs, n, 2, "cpu").item() == pytest.approx(2 * nll / n, rel=1e-5)
+
+
+def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(tiny_run):
+    # ppo.update's optimizer step: SGD at lr 1 moves each weight by minus the gradient of the micro-batches' losses plus
+    # ptx_coef x the ptx loss (loss_and_grads' accumulation, no clipping); a NaN in a response token's advantage makes
+    # the gradient NaN, and that update is skipped: no weight moves, and no gradient is left for the next
+    import ppo
+
+    cfg = ppo.Config(**{**LOSS_CFG, "max_grad_norm": 1e9})
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    batch, pairs = fake_batch(64), fake_ptx_pairs(64)
+    ptx, n = (pairs, sum(len(r) for _, r in pairs)), batch["response_mask"].sum().item()
+    _, grads = loss_and_grads(actor, critic, batch, cfg, micro=2, ref=ref, ptx=ptx)
+    m, models = dict(actor=actor, critic=critic, ref=ref), (("actor.", actor), ("critic.", critic))
+    for name in ("actor", "critic"):
+        m[name + "_opt"] = torch.optim.SGD(m[name].parameters(), lr=1.0)
+        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lambda step: 1.0)
+    run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
+    weights = lambda: {p + k: w.detach().clone() for p, mod in models for k, w in mod.named_parameters()}  # noqa: E731
+    before = weights()
+    assert not ppo.update(m, batch, torch.arange(6), n, cfg, run, ptx)["skipped"]
+    after = weights()
+    for k, w in after.items():
+        assert torch.allclose(w, before[k] - grads[k], rtol=1e-5, atol=1e-7), k
+    assert any(grads[k].abs().max() > 0 for k in grads if k.startswith("actor."))
+    nan_adv = batch["adv"].clone()
+    nan_adv[0, 0] = float("nan")  # column 0 is a response token of every row
+    out = ppo.update(m, dict(batch, adv=nan_adv), torch.arange(6), n, cfg, run, ptx)
+    assert out["skipped"] and not torch.isfinite(out["norms"]).all()
+    assert all(torch.equal(w, after[k]) for k, w in weights().items())
+    assert all(w.grad is None for _, mod in models for w in mod.parameters())
+
+
 @slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
@@ -6112,6 +6212,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     assert st["value_loss"].item() == pytest.approx(sum(vf), rel=1e-6)
     assert st["clipfrac"].item() == 2 and st["vf_clipfrac"].item() == 2  # tokens where the clipped term won
     assert st["entropy"].item() == pytest.approx(7.5) and st["ratio"].item() == pytest.approx(5.6, rel=1e-6)
+    assert st["ratio_sq"].item() == pytest.approx(sum(r * r for r in ratio[0].tolist()), rel=1e-6)  # val/ratio_var
     assert st["approxkl"].item() == pytest.approx(sum(0.5 * math.log(r) ** 2 for r in ratio[0].tolist()), rel=1e-5)
     (actor_loss + critic_loss).backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg + [0.0]) * scale, rtol=1e-5, atol=1e-7)
@@ -6130,6 +6231,18 @@ def test_ppo_losses_hand_computed(monkeypatch):
     a1.backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor([x * y for x, y in zip(w, g_pg)] + [0.0]) * scale,
                                rtol=1e-5, atol=1e-7)
+    # the KL loss (--kl_loss_coef): + coef x the exact per-token KL, whose gradient is coef x scale on each token;
+    # policy_forward gets the reference only then
+    kl, refs = torch.tensor([[0.5, 0.0, 2.0, 0.25, 1.0, nan]], requires_grad=True), []
+    monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: refs.append(ref) or dict(
+        logp=logp, entropy=entropy, kl=kl))
+    kl_cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1, kl_loss_coef=0.5)
+    a2, _, _ = ppo.ppo_losses(None, critic, mb, kl_cfg, n_tokens=10, world=2, ref="ref")
+    assert a2.item() == pytest.approx((sum(pg) - 0.1 * 7.5 + 0.5 * 3.75) * scale, rel=1e-6)
+    a2.backward()
+    torch.testing.assert_close(kl.grad[0], torch.tensor([0.5] * 5 + [0.0]) * scale, rtol=1e-6, atol=0)
+    ppo.ppo_losses(None, critic, mb, cfg, n_tokens=10, world=2, ref="ref")
+    assert refs == ["ref", None]
 
     # the dual clip binding: A = -1, r = 5: max(5, 0.8) = 5, above -c A = 3, so 3 with gradient 0
     logp1 = torch.tensor([[math.log(5.0)]], requires_grad=True)
@@ -6844,7 +6957,9 @@ def test_finite_mean_drops_nan_and_inf():
 
 def hand_step(plant=False, same_returns=False):
     """step_metrics of a step whose metrics are worked out by hand (test_step_metrics_hand_computed): responses of 3,
-    1 and 2 tokens (6 in all), rows 0 and 2 ended; plant: NaN and inf in every tensor's slots off the mask."""
+    1 and 2 tokens (6 in all), rows 0 and 2 ended (row 1's score replaced by a non-stop penalty of -1); three updates
+    of 3 tokens, the second skipped, whose per-token means are 1, 2 and 3 times the key's place in `sums` (1 to 9);
+    plant: NaN and inf in every tensor's slots off the mask."""
     from metrics import step_metrics
 
     nan, inf = float("nan"), float("inf")
@@ -6857,24 +6972,26 @@ def hand_step(plant=False, same_returns=False):
     values = torch.tensor([[1.0, 2, 3], [3, 0, 0], [1, 2, 0]])  # residuals 0, 0, 0, 1, -1, 0: variance 2 / 5
     if same_returns:
         ret = torch.where(mask, 2.0, 0.0)
-    sc = dict(score=torch.tensor([1.0, 2.0, 3.0]), old_logp=old, ref_logp=zeros.clone(), kl_exact=zeros.clone(),
-              entropy=torch.where(mask, 0.5, 0.0), values=values, slots=8, pad=2)
+    sc = dict(score=torch.tensor([1.0, 2.0, 3.0]), old_logp=old, ref_logp=zeros.clone(), kl_exact=torch.where(mask, 0.2, 0.0),
+              entropy=torch.tensor([[0.5, 1.0, 1.5], [2.0, 0, 0], [0.5, 0.5, 0]]), values=values, slots=8, pad=2)
     sampler = zeros.clone()
+    sampler[2, 0] = 0.5  # r = exp(-0.5) there: sampler_logp above old_logp
     if plant:
         for x in (sc["old_logp"], sc["ref_logp"], sc["kl_exact"], sc["entropy"], sc["values"], sampler, kl, ret):
             x[~mask] = nan
         sc["entropy"][1, 2] = inf
 
-    def update(norm):
-        sums = {k: torch.tensor(0.0, dtype=torch.float64) for k in ("policy_loss", "entropy", "approxkl", "clipfrac",
-                                                                     "ratio", "ratio_sq", "value_loss", "vf_clipfrac")}
+    def update(norm, times):
+        keys = ("policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac", "ptx")
+        sums = {k: torch.tensor(3.0 * times * (i + 1), dtype=torch.float64) for i, k in enumerate(keys)}
         return dict(sums=sums, n_tokens=3, norms=torch.tensor([norm], dtype=torch.float64),
                     skipped=not math.isfinite(norm), slots=[6, 3])
 
     cfg = types.SimpleNamespace(is_correction="tis", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
-    return step_metrics(mask, sc, sc["score"], kl, torch.where(mask, -0.1 * kl, 0.0), ret,
-                        torch.tensor([True, False, True]), sampler, [update(1.0), update(inf), update(3.0)], 0.1, 3,
-                        ("actor",), cfg)
+    used = torch.tensor([1.0, -1.0, 3.0])
+    rewards = torch.where(mask, -0.1 * kl, 0.0) + gae.score_on_last_token(used, mask)
+    return step_metrics(mask, sc, used, kl, rewards, ret, torch.tensor([True, False, True]), sampler,
+                        [update(1.0, 1), update(inf, 2), update(3.0, 3)], 0.1, 3, ("actor",), cfg)
 
 
 def test_step_metrics_hand_computed():
@@ -6884,8 +7001,20 @@ def test_step_metrics_hand_computed():
     assert out["val/stop_rate"] == pytest.approx(2 / 3)
     assert out["val/response_length"] == pytest.approx(2.0)  # 6 tokens over 3 responses, EOS included
     assert out["val/explained_var"] == pytest.approx(1 - 0.4 / 2.0)  # 1 - Var(ret - values) / Var(ret)
-    assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4)) / 6)  # r - 1 - log r at r = 4, per token
-    assert out["val/is_weight_mean"] == pytest.approx(7 / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
+    r = math.exp(-0.5)  # r - 1 - log r at r = 4 and r = exp(-0.5), per token; the weights 2 (4 truncated), r and 1
+    assert out["val/mismatch_k3"] == pytest.approx((4 - 1 - math.log(4) + r - 1 + 0.5) / 6)
+    assert out["val/is_weight_mean"] == pytest.approx((2 + r + 4) / 6) and out["val/is_clipfrac"] == pytest.approx(1 / 6)
+    assert out["val/sampler_logprob_diff"] == pytest.approx((math.log(4) + 0.5) / 6)  # |sampler_logp - old_logp|
+    assert out["objective/scores"] == pytest.approx(2.0) and out["objective/score_used"] == pytest.approx(1.0)
+    d = math.log(4)  # old_logp - ref_logp on one token; the exact KL 0.2 on each
+    for k, want in dict(k1=d, k2=d * d / 2, k3=math.exp(-d) - 1 + d, exact=6 * 0.2).items():
+        assert out[f"objective/kl_{k}"] == pytest.approx(want / 3), k  # summed per response
+    assert out["objective/rlhf_reward"] == pytest.approx((-0.1 * 1.2 + 3.0) / 3)  # the KL penalty and the scores used
+    assert out["objective/entropy"] == pytest.approx(6.0 / 6)
+    avg = dict(zip(["loss/policy_avg", "policy/entropy_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "val/ratio",
+                    None, "loss/value_avg", "val/clipfrac_avg", "loss/ptx_avg"], range(1, 10)))
+    assert {k: out[k] for k in avg if k} == {k: 2.0 * i for k, i in avg.items() if k}  # (1 + 2 + 3) / 3 x the place
+    assert out["val/skipped_updates"] == 1
     assert out["perf/padding_frac"] == pytest.approx((2 + 3 * 3) / (8 + 3 * 6))  # scoring's slots and 3 updates'
     assert out["objective/kl"] == pytest.approx(0.4) and out["objective/non_score_reward"] == pytest.approx(-0.04)
     assert out["val/grad_norm_actor"] == 2.0  # the inf update's norm left out
@@ -7876,6 +8005,7 @@ def test_every_number_is_checked_against_its_range():
                       ("--reward_model_random_head set without --reward_model", dict(reward_model_random_head=True)),
                       ("--ptx_batch_size set without --ptx_coef", dict(ptx_batch_size=4)),
                       ("--kl_horizon set without --target_kl", dict(kl_horizon=100)),
+                      ("--kl_horizon must be over a step's 32 rows / 5", dict(target_kl=1.0, kl_horizon=6, samples_per_prompt=2)),
                       ("--dtype must be one of ['auto', 'bf16', 'fp32'], not 'fp16'", dict(dtype="fp16")),
                       ("--resume=/no/such/run: no such folder", dict(resume="/no/such/run"))]:
         with pytest.raises(UsageError, match=re.escape(match)):
@@ -7883,6 +8013,7 @@ def test_every_number_is_checked_against_its_range():
     edges = dict(seed=2**32 - 1, gamma=0.0, lam=1.0, lr=0.0, critic_lr=0.0, kl_coef=0.0, score_clip=0.0, save_every=0,
                  ppo_epochs=1, total_steps=1, temperature=1e-3, entropy_coef=-0.01, non_stop_penalty=-1.0)
     ppo.derive(ppo.Config(**edges), 0, 1, cpu)  # the ends of the ranges pass
+    ppo.derive(ppo.Config(target_kl=1.0, kl_horizon=7, samples_per_prompt=2), 0, 1, cpu)  # 35 > 32 rows: beta > 0
     # LoRA's dropout draws from the default generator, which an async worker's compiles rewind (dynamo restores the
     # RNG states it found) and, on CUDA, its CUDA-graph recordings mark as capturing: refused together on a GPU only
     async_dropout = ppo.Config(async_rollout=True, lora_rank=4, lora_dropout=0.1)
