@@ -239,6 +239,14 @@ IS_CORRECTIONS = {
     "seq_mask": _seq_mask,
     "none": lambda log_r, mask, cfg: (torch.ones_like(log_r), torch.zeros_like(mask)),
 }
+IS_SETTINGS = {"tis": ("is_cap",), "icepop": ("is_band",), "seq_mask": ("is_cap", "is_seq_band"), "none": ()}  # each reads
+
+
+def is_settings_unread(mode):
+    """The is_* Config fields mode does not read (ppo.derive refuses them set, as doing nothing); a fork's mode
+    missing from IS_SETTINGS may read any."""
+    every = ("is_cap", "is_band", "is_seq_band")
+    return [k for k in every if k not in IS_SETTINGS.get(mode, every)]
 
 
 def is_weights(old_logp, sampler_logp, mask, cfg):

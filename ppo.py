@@ -64,7 +64,7 @@ from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 final_score, is_weights, masked_sum, shape_rewards)
+                 final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import step_metrics
@@ -241,16 +241,16 @@ def derive(cfg, rank, W, device):
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
     need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
+    for k, (lo, hi) in (("is_band", cfg.is_band), ("is_seq_band", cfg.is_seq_band)):
+        need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
                            (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
                             "with --reward_model, which scores in place of a reward function"),
                            (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
-                           (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl")):
+                           (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+                           (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}")):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
-    for k in ("is_band", "is_seq_band"):
-        lo, hi = getattr(cfg, k)
-        need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
     need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows, f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),

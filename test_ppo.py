@@ -7832,9 +7832,20 @@ def test_importance_weight_flags_are_checked():
                        dict(is_correction="is")),
                       ("--is_cap must be > 0, not 0.0", dict(is_cap=0)),
                       ("--is_band must be lo,hi with 0 <= lo <= hi, not 5.0,0.5", dict(is_band=(5, 0.5))),
-                      ("--is_seq_band must be lo,hi with 0 <= lo <= hi, not 1.01,0.99", dict(is_seq_band=(1.01, 0.99)))]:
+                      ("--is_seq_band must be lo,hi with 0 <= lo <= hi, not 1.01,0.99", dict(is_seq_band=(1.01, 0.99))),
+                      # a setting the mode does not read was taken silently
+                      ("--is_band set with --is_correction=tis, so it would do nothing", dict(is_band=(0.4, 4))),
+                      ("--is_cap, --is_seq_band set with --is_correction=icepop, so they would do nothing",
+                       dict(is_correction="icepop", is_cap=3, is_seq_band=(0.9, 1.1))),
+                      ("--is_cap set with --is_correction=none", dict(is_correction="none", is_cap=3)),
+                      ("--is_band set with --is_correction=seq_mask", dict(is_correction="seq_mask", is_band=(0.4, 4)))]:
         with pytest.raises(UsageError, match=re.escape(match)):
             ppo.derive(ppo.Config(**kw), 0, 1, cpu)
+    assert set(gae.IS_SETTINGS) == set(gae.IS_CORRECTIONS)
+    for kw in (dict(is_cap=3), dict(is_correction="icepop", is_band=(0.4, 4)),
+               dict(is_correction="seq_mask", is_cap=3, is_seq_band=(0.9, 1.1))):
+        ppo.derive(ppo.Config(**kw), 0, 1, cpu)  # each mode's own settings
+    assert gae.is_settings_unread("a_forks_mode") == []  # not in IS_SETTINGS: it may read any
     assert ppo.Config(is_band=[1, 2]).is_band == (1.0, 2.0)  # what fire hands over for --is_band=[1,2]
     with pytest.raises(ValueError, match=re.escape("--is_seq_band=(0.9,): expected tuple of two numbers")):
         ppo.Config(is_seq_band=0.9)
