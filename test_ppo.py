@@ -8492,6 +8492,110 @@ print("SERVER", json.dumps(server))
     assert [scores[r["step"]] for r in read_metrics(tmp_path / "run") if "eval/score" in r] == [scores[s] for s in range(4)]
 
 
+def test_evaluation_is_due_before_the_first_step_every_eval_every_steps_and_after_the_last():
+    from evaluate import due
+
+    cfg = lambda every, total: types.SimpleNamespace(eval_every=every, total_steps=total)  # noqa: E731
+    assert [s for s in range(12) if due(s, cfg(3, 10))] == [0, 3, 6, 9, 10]
+    assert [s for s in range(12) if due(s, cfg(0, 7))] == [0, 7]
+    assert [s for s in range(12) if due(s, cfg(4, 8))] == [0, 4, 8]
+    assert [s for s in range(12) if due(s, cfg(20, 5))] == [0, 5]
+
+
+@pytest.mark.parametrize("kl_estimator, absolute, reward_fn", [("k1", False, False), ("k1", True, True),
+                                                                ("k3", False, False), ("exact", False, True)])
+def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_estimator, absolute, reward_fn):
+    # evaluate() with stand-ins for the models, generate, score_batch and the ranks' gather and sum: E = 5 prompts on
+    # W = 4 ranks (shares of 2: the third's padded with a copy of the last prompt, the fourth's padding alone), ragged
+    # responses, the actor's and reference's logprobs nonzero off the response mask. Each rank refills the copy, then
+    # generates its share at eval_temperature with eval_seeds of its global rows; the gathered rows are the file's,
+    # and eval/kl the per-response sum of the estimate of the actor against the reference, computed here from the
+    # estimators' formulas
+    import evaluate as EV
+
+    E, W, R_, L = 5, 4, 5, [3, 1, 5, 2, 4]
+    g = torch.Generator().manual_seed(0)
+    logp, ref = -3 * torch.rand(E, R_, generator=g), -3 * torch.rand(E, R_, generator=g)
+    exact, scores = torch.rand(E, R_, generator=g), torch.randn(E, generator=g)
+    ended = torch.tensor([True, False, True, False, True])
+    cfg = types.SimpleNamespace(max_new_tokens=R_, eval_temperature=0.3, temperature=0.7, seed=11, max_prompt_len=8,
+                                kl_estimator=kl_estimator, use_absolute_kl=absolute)
+
+    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
+        def __len__(self):
+            return len(self.ids)
+
+    prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)],
+                      records=[{"i": i} for i in range(E)], path="heldout.jsonl")
+    calls = []
+
+    def fake_generate(model, ids, n, temperature, eos_token_id, pad_token_id, seeds, **kw):
+        assert model is m["gen"] and n == R_
+        calls.append(("generate", [i for (i,) in ids], temperature, seeds.tolist()))
+        at = torch.tensor([i - 90 for (i,) in ids])
+        mask = torch.arange(R_) < torch.tensor(L)[at, None]
+        return R.Rollout(tokens=torch.cat([at[:, None] + 90, torch.where(mask, 7, 0)], 1), prompt_len=1,
+                         prompt_mask=torch.ones(len(ids), 1, dtype=torch.bool), response_mask=mask,
+                         logprobs=torch.zeros(len(ids), R_), ended=ended[at], seeds=seeds)
+
+    def fake_score(actor, reference, critic, reward_model, batch, cfg, run, progress):
+        assert (actor, reference, critic, reward_model) == ("actor", "ref", None, m["reward_model"])
+        at = batch["tokens"][:, 0] - 90
+        return dict(old_logp=logp[at], ref_logp=ref[at], kl_exact=exact[at], score=scores[at])
+
+    def fake_reward(records, texts):  # the scores negated, every call counted an error
+        assert len(records) == len(texts) and texts == [" ".join(["7"] * L[r["i"]]) for r in records]
+        return [-float(scores[r["i"]]) for r in records], len(records)
+
+    class Gathered(Exception):
+        pass
+
+    gathered = {}
+
+    def gather(out, mine):  # the first pass records each rank's rows, the second gathers them
+        if len(gathered) < W:
+            gathered[rank] = mine
+            raise Gathered
+        out[:] = [gathered[r] for r in range(W)]
+
+    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
+    def all_sum(x):  # the reward errors: this rank's real rows (each an error), summed over the ranks
+        assert float(x) == [2, 2, 1, 0][rank]
+        return torch.tensor(float(E), dtype=torch.float64)
+
+    monkeypatch.setattr(EV, "all_sum", all_sum)
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: calls.append(("copy", src))), actor="actor",
+             ref="ref", reward_model=None if reward_fn else "rm")
+    results = []
+    for rank in [*range(W), *range(W)]:
+        run = types.SimpleNamespace(world=W, rank=rank, device=torch.device("cpu"), rollout_micro=2)
+        try:
+            results.append(EV.evaluate(5, dict(episode=40, epoch=1.5), m, prompts, fake_reward if reward_fn else None,
+                                       fake_score, cfg, run, tok, [3], 0, generate=fake_generate))
+        except Gathered:
+            pass
+    shares = [[0, 1], [2, 3], [4, 5], [6, 7]]  # the global rows of each rank; rows 5 to 7 pad with prompt 4
+    want = [item for s in shares for item in (("copy", "actor"), ("generate", [90 + min(i, E - 1) for i in s], 0.3,
+                                                                    R.eval_seeds(11, s).tolist()))]
+    assert calls == want + want
+    d = (logp - ref).double()
+    per_token = {"k1": d.abs() if absolute else d, "k3": torch.expm1(-d) + d, "exact": exact.double()}[kl_estimator]
+    mask = torch.arange(R_) < torch.tensor(L)[:, None]
+    kl = torch.where(mask, per_token, 0).sum(1).tolist()
+    score = [(-1 if reward_fn else 1) * float(s) for s in scores]
+    rows = [dict(prompt=f"p{i}", response=" ".join(["7"] * L[i]), score=score[i], kl=kl[i], length=L[i],
+                 stopped=bool(ended[i])) for i in range(E)]
+    assert len(results) == W
+    for metrics, got in results:
+        assert [{**r, "kl": pytest.approx(r["kl"], rel=1e-5, abs=1e-6)} for r in rows] == got
+        assert {k: v for k, v in metrics.items() if k != "time/eval"} == {
+            "step": 5, "episode": 40, "epoch": 1.5, "eval/score": pytest.approx(statistics.fmean(score), rel=1e-12),
+            "eval/score_std": pytest.approx(statistics.stdev(score), rel=1e-12),
+            "eval/kl": pytest.approx(statistics.fmean(kl), rel=1e-5), "eval/response_length": statistics.fmean(L),
+            "eval/stop_rate": 0.6, **({"eval/reward_errors": E} if reward_fn else {})}
+
+
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
     from reward import sentiment_reward
 
