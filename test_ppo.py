@@ -6579,6 +6579,59 @@ def test_pending_batch_round_trips_through_plain_rows(tiny_run):
         assert a.dtype == b.dtype and torch.equal(a, b), f
 
 
+def test_pending_batch_moves_to_another_rank_count(monkeypatch):
+    # the batch drawn ahead, saved by 2 ranks of 6 rows (Rollouts.state_dict: gathered in global row order) and
+    # loaded by 3 ranks of 4: rank r takes global rows [4 r, 4 r + 4), which straddle the saving ranks' shares, each
+    # row with its prompt, response, logprobs, end, seed (row_seeds of its global row) and prompt index; padding is
+    # the run's pad id (5, not 0), logprobs 0 off the mask
+    import async_rollout as AR
+
+    g, pad, n = torch.Generator().manual_seed(0), 5, 12
+    P = [[10 + i] * (1 + i % 4) for i in range(n)]  # ragged prompts and responses, no token equal to the pad id
+    Rs = [[20 + i] * (1 + (i * 7) % 5) for i in range(n)]
+    logps = [-torch.rand(len(r), generator=g) for r in Rs]
+    seeds = R.row_seeds(3, 9, range(n))
+
+    def drawn(rows):  # a rank's Rollout as generate returns it, built by hand
+        Pw, Rw = max(len(P[i]) for i in rows), max(len(Rs[i]) for i in rows)
+        tokens = torch.full((len(rows), Pw + Rw), pad)
+        pm, rm = torch.zeros(len(rows), Pw, dtype=torch.bool), torch.zeros(len(rows), Rw, dtype=torch.bool)
+        lp = torch.zeros(len(rows), Rw)
+        for b, i in enumerate(rows):
+            tokens[b, Pw - len(P[i]) : Pw], pm[b, Pw - len(P[i]) :] = torch.tensor(P[i]), True
+            tokens[b, Pw : Pw + len(Rs[i])], rm[b, : len(Rs[i])], lp[b, : len(Rs[i])] = torch.tensor(Rs[i]), True, logps[i]
+        return R.Rollout(tokens=tokens, prompt_len=Pw, prompt_mask=pm, response_mask=rm, logprobs=lp,
+                         ended=torch.tensor([i % 3 == 0 for i in rows]), seeds=seeds[rows])
+
+    def rollouts(rank, world):
+        run = types.SimpleNamespace(rank=rank, world=world, local_rows=n // world, device=torch.device("cpu"))
+        return AR.Rollouts({}, None, None, types.SimpleNamespace(), run, [0], pad, None)
+
+    parts = {}
+
+    def gather(out, mine):  # rank r's rows at index r, once every rank has given its own
+        parts[len(parts)] = mine
+        out[:] = [parts.get(r, []) for r in range(len(out))]
+
+    monkeypatch.setattr(AR.dist, "all_gather_object", gather)
+    for rank in (0, 1):
+        saver = rollouts(rank, 2)
+        saver.next = dict(rows=[100 + i for i in range(6 * rank, 6 * rank + 6)], ro=drawn(range(6 * rank, 6 * rank + 6)),
+                          lag=1)
+        state = saver.state_dict()
+    assert state["lag"] == 1 and len(state["rows"]) == n
+    for rank in range(3):
+        loader = rollouts(rank, 3)
+        loader.load_state_dict(state)
+        mine = list(range(4 * rank, 4 * rank + 4))
+        got, want = loader.next["ro"], drawn(mine)
+        assert loader.next["rows"] == [100 + i for i in mine] and loader.next["lag"] == 1
+        assert torch.equal(got.seeds, R.row_seeds(3, 9, mine))
+        for f in ("tokens", "prompt_mask", "response_mask", "logprobs", "ended", "seeds"):
+            a, b = getattr(got, f), getattr(want, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), (rank, f)
+
+
 @needs_cuda
 def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
     # one GPU, bf16, compiled decode (CUDA graphs) on the worker's own stream: the first step is the synchronous
