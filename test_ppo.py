@@ -1547,11 +1547,12 @@ def test_lora_merge_and_adapters_off(tmp_path):
 
 
 def test_lora_initial_adapters_do_not_depend_on_the_shapes_order():
-    # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed; B = 0; the same on every rank count
+    # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed, the A's drawn in their names' order (two
+    # here: with one, a draw in the dict's order passed); B = 0; the same on every rank count
     import lora
 
     shapes = {"model.layers.0.mlp.up_proj.lora_A.weight": (4, 400), "model.layers.0.mlp.up_proj.lora_B.weight": (7, 4),
-              "model.layers.0.mlp.up_proj.weight": (7, 400)}
+              "model.layers.0.mlp.up_proj.weight": (7, 400), "model.layers.0.self_attn.q_proj.lora_A.weight": (4, 9)}
     a = lora.adapter_state(shapes, seed=3)
     b = lora.adapter_state(dict(reversed(list(shapes.items()))), seed=3)
     assert a.keys() == b.keys() == {k for k in shapes if ".lora_" in k}
