@@ -6561,6 +6561,32 @@ def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
     assert isinstance(with_own[0], trees.TreeManagerContainer) and 0 not in trees.local.tree_manager_containers
 
 
+def test_async_worker_threads_and_dynamo_flag_are_put_back():
+    # on a CPU the worker runs CPU_WORKER_THREADS intra-op threads and the main thread keeps its count, as do threads
+    # started later (autograd's, gloo's: they take the last count set); dynamo's nested-trace check is off while the
+    # worker exists and as it was after close (a caller of ppo.main traces after it)
+    import threading
+
+    import async_rollout as AR
+
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world=1, local_rows=1)
+    rollouts = AR.Rollouts({}, None, None, types.SimpleNamespace(async_rollout=True), run, [0], 0, None)
+    threads, before = torch.get_num_threads(), torch._dynamo.config.force_compile_during_fx_trace
+    torch.set_num_threads(2)
+    try:
+        rollouts._start()
+        assert torch._dynamo.config.force_compile_during_fx_trace is True
+        assert rollouts.pool.submit(torch.get_num_threads).result() == AR.CPU_WORKER_THREADS == 1
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start(), t.join()
+        assert torch.get_num_threads() == 2 and later == [2]
+        rollouts.close()
+        assert torch._dynamo.config.force_compile_during_fx_trace == before
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
     # ended at different steps and one that never ended
