@@ -1546,6 +1546,30 @@ def test_lora_merge_and_adapters_off(tmp_path):
         lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0, targets=("q_proj", "qkv")))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_dropout_drops_the_adapters_input_in_graph_building_forwards(dtype):
+    # y = x W^T + b + (alpha / r) dropout(x) A^T B^T: the adapters' input dropped (and scaled by 1 / (1 - p)) with a
+    # mask from the global RNG (what lora.seed_dropout seeds), the base product untouched; without a graph (scoring,
+    # generation) nothing drops
+    import lora
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(13, 7).to(dtype)
+    mod = lora.LoRALinear(base, lora.LoRAConfig(3, 6.0, dropout=0.4))
+    A, B = torch.randn(3, 13, generator=g), torch.randn(7, 3, generator=g)
+    mod.lora_A.weight.data.copy_(A), mod.lora_B.weight.data.copy_(B)
+    x = torch.randn(2, 5, 13, generator=g).to(dtype)
+    torch.manual_seed(7)
+    keep = F.dropout(torch.ones_like(x), 0.4)  # the mask / (1 - p), drawn as the adapter's is
+    assert 0 < (keep == 0).float().mean() < 0.8
+    torch.manual_seed(7)
+    got = mod(x)
+    adapter = lambda a: F.linear(F.linear(a, A.to(dtype)), B.to(dtype)) * 2.0  # noqa: E731
+    assert got.dtype == dtype and torch.equal(got, base(x) + adapter(x * keep))
+    with torch.no_grad():
+        assert torch.equal(mod(x), base(x) + adapter(x))
+
+
 def test_lora_initial_adapters_do_not_depend_on_the_shapes_order():
     # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed, the A's drawn in their names' order (two
     # here: with one, a draw in the dict's order passed); B = 0; the same on every rank count
