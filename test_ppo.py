@@ -6630,6 +6630,34 @@ def test_pending_batch_round_trips_through_plain_rows(tiny_run):
         assert a.dtype == b.dtype and torch.equal(a, b), f
 
 
+def test_pending_batch_is_waited_for_before_it_is_saved(monkeypatch):
+    # a checkpoint right after the next step's batch was launched: state_dict waits for the worker's generation (0.3 s
+    # here) and saves its rows, drawn with that step's keys
+    import async_rollout as AR
+
+    def slow_generate(model, ids, n, seeds, pad_token_id, **kw):
+        time.sleep(0.3)
+        return R.Rollout(tokens=torch.tensor([[i, 7] for (i,) in ids]), prompt_len=1,
+                         prompt_mask=torch.ones(len(ids), 1, dtype=torch.bool),
+                         response_mask=torch.ones(len(ids), 1, dtype=torch.bool), logprobs=-torch.ones(len(ids), 1),
+                         ended=torch.ones(len(ids), dtype=torch.bool), seeds=seeds)
+
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world=1, local_rows=4, rollout_micro=4)
+    cfg = types.SimpleNamespace(async_rollout=True, samples_per_prompt=2, seed=3, max_new_tokens=1, temperature=1.0,
+                                max_prompt_len=4)
+    sampler = types.SimpleNamespace(next_batch=lambda: [5, 2])
+    prompts = types.SimpleNamespace(ids={5: [50], 2: [20]})
+    rollouts = AR.Rollouts({"gen": None}, prompts, sampler, cfg, run, [0], 0, slow_generate)
+    monkeypatch.setattr(AR.dist, "all_gather_object", lambda out, mine: out.__setitem__(0, mine))
+    try:
+        rollouts.next = rollouts._launch(2, lag=1)
+        state = rollouts.state_dict()
+    finally:
+        rollouts.close()
+    assert state["lag"] == 1 and [(r["index"], r["prompt"], r["seed"]) for r in state["rows"]] == [
+        (i, [10 * i], s) for i, s in zip([5, 5, 2, 2], R.row_seeds(3, 2, range(4)).tolist())]
+
+
 def test_pending_batch_moves_to_another_rank_count(monkeypatch):
     # the batch drawn ahead, saved by 2 ranks of 6 rows (Rollouts.state_dict: gathered in global row order) and
     # loaded by 3 ranks of 4: rank r takes global rows [4 r, 4 r + 4), which straddle the saving ranks' shares, each
