@@ -1584,12 +1584,37 @@ def test_lora_merge_and_adapters_off(tmp_path):
         lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0, targets=("q_proj", "qkv")))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_dropout_drops_the_adapters_input_in_graph_building_forwards(dtype):
+    # y = x W^T + b + (alpha / r) dropout(x) A^T B^T: the adapters' input dropped (and scaled by 1 / (1 - p)) with a
+    # mask from the global RNG (what lora.seed_dropout seeds), the base product untouched; without a graph (scoring,
+    # generation) nothing drops
+    import lora
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(13, 7).to(dtype)
+    mod = lora.LoRALinear(base, lora.LoRAConfig(3, 6.0, dropout=0.4))
+    A, B = torch.randn(3, 13, generator=g), torch.randn(7, 3, generator=g)
+    mod.lora_A.weight.data.copy_(A), mod.lora_B.weight.data.copy_(B)
+    x = torch.randn(2, 5, 13, generator=g).to(dtype)
+    torch.manual_seed(7)
+    keep = F.dropout(torch.ones_like(x), 0.4)  # the mask / (1 - p), drawn as the adapter's is
+    assert 0 < (keep == 0).float().mean() < 0.8
+    torch.manual_seed(7)
+    got = mod(x)
+    adapter = lambda a: F.linear(F.linear(a, A.to(dtype)), B.to(dtype)) * 2.0  # noqa: E731
+    assert got.dtype == dtype and torch.equal(got, base(x) + adapter(x * keep))
+    with torch.no_grad():
+        assert torch.equal(mod(x), base(x) + adapter(x))
+
+
 def test_lora_initial_adapters_do_not_depend_on_the_shapes_order():
-    # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed; B = 0; the same on every rank count
+    # A ~ U(-1/sqrt(in), 1/sqrt(in)) from a generator keyed by the seed, the A's drawn in their names' order (two
+    # here: with one, a draw in the dict's order passed); B = 0; the same on every rank count
     import lora
 
     shapes = {"model.layers.0.mlp.up_proj.lora_A.weight": (4, 400), "model.layers.0.mlp.up_proj.lora_B.weight": (7, 4),
-              "model.layers.0.mlp.up_proj.weight": (7, 400)}
+              "model.layers.0.mlp.up_proj.weight": (7, 400), "model.layers.0.self_attn.q_proj.lora_A.weight": (4, 9)}
     a = lora.adapter_state(shapes, seed=3)
     b = lora.adapter_state(dict(reversed(list(shapes.items()))), seed=3)
     assert a.keys() == b.keys() == {k for k in shapes if ".lora_" in k}
@@ -6711,6 +6736,32 @@ def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
     assert isinstance(with_own[0], trees.TreeManagerContainer) and 0 not in trees.local.tree_manager_containers
 
 
+def test_async_worker_threads_and_dynamo_flag_are_put_back():
+    # on a CPU the worker runs CPU_WORKER_THREADS intra-op threads and the main thread keeps its count, as do threads
+    # started later (autograd's, gloo's: they take the last count set); dynamo's nested-trace check is off while the
+    # worker exists and as it was after close (a caller of ppo.main traces after it)
+    import threading
+
+    import async_rollout as AR
+
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world=1, local_rows=1)
+    rollouts = AR.Rollouts({}, None, None, types.SimpleNamespace(async_rollout=True), run, [0], 0, None)
+    threads, before = torch.get_num_threads(), torch._dynamo.config.force_compile_during_fx_trace
+    torch.set_num_threads(2)
+    try:
+        rollouts._start()
+        assert torch._dynamo.config.force_compile_during_fx_trace is True
+        assert rollouts.pool.submit(torch.get_num_threads).result() == AR.CPU_WORKER_THREADS == 1
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start(), t.join()
+        assert torch.get_num_threads() == 2 and later == [2]
+        rollouts.close()
+        assert torch._dynamo.config.force_compile_during_fx_trace == before
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     # what a checkpoint stores of the batch drawn ahead gives back generate's tensors exactly: ragged prompts, rows
     # ended at different steps and one that never ended
@@ -6728,6 +6779,87 @@ def test_pending_batch_round_trips_through_plain_rows(tiny_run):
     for f in ("tokens", "prompt_mask", "response_mask", "logprobs", "ended", "seeds"):
         a, b = getattr(ro, f), getattr(back, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
+def test_pending_batch_is_waited_for_before_it_is_saved(monkeypatch):
+    # a checkpoint right after the next step's batch was launched: state_dict waits for the worker's generation (0.3 s
+    # here) and saves its rows, drawn with that step's keys
+    import async_rollout as AR
+
+    def slow_generate(model, ids, n, seeds, pad_token_id, **kw):
+        time.sleep(0.3)
+        return R.Rollout(tokens=torch.tensor([[i, 7] for (i,) in ids]), prompt_len=1,
+                         prompt_mask=torch.ones(len(ids), 1, dtype=torch.bool),
+                         response_mask=torch.ones(len(ids), 1, dtype=torch.bool), logprobs=-torch.ones(len(ids), 1),
+                         ended=torch.ones(len(ids), dtype=torch.bool), seeds=seeds)
+
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world=1, local_rows=4, rollout_micro=4)
+    cfg = types.SimpleNamespace(async_rollout=True, samples_per_prompt=2, seed=3, max_new_tokens=1, temperature=1.0,
+                                max_prompt_len=4)
+    sampler = types.SimpleNamespace(next_batch=lambda: [5, 2])
+    prompts = types.SimpleNamespace(ids={5: [50], 2: [20]})
+    rollouts = AR.Rollouts({"gen": None}, prompts, sampler, cfg, run, [0], 0, slow_generate)
+    monkeypatch.setattr(AR.dist, "all_gather_object", lambda out, mine: out.__setitem__(0, mine))
+    try:
+        rollouts.next = rollouts._launch(2, lag=1)
+        state = rollouts.state_dict()
+    finally:
+        rollouts.close()
+    assert state["lag"] == 1 and [(r["index"], r["prompt"], r["seed"]) for r in state["rows"]] == [
+        (i, [10 * i], s) for i, s in zip([5, 5, 2, 2], R.row_seeds(3, 2, range(4)).tolist())]
+
+
+def test_pending_batch_moves_to_another_rank_count(monkeypatch):
+    # the batch drawn ahead, saved by 2 ranks of 6 rows (Rollouts.state_dict: gathered in global row order) and
+    # loaded by 3 ranks of 4: rank r takes global rows [4 r, 4 r + 4), which straddle the saving ranks' shares, each
+    # row with its prompt, response, logprobs, end, seed (row_seeds of its global row) and prompt index; padding is
+    # the run's pad id (5, not 0), logprobs 0 off the mask
+    import async_rollout as AR
+
+    g, pad, n = torch.Generator().manual_seed(0), 5, 12
+    P = [[10 + i] * (1 + i % 4) for i in range(n)]  # ragged prompts and responses, no token equal to the pad id
+    Rs = [[20 + i] * (1 + (i * 7) % 5) for i in range(n)]
+    logps = [-torch.rand(len(r), generator=g) for r in Rs]
+    seeds = R.row_seeds(3, 9, range(n))
+
+    def drawn(rows):  # a rank's Rollout as generate returns it, built by hand
+        Pw, Rw = max(len(P[i]) for i in rows), max(len(Rs[i]) for i in rows)
+        tokens = torch.full((len(rows), Pw + Rw), pad)
+        pm, rm = torch.zeros(len(rows), Pw, dtype=torch.bool), torch.zeros(len(rows), Rw, dtype=torch.bool)
+        lp = torch.zeros(len(rows), Rw)
+        for b, i in enumerate(rows):
+            tokens[b, Pw - len(P[i]) : Pw], pm[b, Pw - len(P[i]) :] = torch.tensor(P[i]), True
+            tokens[b, Pw : Pw + len(Rs[i])], rm[b, : len(Rs[i])], lp[b, : len(Rs[i])] = torch.tensor(Rs[i]), True, logps[i]
+        return R.Rollout(tokens=tokens, prompt_len=Pw, prompt_mask=pm, response_mask=rm, logprobs=lp,
+                         ended=torch.tensor([i % 3 == 0 for i in rows]), seeds=seeds[rows])
+
+    def rollouts(rank, world):
+        run = types.SimpleNamespace(rank=rank, world=world, local_rows=n // world, device=torch.device("cpu"))
+        return AR.Rollouts({}, None, None, types.SimpleNamespace(), run, [0], pad, None)
+
+    parts = {}
+
+    def gather(out, mine):  # rank r's rows at index r, once every rank has given its own
+        parts[len(parts)] = mine
+        out[:] = [parts.get(r, []) for r in range(len(out))]
+
+    monkeypatch.setattr(AR.dist, "all_gather_object", gather)
+    for rank in (0, 1):
+        saver = rollouts(rank, 2)
+        saver.next = dict(rows=[100 + i for i in range(6 * rank, 6 * rank + 6)], ro=drawn(range(6 * rank, 6 * rank + 6)),
+                          lag=1)
+        state = saver.state_dict()
+    assert state["lag"] == 1 and len(state["rows"]) == n
+    for rank in range(3):
+        loader = rollouts(rank, 3)
+        loader.load_state_dict(state)
+        mine = list(range(4 * rank, 4 * rank + 4))
+        got, want = loader.next["ro"], drawn(mine)
+        assert loader.next["rows"] == [100 + i for i in mine] and loader.next["lag"] == 1
+        assert torch.equal(got.seeds, R.row_seeds(3, 9, mine))
+        for f in ("tokens", "prompt_mask", "response_mask", "logprobs", "ended", "seeds"):
+            a, b = getattr(got, f), getattr(want, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), (rank, f)
 
 
 @needs_cuda
@@ -8670,6 +8802,110 @@ print("SERVER", json.dumps(server))
     assert evals == [(0, 0), (1, 1), (3, 2), (3, 3)]  # evaluation 2 at wandb's step 3, once; nothing dropped
     scores = {m["eval/step"]: m["eval/score"] for _, m in server["run1"] if "eval/score" in m}
     assert [scores[r["step"]] for r in read_metrics(tmp_path / "run") if "eval/score" in r] == [scores[s] for s in range(4)]
+
+
+def test_evaluation_is_due_before_the_first_step_every_eval_every_steps_and_after_the_last():
+    from evaluate import due
+
+    cfg = lambda every, total: types.SimpleNamespace(eval_every=every, total_steps=total)  # noqa: E731
+    assert [s for s in range(12) if due(s, cfg(3, 10))] == [0, 3, 6, 9, 10]
+    assert [s for s in range(12) if due(s, cfg(0, 7))] == [0, 7]
+    assert [s for s in range(12) if due(s, cfg(4, 8))] == [0, 4, 8]
+    assert [s for s in range(12) if due(s, cfg(20, 5))] == [0, 5]
+
+
+@pytest.mark.parametrize("kl_estimator, absolute, reward_fn", [("k1", False, False), ("k1", True, True),
+                                                                ("k3", False, False), ("exact", False, True)])
+def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_estimator, absolute, reward_fn):
+    # evaluate() with stand-ins for the models, generate, score_batch and the ranks' gather and sum: E = 5 prompts on
+    # W = 4 ranks (shares of 2: the third's padded with a copy of the last prompt, the fourth's padding alone), ragged
+    # responses, the actor's and reference's logprobs nonzero off the response mask. Each rank refills the copy, then
+    # generates its share at eval_temperature with eval_seeds of its global rows; the gathered rows are the file's,
+    # and eval/kl the per-response sum of the estimate of the actor against the reference, computed here from the
+    # estimators' formulas
+    import evaluate as EV
+
+    E, W, R_, L = 5, 4, 5, [3, 1, 5, 2, 4]
+    g = torch.Generator().manual_seed(0)
+    logp, ref = -3 * torch.rand(E, R_, generator=g), -3 * torch.rand(E, R_, generator=g)
+    exact, scores = torch.rand(E, R_, generator=g), torch.randn(E, generator=g)
+    ended = torch.tensor([True, False, True, False, True])
+    cfg = types.SimpleNamespace(max_new_tokens=R_, eval_temperature=0.3, temperature=0.7, seed=11, max_prompt_len=8,
+                                kl_estimator=kl_estimator, use_absolute_kl=absolute)
+
+    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
+        def __len__(self):
+            return len(self.ids)
+
+    prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)],
+                      records=[{"i": i} for i in range(E)], path="heldout.jsonl")
+    calls = []
+
+    def fake_generate(model, ids, n, temperature, eos_token_id, pad_token_id, seeds, **kw):
+        assert model is m["gen"] and n == R_
+        calls.append(("generate", [i for (i,) in ids], temperature, seeds.tolist()))
+        at = torch.tensor([i - 90 for (i,) in ids])
+        mask = torch.arange(R_) < torch.tensor(L)[at, None]
+        return R.Rollout(tokens=torch.cat([at[:, None] + 90, torch.where(mask, 7, 0)], 1), prompt_len=1,
+                         prompt_mask=torch.ones(len(ids), 1, dtype=torch.bool), response_mask=mask,
+                         logprobs=torch.zeros(len(ids), R_), ended=ended[at], seeds=seeds)
+
+    def fake_score(actor, reference, critic, reward_model, batch, cfg, run, progress):
+        assert (actor, reference, critic, reward_model) == ("actor", "ref", None, m["reward_model"])
+        at = batch["tokens"][:, 0] - 90
+        return dict(old_logp=logp[at], ref_logp=ref[at], kl_exact=exact[at], score=scores[at])
+
+    def fake_reward(records, texts):  # the scores negated, every call counted an error
+        assert len(records) == len(texts) and texts == [" ".join(["7"] * L[r["i"]]) for r in records]
+        return [-float(scores[r["i"]]) for r in records], len(records)
+
+    class Gathered(Exception):
+        pass
+
+    gathered = {}
+
+    def gather(out, mine):  # the first pass records each rank's rows, the second gathers them
+        if len(gathered) < W:
+            gathered[rank] = mine
+            raise Gathered
+        out[:] = [gathered[r] for r in range(W)]
+
+    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
+    def all_sum(x):  # the reward errors: this rank's real rows (each an error), summed over the ranks
+        assert float(x) == [2, 2, 1, 0][rank]
+        return torch.tensor(float(E), dtype=torch.float64)
+
+    monkeypatch.setattr(EV, "all_sum", all_sum)
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: calls.append(("copy", src))), actor="actor",
+             ref="ref", reward_model=None if reward_fn else "rm")
+    results = []
+    for rank in [*range(W), *range(W)]:
+        run = types.SimpleNamespace(world=W, rank=rank, device=torch.device("cpu"), rollout_micro=2)
+        try:
+            results.append(EV.evaluate(5, dict(episode=40, epoch=1.5), m, prompts, fake_reward if reward_fn else None,
+                                       fake_score, cfg, run, tok, [3], 0, generate=fake_generate))
+        except Gathered:
+            pass
+    shares = [[0, 1], [2, 3], [4, 5], [6, 7]]  # the global rows of each rank; rows 5 to 7 pad with prompt 4
+    want = [item for s in shares for item in (("copy", "actor"), ("generate", [90 + min(i, E - 1) for i in s], 0.3,
+                                                                    R.eval_seeds(11, s).tolist()))]
+    assert calls == want + want
+    d = (logp - ref).double()
+    per_token = {"k1": d.abs() if absolute else d, "k3": torch.expm1(-d) + d, "exact": exact.double()}[kl_estimator]
+    mask = torch.arange(R_) < torch.tensor(L)[:, None]
+    kl = torch.where(mask, per_token, 0).sum(1).tolist()
+    score = [(-1 if reward_fn else 1) * float(s) for s in scores]
+    rows = [dict(prompt=f"p{i}", response=" ".join(["7"] * L[i]), score=score[i], kl=kl[i], length=L[i],
+                 stopped=bool(ended[i])) for i in range(E)]
+    assert len(results) == W
+    for metrics, got in results:
+        assert [{**r, "kl": pytest.approx(r["kl"], rel=1e-5, abs=1e-6)} for r in rows] == got
+        assert {k: v for k, v in metrics.items() if k != "time/eval"} == {
+            "step": 5, "episode": 40, "epoch": 1.5, "eval/score": pytest.approx(statistics.fmean(score), rel=1e-12),
+            "eval/score_std": pytest.approx(statistics.stdev(score), rel=1e-12),
+            "eval/kl": pytest.approx(statistics.fmean(kl), rel=1e-5), "eval/response_length": statistics.fmean(L),
+            "eval/stop_rate": 0.6, **({"eval/reward_errors": E} if reward_fn else {})}
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
