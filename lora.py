@@ -128,14 +128,14 @@ def adapter_state(shapes, seed):
 @contextlib.contextmanager
 def adapters_off(model):
     """The base model inside the block: every adapter of `model` switched off (restored after)."""
-    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in mods:
+    mods = [(m, m.adapters_on) for m in model.modules() if isinstance(m, LoRALinear)]
+    for m, _ in mods:
         m.adapters_on = False
     try:
         yield model
     finally:
-        for m in mods:
-            m.adapters_on = True
+        for m, on in mods:  # as they were: a nested block leaves them off for the outer one
+            m.adapters_on = on
 
 
 class AdaptersOff:
@@ -151,8 +151,8 @@ class AdaptersOff:
         with adapters_off(self.model):
             if self.head is None:
                 return self.model(idx, attention_mask, position_ids, **kw)
-            x = self.model(idx, attention_mask, position_ids, return_hidden=True)
-            return x.float() @ self.head.weight[0].float()
+            x = self.model(idx, attention_mask, position_ids, **{**kw, "return_hidden": True})
+            return x if kw.get("return_hidden") else x.float() @ self.head.weight[0].float()
 
     @property
     def lm_head_weight(self):

@@ -1571,7 +1571,15 @@ def test_lora_merge_and_adapters_off(tmp_path):
         assert max_diff(gen(idx, mask, pos)[real], model(idx, mask, pos)[real]) < 3e-5  # logits ~ 3
         with lora.adapters_off(model):
             assert torch.equal(model(idx, mask, pos), base(idx, mask, pos))
+            with lora.adapters_off(model):
+                pass
+            assert torch.equal(model(idx, mask, pos), base(idx, mask, pos))  # a nested block left them on
         assert max_diff(gen(idx, mask, pos)[real], model(idx, mask, pos)[real]) < 3e-5  # logits ~ 3
+        # the base read by a frozen head (the reward model standing in as a critic's base); return_hidden was dropped
+        head = torch.nn.Linear(base.config.hidden_size, 1, bias=False)
+        h = base(idx, mask, pos, return_hidden=True)
+        assert torch.equal(lora.AdaptersOff(model, head)(idx, mask, pos, return_hidden=True), h)
+        assert torch.equal(lora.AdaptersOff(model, head)(idx, mask, pos), h.float() @ head.weight[0])
         zero = lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0))  # B = 0
         gen.copy_weights_from(zero)
         assert all(torch.equal(a, b) for a, b in zip(gen.state_dict().values(), base.state_dict().values()))
