@@ -4078,6 +4078,8 @@ def test_bad_arguments(rollout_tiny):
         generate(model, [[3]], 4, temperature=-1.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [[3]], 0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got True"):  # (read as 1 token)
+        generate(model, [[3]], True)
     with pytest.raises(ValueError, match="eos_token_id"):
         generate(model, [[3]], 4, eos_token_id=[2, 500])
     # the vocabulary's bounds themselves: ids in [0, 128)
@@ -4106,6 +4108,9 @@ def test_bad_arguments(rollout_tiny):
     kw = dict(temperature=0.0, pad_token_id=0)
     want = generate(model, [[3, 4], [5]], 4, eos_token_id=[7], **kw)
     got = generate(model, [np.array([3, 4]), [5]], 4, eos_token_id=np.int64(7), **kw)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_mask, want.response_mask)
+    got = generate(model, [[3, 4], [5]], np.int64(4), eos_token_id=[7], micro_batch_size=np.int32(1),
+                   max_prompt_len=np.int64(2), **kw)  # (refused as no ints before)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_mask, want.response_mask)
 
 
@@ -4865,7 +4870,7 @@ def test_prompt_longer_than_max_prompt_len_raises(rollout_tiny):
     prompts = random_prompts([3, 9, 5], seed=32)
     with pytest.raises(ValueError, match=r"prompts\[1\] has 9 tokens, more than max_prompt_len=8"):
         generate(model, prompts, 4, max_prompt_len=8)
-    for bad in (0, -1, 2.0):
+    for bad in (0, -1, 2.0, True):  # (True was read as 1)
         with pytest.raises(ValueError, match="max_prompt_len"):
             generate(model, prompts, 4, max_prompt_len=bad)
         with pytest.raises(ValueError, match="micro_batch_size"):
