@@ -4956,6 +4956,12 @@ def test_compiled_shapes_logic_eagerly(rollout_tiny, monkeypatch):
         assert model.model.layers[0].self_attn.kv_cache.k is cache  # reused: the compiled graphs' buffers
         assert_same_rollout(r2, generate_reference(model, [prompts[i] for i in rows], N, **kw))
         assert [n for n, _ in calls] == expected_compiled_rows([lengths[i] for i in rows], 8, N)
+        calls.clear()  # compact=False: one size, the cache's 8 rows, for a micro-batch of 3 as well (one graph, not 4)
+        three = [prompts[i] for i in rows[:3]]
+        kw.update(seeds=[0] * 3)
+        r3 = generate(model, three, N, compile=True, micro_batch_size=8, max_prompt_len=12, compact=False, **kw)
+        assert_same_rollout(r3, generate_reference(model, three, N, **kw))
+        assert {n for n, _ in calls} == {8}
     finally:
         model.clear_kv_cache()
 
