@@ -203,7 +203,7 @@ def _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, 
     """Validates the sampling arguments; returns (eos ids as a list, pad id, device)."""
     if getattr(model, "head", "lm") != "lm":
         raise ValueError(f"generate needs a model with an LM head, this one has head={model.head!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not (temperature == 0 or temperature >= MIN_TEMPERATURE):
         raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature!r}")
@@ -251,10 +251,10 @@ def _row_seeds(seeds, B, generator, device):
 def _check_sizes(B, P, micro_batch_size, max_prompt_len, prompt_mask):
     """Validates the micro-batch size and the prompt cap against the padded prompts (B, P); -> the micro-batch
     size (B when None)."""
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+    if micro_batch_size is not None and (not is_int(micro_batch_size) or micro_batch_size < 1):
         raise ValueError(f"micro_batch_size must be None or an int >= 1, got {micro_batch_size!r}")
     if max_prompt_len is not None:
-        if not isinstance(max_prompt_len, int) or max_prompt_len < 1:
+        if not is_int(max_prompt_len) or max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be None or an int >= 1, got {max_prompt_len!r}")
         if P > max_prompt_len:
             i = int(prompt_mask.sum(-1).argmax())
