@@ -7624,18 +7624,22 @@ def fake_checkpoint(folder, run_id="r", step=1, files=None):
 
 
 def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
+    import shutil
+
     # after --resume=auto skipped a newer checkpoint that failed to verify, rotation counted it among the newest and
     # removed the one just written and the good one it resumed from (--keep_checkpoints=1: only the corrupt was left)
     root = tmp_path / "checkpoints"
     for k in (1, 2, 3, 4):
         fake_checkpoint(root / f"step-00000{k}", step=k)
     fake_checkpoint(root / "step-000005", run_id="other", step=5)
+    fake_checkpoint(root / "step-000000", run_id="other", step=0)  # another run's, earlier: never removed
     with open(root / "step-000004" / "trainer.pt", "w") as f:
         f.write("x")  # damaged
     with open(root / "step-000002" / "trainer.pt", "w") as f:
         f.write("y")
     C.rotate(str(root / "step-000003"), "r", 1)
-    assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]  # later and another run's: left
+    assert sorted(os.listdir(root)) == ["step-000000", "step-000003", "step-000004", "step-000005"]  # later, other's
+    shutil.rmtree(root / "step-000000")
     for k in (1, 2):
         fake_checkpoint(root / f"step-00000{k}", step=k)
     with open(root / "step-000002" / "trainer.pt", "w") as f:
@@ -7644,6 +7648,114 @@ def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
     assert sorted(os.listdir(root)) == ["step-000001", "step-000002", "step-000003", "step-000004", "step-000005"]
     C.rotate(str(root / "step-000004"), "r", 2)  # the one just written is kept whatever its state
     assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]
+
+
+def test_lr_schedule_by_hand():
+    # warmup (i + 1) / warmup_steps, then the linear decay 1 - i / (optimizer steps of the run): total_steps x
+    # ppo_epochs x minibatches per step (rows // mini_batch_size, rows = prompts x samples_per_prompt)
+    import dataclasses
+
+    import ppo
+
+    cfg = ppo.Config(total_steps=3, ppo_epochs=2, rollout_batch_size=6, samples_per_prompt=2, mini_batch_size=4,
+                     warmup_steps=4, lr_schedule="linear")
+    total = 3 * 2 * (12 // 4)
+    assert [C.lr_lambda(cfg)(i) for i in range(total + 2)] == [min(1.0, (i + 1) / 4) * max(1.0 - i / total, 0.0)
+                                                               for i in range(total + 2)]
+    assert C.lr_lambda(cfg)(0) == 0.25 and C.lr_lambda(cfg)(3) == 1.0 - 3 / 18 and C.lr_lambda(cfg)(total) == 0.0
+    f = C.lr_lambda(dataclasses.replace(cfg, lr_schedule="constant"))
+    assert [f(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert C.lr_lambda(dataclasses.replace(cfg, warmup_steps=0))(0) == 1.0
+
+
+def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_path):
+    # a round trip through save and load, in process on one rank: the weights, AdamW's moments and step, the
+    # schedulers' positions, the trainer dict and the global RNGs come back bit for bit, and the restored run's next
+    # updates equal the uninterrupted one's. The learning rates are the resuming cfg's at the schedule's position
+    # (warmup and linear decay: a rate without the schedule's factor, or the actor's and critic's swapped, differ).
+    # Saving over an existing step-N replaces it; a rank the saving run did not have is seeded from (seed, step, rank).
+    import dataclasses
+    import random
+
+    import numpy as np
+
+    import ppo
+
+    cfg = ppo.Config(model=tiny_run["policy"], total_steps=2, ppo_epochs=2, rollout_batch_size=8, mini_batch_size=4,
+                     warmup_steps=3, lr_schedule="linear", lr=1e-2, critic_lr=3e-3, weight_decay=0.1, seed=5)
+    run = types.SimpleNamespace(trained=("actor", "critic"))
+
+    def models(seed):
+        torch.manual_seed(seed)
+        m = dict(actor=Transformer.from_pretrained(tiny_run["policy"]),
+                 critic=Transformer.from_pretrained(tiny_run["policy"], head="value"))
+        return C.add_optimizers(m, cfg, run)
+
+    def steps(m, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            for name in run.trained:
+                for p in m[name].parameters():
+                    p.grad = torch.randn(p.shape, generator=g)
+                m[name + "_opt"].step()
+                m[name + "_sched"].step()
+
+    def state(m):
+        out = {}
+        for name in run.trained:
+            out.update({f"{name}.{k}": v.clone() for k, v in m[name].state_dict().items()})
+            for i, (p, s) in enumerate(m[name + "_opt"].state.items()):
+                out.update({f"{name}_opt.{i}.{k}": v.clone() for k, v in s.items()})
+            out[name + "_lr"] = [g["lr"] for g in m[name + "_opt"].param_groups]
+            out[name + "_epoch"] = m[name + "_sched"].last_epoch
+        return out
+
+    def same(a, b):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]), k
+
+    a = models(0)
+    steps(a, 5, seed=1)
+    assert [g["lr"] for g in a["critic_opt"].param_groups] == [3e-3 * 1.0 * (1 - 5 / 8)]  # the rate of optimizer step 5 (0-based)
+    folder = str(tmp_path / "checkpoints" / "step-000001")
+    os.makedirs(tmp_path / "checkpoints")
+    trainer = lambda m: dict(step=1, run_id="r", extra=[1, 2.5],  # noqa: E731
+                             **{f"{n}_sched": m[n + "_sched"].state_dict() for n in run.trained})
+    C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(models(9)), cfg)  # replaced below
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(a), cfg)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001"] and C.verify(folder) is None
+    draws = (random.random(), np.random.rand(), torch.rand(2))
+    saved = state(a)
+
+    b = models(7)
+    random.seed(4), np.random.seed(5), torch.manual_seed(6)
+    stateful = {f"{n}_sched": b[n + "_sched"] for n in run.trained}
+    got = C.load(folder, {n: (b[n], b[n + "_opt"]) for n in run.trained}, cfg, stateful)
+    assert got["extra"] == [1, 2.5] and got["step"] == 1 and got["run_id"] == "r"
+    assert (random.random(), np.random.rand()) == draws[:2] and torch.equal(torch.rand(2), draws[2])
+    same(saved, state(b))
+    steps(a, 3, seed=2)
+    steps(b, 3, seed=2)
+    same(state(a), state(b))
+
+    c = models(8)  # lower rates on resume: the new ones at the schedule's position, then on with the schedule
+    lower = dataclasses.replace(cfg, lr=4e-3, critic_lr=1e-3)
+    stateful = {f"{n}_sched": c[n + "_sched"] for n in run.trained}
+    C.load(folder, {n: (c[n], c[n + "_opt"]) for n in run.trained}, lower, stateful)
+    f = C.lr_lambda(cfg)
+    assert [g["lr"] for g in c["actor_opt"].param_groups] == [4e-3 * f(5)] and c["actor_sched"].get_last_lr() == [4e-3 * f(5)]
+    assert [g["lr"] for g in c["critic_opt"].param_groups] == [1e-3 * f(5)]
+    steps(c, 1, seed=2)
+    assert [g["lr"] for g in c["actor_opt"].param_groups] == [4e-3 * f(6)]
+    assert [g["lr"] for g in c["critic_opt"].param_groups] == [1e-3 * f(6)]
+
+    os.remove(os.path.join(folder, "rng-rank0.pt"))  # as rank 0 of a run with more ranks than the saving run had
+    C.load(folder, {n: (c[n], c[n + "_opt"]) for n in run.trained}, cfg, None)
+    seed = 5 * 1_000_003 + 1 * 1009 + 0
+    assert random.random() == random.Random(seed).random() and np.random.rand() == np.random.RandomState(seed).rand()
+    assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
 
 
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
@@ -7686,6 +7798,31 @@ def test_verify_names_a_folder_of_checkpoints_and_a_malformed_manifest(tmp_path)
         with open(manifest, "w") as f:
             json.dump(dict(run_id="r", step=2, files=files), f)
         assert C.verify(newest).startswith("manifest.json is unreadable"), files  # (--resume=auto skips it)
+
+
+def test_verify_names_a_file_that_differs_from_its_manifest(tmp_path, monkeypatch):
+    # a small file changed in place, its size kept (a flipped byte), is named by its checksum; a large one (a model
+    # shard: sizes only) cut short by its size; a file the manifest lists, gone, by name. A file added after the
+    # manifest was written is not the checkpoint's: not looked at
+    folder = fake_checkpoint(tmp_path / "step-000001")
+    with open(os.path.join(folder, "trainer.pt"), "r+") as f:
+        f.write("T")
+    assert C.verify(folder) == "trainer.pt does not match its checksum"
+    monkeypatch.setattr(C, "HASH_BELOW", 10)  # .metadata (9 bytes) checksummed, trainer.pt and config.json not
+    folder = fake_checkpoint(tmp_path / "step-000002")
+    with open(os.path.join(folder, "manifest.json")) as f:
+        listed = json.load(f)["files"]
+    assert "sha256" in listed[".metadata"] and "sha256" not in listed["trainer.pt"] and len(listed) == 3
+    with open(os.path.join(folder, "config.json"), "r+") as f:
+        f.write("X")  # same size, not checksummed: passes
+    with open(os.path.join(folder, "extra"), "w") as f:
+        f.write("x")
+    assert C.verify(folder) is None
+    with open(os.path.join(folder, "trainer.pt"), "a") as f:
+        f.write("x")
+    assert C.verify(folder) == "trainer.pt has 11 bytes, its manifest says 10"
+    os.remove(os.path.join(folder, ".metadata"))
+    assert C.verify(folder) == ".metadata is missing"
 
 
 def test_going_back_through_a_link_or_a_renamed_copy(tmp_path, monkeypatch):
