@@ -7758,6 +7758,91 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
 
 
+def config_checkpoint(folder, cfg, run_id="r", step=1):
+    """A checkpoint folder that find() and check_config read: cfg's config.json as save() writes it, a manifest."""
+    import dataclasses
+
+    os.makedirs(folder)
+    for name in (".metadata", "trainer.pt"):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(name)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(dataclasses.asdict(cfg), input_sha256=C.input_hashes(cfg), model_sha256=C.model_hashes(cfg),
+                       python_reward_recorded=True), f)
+    C.write_manifest(str(folder), run_id, step)
+    return str(folder)
+
+
+def test_find_takes_the_newest_that_verifies_and_checks_its_config(tmp_path, capsys):
+    # --resume=auto: the newest checkpoint that verifies (a newer damaged one named and skipped), checked against the
+    # config (a changed seed refused, a changed lr resumed); under the linear schedule total_steps is refused;
+    # --resume=PATH takes a checkpoint written before manifests when its files are there
+    import dataclasses
+
+    import ppo
+
+    out = tmp_path / "out"
+    cfg = ppo.Config(out_dir=str(out), resume="auto", lr_schedule="linear", total_steps=4)
+    root = out / "checkpoints"
+    for k in (1, 2, 3):
+        config_checkpoint(root / f"step-00000{k}", cfg, step=k)
+    with open(root / "step-000003" / "trainer.pt", "w") as f:
+        f.write("x")
+    assert C.find(cfg) == str(root / "step-000002")
+    assert f"resume: skipping {root / 'step-000003'}: trainer.pt has 1 bytes" in capsys.readouterr().out
+    assert C.find(dataclasses.replace(cfg, lr=1e-7, log_every=3)) == str(root / "step-000002")
+    with pytest.raises(UsageError, match=re.escape("differences (saved, now): {'seed': (1, 2)}")):
+        C.find(dataclasses.replace(cfg, seed=2))
+    with pytest.raises(UsageError, match="written by a run of total_steps=4, and the linear LR schedule"):
+        C.find(dataclasses.replace(cfg, total_steps=5))
+    os.remove(root / "step-000001" / "manifest.json")  # before manifests: --resume=PATH only
+    assert C.find(dataclasses.replace(cfg, resume=str(root / "step-000001"))) == str(root / "step-000001")
+    assert C.find(dataclasses.replace(cfg, resume="")) is None
+
+
+def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypatch):
+    # the lock: a live holder refused by PID, a dead one's taken over, release removes this run's lock alone; a new run
+    # into a folder with metrics only is refused, the folder as it was; --resume=auto continuing out_dir's own
+    # checkpoint moves nothing (not the run, not a later damaged checkpoint it will replace) and removes step-N.tmp;
+    # --resume=auto that found no checkpoint moves the earlier run aside
+    import socket
+
+    out = tmp_path / "out"
+    os.makedirs(out)
+    with open(out / ".lock", "w") as f:
+        json.dump(dict(pid=os.getppid(), host=socket.gethostname(), since="then"), f)
+    with pytest.raises(C.FolderInUse, match=f"in use by another run: PID {os.getppid()}"):
+        C._claim(str(out), "", False, None)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open(out / ".lock", "w") as f:
+        json.dump(dict(pid=dead.pid, host=socket.gethostname(), since="then"), f)
+    release = C._claim(str(out), "", False, None)
+    with open(out / ".lock") as f:
+        assert json.load(f)["pid"] == os.getpid()
+    with open(out / ".lock", "w") as f:  # another run's now: release leaves it
+        json.dump(dict(pid=dead.pid, host="elsewhere"), f)
+    release()
+    assert os.path.isfile(out / ".lock")
+    os.remove(out / ".lock")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(C.FolderInUse, match=re.escape(f"--out_dir={out} holds an earlier run (metrics.jsonl with 1 steps)")):
+        C._claim(str(out), "", False, None)
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
+    good = fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
+    fake_checkpoint(out / "checkpoints" / "step-000003", step=3)  # (damaged: --resume=auto skipped it)
+    os.makedirs(out / "checkpoints" / "step-000004.tmp")
+    release = C._claim(str(out), "auto", False, good)
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000002", "step-000003"]
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    release()
+    assert not os.path.exists(out / ".lock")
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "T")  # --resume=auto found none to continue: moved aside
+    C._claim(str(out), "auto", False, None)()
+    assert sorted(os.listdir(tmp_path)) == ["out", "out.old-T"] and os.listdir(out) == []
+    assert (tmp_path / "out.old-T" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
     # --resume=out_dir/after-step-2.old-T/checkpoints/step-000004 (set aside by going back) with --overwrite moved
     # out_dir, and the checkpoint with it, aside, then crashed reading it; --resume=.../step-N.tmp (a write cut short)
