@@ -7716,6 +7716,7 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
             assert (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]), k
 
     a = models(0)
+    assert [(g["weight_decay"], g["eps"]) for g in a["actor_opt"].param_groups] == [(0.1, 1e-8)]
     steps(a, 5, seed=1)
     assert [g["lr"] for g in a["critic_opt"].param_groups] == [3e-3 * 1.0 * (1 - 5 / 8)]  # the rate of optimizer step 5 (0-based)
     folder = str(tmp_path / "checkpoints" / "step-000001")
@@ -7923,8 +7924,14 @@ def test_going_back_through_a_link_or_a_renamed_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(C.time, "strftime", lambda fmt: "T")
     C._set_aside_later_steps(str(tmp_path / "out"), str(root / "step-000002-keep"))
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoints"]
+    samples = tmp_path / "out" / "samples"  # an evaluation's rows after the step moved, the step's own kept
+    os.makedirs(samples)
+    for n in ("step-000002.jsonl", "step-000004.jsonl", "train.jsonl"):
+        (samples / n).write_text(n)
     C._set_aside_later_steps(str(tmp_path / "out"), str(root / "good") + os.sep)
     assert os.listdir(tmp_path / "out" / "after-step-2.old-T" / "checkpoints") == ["step-000004"]
+    assert sorted(os.listdir(samples)) == ["step-000002.jsonl", "train.jsonl"]
+    assert sorted(os.listdir(tmp_path / "out" / "after-step-2.old-T" / "samples")) == ["step-000004.jsonl", "train.jsonl"]
 
 
 def test_reward_functions_are_recorded_by_name():
@@ -8216,6 +8223,8 @@ def test_resume_compares_models_by_their_files(tmp_path, monkeypatch):
             f.write(bytes([byte[0] ^ 1]))
         assert (C.model_fingerprint(a) != before) == seen
         before = C.model_fingerprint(a)
+    os.rename(os.path.join(a, "config.json"), os.path.join(a, "config.jsoN"))  # the same bytes under another name
+    assert C.model_fingerprint(a) != before
 
 
 def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
