@@ -80,6 +80,7 @@ STEP_DIR = re.compile(r"step-\d+")
 MANIFEST = "manifest.json"  # written last, in the temporary folder before the rename that commits a checkpoint
 HASH_BELOW = 64 * 2**20  # files under this size are checksummed in the manifest (all but the model shards)
 LOCK = ".lock"  # out_dir/.lock: the PID and host of the run that owns the folder
+TORN_LOCK_S = 10  # seconds after which a lock holding no PID and host is stale (_claim writes them at once)
 # files each rank's shards are written to at once: the default run's 3.2 GB checkpoint took 4.7-5.9 s with one and
 # 3.3-3.6 s with 2 or 4 on a 2-core CPU (the writes wait on the page cache and the final fsync, not on Python)
 WRITE_THREADS = 2
@@ -339,9 +340,12 @@ def _claim(out_dir, resume, overwrite, ckpt):
                 holder = json.load(f)
         except (OSError, ValueError):
             holder = {}
-        if holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()  # an earlier main()
-                                                           or not _alive(holder.get("pid", -1))):  # here, or dead
-            print(f"{out_dir}: taking over the stale lock of PID {holder.get('pid')} (no longer running)", flush=True)
+        # a lock left empty: its run was killed between creating and writing it (or writes it this moment: wait)
+        torn = not holder and time.time() - os.path.getmtime(lock) > TORN_LOCK_S
+        if torn or holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()  # an earlier main()
+                                                                   or not _alive(holder.get("pid", -1))):  # here, or dead
+            whose = "left empty by a killed run" if torn else f"of PID {holder.get('pid')} (no longer running)"
+            print(f"{out_dir}: taking over the stale lock {whose}", flush=True)
             os.remove(lock)
         else:
             raise FolderInUse(f"--out_dir={out_dir} is in use by another run: PID {holder.get('pid')} on host "

@@ -7821,6 +7821,16 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     release = C._claim(str(out), "", False, None)
     with open(out / ".lock") as f:
         assert json.load(f)["pid"] == os.getpid()
+    release()
+    # a lock left empty (a kill between creating and writing it) refused every later run, naming PID None: stale once
+    # older than a moment, in use while it may be being written
+    (out / ".lock").write_text("")
+    with pytest.raises(C.FolderInUse, match="in use by another run: PID None"):
+        C._claim(str(out), "", False, None)
+    os.utime(out / ".lock", (time.time() - C.TORN_LOCK_S - 1,) * 2)
+    release = C._claim(str(out), "", False, None)
+    with open(out / ".lock") as f:
+        assert json.load(f)["pid"] == os.getpid()
     with open(out / ".lock", "w") as f:  # another run's now: release leaves it
         json.dump(dict(pid=dead.pid, host="elsewhere"), f)
     release()
