@@ -137,7 +137,7 @@ class Config:
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
-    lr_schedule: str = "constant"  # constant | linear (decay to 0 at the last optimizer step)
+    lr_schedule: str = "constant"  # constant | linear (decays to 0 after the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
     # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model the critic starts from, are "adapters off"
