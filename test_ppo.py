@@ -101,8 +101,9 @@ def flex_heads(ratio):
     return dict(num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=nh * FLEX_HEAD_DIM)
 
 
-def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
-    """A tiny random checkpoint of `family`, saved with transformers; returns the HF model."""
+def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, random_norms=False, **over):
+    """A tiny random checkpoint of `family`, saved with transformers; returns the HF model. random_norms: the norms'
+    weights (transformers' are ones) and the biases it leaves at zero drawn at random as well."""
     cfg_cls, extra = FAMILIES[family]
     cfg = cfg_cls(**{**TINY, **extra, **over})
     torch.manual_seed(seed)
@@ -112,6 +113,13 @@ def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
             for layer in hf.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(seed)  # the global RNG's draws unchanged
+    with torch.no_grad():
+        for name, p in hf.named_parameters() if random_norms else ():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith(".bias") and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     hf.save_pretrained(folder)
     return hf
 
@@ -127,10 +135,15 @@ def left_padded_batch(V, B=3, T=13, seed=0):
     return idx, mask, pos
 
 
-@pytest.mark.parametrize("family", list(FAMILIES) + ["swish"])
+@pytest.mark.parametrize("family", list(FAMILIES) + ["swish", "biases"])
 def test_logits_match_transformers(tmp_path, family):
-    # "swish": a Llama config naming SiLU by its other name (transformers' ACT2FN maps both to nn.SiLU); refused before
-    hf = make_checkpoint(tmp_path, "llama2", hidden_act="swish") if family == "swish" else make_checkpoint(tmp_path, family)
+    # "swish": a Llama config naming SiLU by its other name (transformers' ACT2FN maps both to nn.SiLU); refused before.
+    # "biases": Llama's attention_bias (q, k, v and o) and mlp_bias. Random norms (transformers' ones hid a norm's
+    # weight dropped, two norms swapped, Qwen3's q_norm and k_norm too) and an rms_norm_eps other than every
+    # family's default of 1e-6 (a config read with the default passed)
+    over = dict(swish=dict(hidden_act="swish"), biases=dict(attention_bias=True, mlp_bias=True)).get(family, {})
+    hf = make_checkpoint(tmp_path, family if family in FAMILIES else "llama2", random_norms=True, rms_norm_eps=0.05,
+                         **over)
     model = Transformer.from_pretrained(str(tmp_path)).eval()
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
@@ -145,6 +158,27 @@ def test_logits_match_transformers(tmp_path, family):
         # hidden states times the head give the logits
         h = model(idx, attention_mask=mask, position_ids=pos, return_hidden=True)
         assert torch.allclose(h @ model.lm_head_weight.T, a, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_transformers_bit_for_bit(dtype):
+    # normalised in float32, rounded to the input's dtype, then scaled in it (LlamaRMSNorm, Qwen3RMSNorm): the logits
+    # tests run float32 alone, where scaling in float32 before the rounding gives the same bits; in bf16 it does not.
+    # Rows of very different scales, one of zeros (eps alone), a wide row of odd length
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for H_, eps in ((37, 1e-6), (576, 1e-5), (16, 0.1)):
+        x = torch.randn(5, 3, H_, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.0])[:, None, None]
+        w = torch.randn(H_, generator=g) * 2
+        ours = M.RMSNorm(H_, eps)
+        ours.weight.data.copy_(w)
+        for ref in (LlamaRMSNorm(H_, eps), Qwen3RMSNorm(H_, eps)):
+            ref.weight.data.copy_(w)
+            with torch.no_grad():
+                got, want = ours.to(dtype)(x.to(dtype)), ref.to(dtype)(x.to(dtype))
+            assert got.dtype == dtype and torch.isfinite(got).all() and torch.equal(got, want), (H_, type(ref))
 
 
 def test_llama3_rope_scaling_is_used(tmp_path):
