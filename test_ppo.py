@@ -4730,6 +4730,7 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
 @pytest.mark.parametrize("shape,out,bias,scale", [
     ((5, 37), 19, True, 1.0),  # odd sizes, a bias
     ((3, 13, 64), 200, False, 1.0),  # (B, T, H) rows of a forward
+    ((2, 5, 37), 19, True, 1.0),  # and with a bias
     ((2, 37), 7, True, 1e15),  # products and sums near float32's largest
     ((4, 9), 11, True, 1e-20),  # and underflowing ones
 ])
@@ -4756,6 +4757,16 @@ def test_onednn_linear_gradients_match_the_float64_ones(monkeypatch, shape, out,
     for got, want, mag, n in zip([y, *grads], exact, ab, k):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert ((got.double() - want).abs() <= mag * n * 2**-23 + 2**-149).all()
+    # one operand trained, the others frozen: its gradient alone, the same bits, and only what it needs saved (a
+    # frozen base layer under LoRA keeps the weight, which it holds anyway, and no copy of its input); a bias alone
+    # (a path that checked only x and the weight ran without autograd: no gradient)
+    for i, keeps in enumerate(([W], [x], []) if bias else ([W], [x])):
+        ops = [t if t is None or k == i else t.detach() for k, t in enumerate((x, W, b))]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y2 = M.linear(*ops)
+        assert torch.equal(torch.autograd.grad(y2, ops[i], gy)[0], grads[i]), i
+        assert [(t.data_ptr(), t.shape) for t in saved] == [(t.data_ptr(), t.shape) for t in keeps], i
     monkeypatch.setattr(M, "CPU_MATMUL", "mkl")  # F.linear's: the same up to rounding
     ref = torch.autograd.grad(F.linear(x, W, b), [t for t in (x, W, b) if t is not None], gy)
     for got, want, mag, n in zip(grads, ref, ab[1:], k[1:]):
