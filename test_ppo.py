@@ -4705,11 +4705,15 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
             z, zs, zb = M.linear(x, W, b), M.linear(strided, W, b), M.linear(*bf)
         calls = 3 if torch.bfloat16 in M.onednn_dtypes() else 2
         assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [calls]
-        with M.decode_products("cpu"):
+        # (oneDNN's bf16 products give F.linear's bits here: the profile tells which ran)
+        with M.decode_products("cpu"), profile(activities=[ProfilerActivity.CPU]) as prof:
             with torch.enable_grad():  # bf16: no autograd on oneDNN's op, F.linear whenever gradients are on
-                assert torch.equal(M.linear(*bf), F.linear(*bf))
+                y = M.linear(bf[0], bf[1].requires_grad_(), bf[2])
+                assert torch.equal(y, F.linear(*bf)) and y.requires_grad
+            bf[1].requires_grad_(False)
             monkeypatch.setattr(M, "onednn_dtypes", lambda: (torch.float32,))  # a CPU without oneDNN's bf16
             assert torch.equal(M.linear(*bf), F.linear(*bf))
+        assert not [e for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"]
         # float32 takes oneDNN outside a generation too (scoring), and with gradients on (training), the same bits
         assert torch.equal(M.linear(x, W, b), z)
         with torch.enable_grad():
