@@ -4863,7 +4863,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
         assert M.decodes_transposed("cpu", torch.float32) is want
         assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
     model = rollout_tiny["qwen2"][0]  # q/k/v biases
-    gen = M.store_transposed(copy.deepcopy(model))
+    gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False))  # frozen, as checkpoint.py builds it
     src = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -4874,7 +4874,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
             gen.copy_weights_from(src)
         plain = src if refill else model
         for (k, p), (k0, p0) in zip(gen.named_parameters(), plain.named_parameters(), strict=True):
-            assert k == k0 and torch.equal(p, p0), k
+            assert k == k0 and torch.equal(p, p0) and not p.requires_grad, k
             if ".layers." in k and k.endswith("proj.weight"):
                 assert p.T.is_contiguous() and not p.is_contiguous(), k
             else:
