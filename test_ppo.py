@@ -649,6 +649,33 @@ def test_value_head_is_float32_in_a_bf16_model(tmp_path):
     assert critic.score.weight.grad.dtype == torch.bfloat16 and critic.score.weight.grad.abs().max() > 0
 
 
+
+def test_fused_head_outputs_are_float32_in_a_bf16_model(tmp_path):
+    # labels: logp, entropy (and with a reference ref_logp and kl) in float32 from the kernels, scattered to (B, T)
+    # with 0 where ignored, whatever the model's dtype: the scatter into a tensor of the model's dtype rounded them to
+    # bf16 (3 significant digits into PPO's ratio) and passed every test (they ran float32)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "pad_token_id": 0})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "policy")
+    model = Transformer.from_pretrained(str(tmp_path / "policy"), dtype=torch.bfloat16).eval()
+    idx, mask, pos = ragged_batch([9, 4, 7], 9)
+    idx = idx.clamp(max=cfg.vocab_size - 1)
+    labels = torch.where(mask.bool(), torch.roll(idx, -1, 1), -100)
+    labels[:, -1] = -100
+    sel = labels != -100
+    with torch.no_grad():
+        h = model(idx, attention_mask=mask, position_ids=pos, return_hidden=True)
+        out = model(idx, attention_mask=mask, position_ids=pos, labels=labels, temperature=0.7)
+        both = model(idx, attention_mask=mask, position_ids=pos, labels=labels, temperature=0.7, ref_hidden=h[sel],
+                     ref_weight=model.lm_head_weight)
+    want = linear_logprob_entropy(h[sel], model.lm_head_weight, labels[sel], 0.7)
+    for k, w in zip(("logp", "entropy"), want):
+        assert out[k].dtype == torch.float32 and out[k].shape == idx.shape and not out[k][~sel].any(), k
+        assert torch.equal(out[k][sel], w), k
+        assert not torch.equal(out[k][sel], w.bfloat16().float()), k  # not rounded to bf16 on the way
+    assert {k: v.dtype for k, v in both.items()} == dict.fromkeys(("logp", "entropy", "ref_logp", "kl"), torch.float32)
+    assert torch.equal(both["ref_logp"][sel], both["logp"][sel]) and not both["kl"][~sel].any()
+
 # -- where the reward model reads its score ---------------------------------------------------
 
 
