@@ -89,6 +89,9 @@ SUPPORTED = {  # model_type -> what differs from Llama
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
+# the config's bias switches each family's transformers class reads; Mistral's and Qwen2's biases are fixed (a
+# config.json's attention_bias or mlp_bias is ignored there, so it must not ask for biases the checkpoint lacks)
+BIAS_FLAGS = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
 
 
 # -----------------------------------------------------------------------------
@@ -152,10 +155,9 @@ class ModelConfig:
             rope_scaling=rope,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)) and mt != "qwen2",
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
             checkpoint_dtype=recorded_dtype(hf),  # read now: transformers' from_config(hf, dtype=) overwrites it
+            **{f: bool(getattr(hf, f, False)) for f in BIAS_FLAGS.get(mt, ())},
             **SUPPORTED[mt],
         )
 

@@ -101,8 +101,9 @@ def flex_heads(ratio):
     return dict(num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=nh * FLEX_HEAD_DIM)
 
 
-def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
-    """A tiny random checkpoint of `family`, saved with transformers; returns the HF model."""
+def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, random_norms=False, **over):
+    """A tiny random checkpoint of `family`, saved with transformers; returns the HF model. random_norms: the norms'
+    weights (transformers' are ones) and the biases it leaves at zero drawn at random as well."""
     cfg_cls, extra = FAMILIES[family]
     cfg = cfg_cls(**{**TINY, **extra, **over})
     torch.manual_seed(seed)
@@ -112,6 +113,13 @@ def make_checkpoint(folder, family, cls=AutoModelForCausalLM, seed=0, **over):
             for layer in hf.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(seed)  # the global RNG's draws unchanged
+    with torch.no_grad():
+        for name, p in hf.named_parameters() if random_norms else ():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith(".bias") and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     hf.save_pretrained(folder)
     return hf
 
@@ -127,10 +135,21 @@ def left_padded_batch(V, B=3, T=13, seed=0):
     return idx, mask, pos
 
 
-@pytest.mark.parametrize("family", list(FAMILIES) + ["swish"])
+BIASES = dict(attention_bias=True, mlp_bias=True)
+VARIANTS = {"swish": ("llama2", dict(hidden_act="swish")), "llama2 biases": ("llama2", BIASES),
+            "qwen3 biases": ("qwen3", BIASES), "mistral biases": ("mistral", BIASES), "qwen2 biases": ("qwen2", BIASES)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + list(VARIANTS))
 def test_logits_match_transformers(tmp_path, family):
-    # "swish": a Llama config naming SiLU by its other name (transformers' ACT2FN maps both to nn.SiLU); refused before
-    hf = make_checkpoint(tmp_path, "llama2", hidden_act="swish") if family == "swish" else make_checkpoint(tmp_path, family)
+    # "swish": a Llama config naming SiLU by its other name (transformers' ACT2FN maps both to nn.SiLU); refused before.
+    # "biases": the config's attention_bias and mlp_bias, which Llama reads (q, k, v and o; the MLP), Qwen3 half of
+    # (attention only), Mistral and Qwen2 not at all (their biases are fixed: such a checkpoint was refused, as
+    # missing the biases the flags asked for). Random norms (transformers' ones hid a norm's weight dropped, two
+    # norms swapped, Qwen3's q_norm and k_norm too) and an rms_norm_eps other than every family's default of 1e-6 (a
+    # config read with the default passed)
+    base, over = VARIANTS.get(family, (family, {}))
+    hf = make_checkpoint(tmp_path, base, random_norms=True, rms_norm_eps=0.05, **over)
     model = Transformer.from_pretrained(str(tmp_path)).eval()
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
@@ -145,6 +164,27 @@ def test_logits_match_transformers(tmp_path, family):
         # hidden states times the head give the logits
         h = model(idx, attention_mask=mask, position_ids=pos, return_hidden=True)
         assert torch.allclose(h @ model.lm_head_weight.T, a, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_transformers_bit_for_bit(dtype):
+    # normalised in float32, rounded to the input's dtype, then scaled in it (LlamaRMSNorm, Qwen3RMSNorm): the logits
+    # tests run float32 alone, where scaling in float32 before the rounding gives the same bits; in bf16 it does not.
+    # Rows of very different scales, one of zeros (eps alone), a wide row of odd length
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for H_, eps in ((37, 1e-6), (576, 1e-5), (16, 0.1)):
+        x = torch.randn(5, 3, H_, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.0])[:, None, None]
+        w = torch.randn(H_, generator=g) * 2
+        ours = M.RMSNorm(H_, eps)
+        ours.weight.data.copy_(w)
+        for ref in (LlamaRMSNorm(H_, eps), Qwen3RMSNorm(H_, eps)):
+            ref.weight.data.copy_(w)
+            with torch.no_grad():
+                got, want = ours.to(dtype)(x.to(dtype)), ref.to(dtype)(x.to(dtype))
+            assert got.dtype == dtype and torch.isfinite(got).all() and torch.equal(got, want), (H_, type(ref))
 
 
 def test_llama3_rope_scaling_is_used(tmp_path):
@@ -608,6 +648,33 @@ def test_value_head_is_float32_in_a_bf16_model(tmp_path):
     v.sum().backward()
     assert critic.score.weight.grad.dtype == torch.bfloat16 and critic.score.weight.grad.abs().max() > 0
 
+
+
+def test_fused_head_outputs_are_float32_in_a_bf16_model(tmp_path):
+    # labels: logp, entropy (and with a reference ref_logp and kl) in float32 from the kernels, scattered to (B, T)
+    # with 0 where ignored, whatever the model's dtype: the scatter into a tensor of the model's dtype rounded them to
+    # bf16 (3 significant digits into PPO's ratio) and passed every test (they ran float32)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**ROLLOUT_TINY, "pad_token_id": 0})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "policy")
+    model = Transformer.from_pretrained(str(tmp_path / "policy"), dtype=torch.bfloat16).eval()
+    idx, mask, pos = ragged_batch([9, 4, 7], 9)
+    idx = idx.clamp(max=cfg.vocab_size - 1)
+    labels = torch.where(mask.bool(), torch.roll(idx, -1, 1), -100)
+    labels[:, -1] = -100
+    sel = labels != -100
+    with torch.no_grad():
+        h = model(idx, attention_mask=mask, position_ids=pos, return_hidden=True)
+        out = model(idx, attention_mask=mask, position_ids=pos, labels=labels, temperature=0.7)
+        both = model(idx, attention_mask=mask, position_ids=pos, labels=labels, temperature=0.7, ref_hidden=h[sel],
+                     ref_weight=model.lm_head_weight)
+    want = linear_logprob_entropy(h[sel], model.lm_head_weight, labels[sel], 0.7)
+    for k, w in zip(("logp", "entropy"), want):
+        assert out[k].dtype == torch.float32 and out[k].shape == idx.shape and not out[k][~sel].any(), k
+        assert torch.equal(out[k][sel], w), k
+        assert not torch.equal(out[k][sel], w.bfloat16().float()), k  # not rounded to bf16 on the way
+    assert {k: v.dtype for k, v in both.items()} == dict.fromkeys(("logp", "entropy", "ref_logp", "kl"), torch.float32)
+    assert torch.equal(both["ref_logp"][sel], both["logp"][sel]) and not both["kl"][~sel].any()
 
 # -- where the reward model reads its score ---------------------------------------------------
 
@@ -4671,11 +4738,15 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
             z, zs, zb = M.linear(x, W, b), M.linear(strided, W, b), M.linear(*bf)
         calls = 3 if torch.bfloat16 in M.onednn_dtypes() else 2
         assert [e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"] == [calls]
-        with M.decode_products("cpu"):
+        # (oneDNN's bf16 products give F.linear's bits here: the profile tells which ran)
+        with M.decode_products("cpu"), profile(activities=[ProfilerActivity.CPU]) as prof:
             with torch.enable_grad():  # bf16: no autograd on oneDNN's op, F.linear whenever gradients are on
-                assert torch.equal(M.linear(*bf), F.linear(*bf))
+                y = M.linear(bf[0], bf[1].requires_grad_(), bf[2])
+                assert torch.equal(y, F.linear(*bf)) and y.requires_grad
+            bf[1].requires_grad_(False)
             monkeypatch.setattr(M, "onednn_dtypes", lambda: (torch.float32,))  # a CPU without oneDNN's bf16
             assert torch.equal(M.linear(*bf), F.linear(*bf))
+        assert not [e for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise"]
         # float32 takes oneDNN outside a generation too (scoring), and with gradients on (training), the same bits
         assert torch.equal(M.linear(x, W, b), z)
         with torch.enable_grad():
@@ -4696,6 +4767,7 @@ def test_onednn_linear_matches_the_float64_product(monkeypatch, shape, out, bias
 @pytest.mark.parametrize("shape,out,bias,scale", [
     ((5, 37), 19, True, 1.0),  # odd sizes, a bias
     ((3, 13, 64), 200, False, 1.0),  # (B, T, H) rows of a forward
+    ((2, 5, 37), 19, True, 1.0),  # and with a bias
     ((2, 37), 7, True, 1e15),  # products and sums near float32's largest
     ((4, 9), 11, True, 1e-20),  # and underflowing ones
 ])
@@ -4722,6 +4794,16 @@ def test_onednn_linear_gradients_match_the_float64_ones(monkeypatch, shape, out,
     for got, want, mag, n in zip([y, *grads], exact, ab, k):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert ((got.double() - want).abs() <= mag * n * 2**-23 + 2**-149).all()
+    # one operand trained, the others frozen: its gradient alone, the same bits, and only what it needs saved (a
+    # frozen base layer under LoRA keeps the weight, which it holds anyway, and no copy of its input); a bias alone
+    # (a path that checked only x and the weight ran without autograd: no gradient)
+    for i, keeps in enumerate(([W], [x], []) if bias else ([W], [x])):
+        ops = [t if t is None or k == i else t.detach() for k, t in enumerate((x, W, b))]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y2 = M.linear(*ops)
+        assert torch.equal(torch.autograd.grad(y2, ops[i], gy)[0], grads[i]), i
+        assert [(t.data_ptr(), t.shape) for t in saved] == [(t.data_ptr(), t.shape) for t in keeps], i
     monkeypatch.setattr(M, "CPU_MATMUL", "mkl")  # F.linear's: the same up to rounding
     ref = torch.autograd.grad(F.linear(x, W, b), [t for t in (x, W, b) if t is not None], gy)
     for got, want, mag, n in zip(grads, ref, ab[1:], k[1:]):
@@ -4814,7 +4896,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
         assert M.decodes_transposed("cpu", torch.float32) is want
         assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
     model = rollout_tiny["qwen2"][0]  # q/k/v biases
-    gen = M.store_transposed(copy.deepcopy(model))
+    gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False))  # frozen, as checkpoint.py builds it
     src = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -4825,7 +4907,7 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
             gen.copy_weights_from(src)
         plain = src if refill else model
         for (k, p), (k0, p0) in zip(gen.named_parameters(), plain.named_parameters(), strict=True):
-            assert k == k0 and torch.equal(p, p0), k
+            assert k == k0 and torch.equal(p, p0) and not p.requires_grad, k
             if ".layers." in k and k.endswith("proj.weight"):
                 assert p.T.is_contiguous() and not p.is_contiguous(), k
             else:
