@@ -69,7 +69,7 @@ from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import step_metrics
 from model import cpu_has_bf16, reward_at_last_token
-from reward import REWARD_FNS, RewardCaller, python_name
+from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, python_name
 from rollout import MIN_TEMPERATURE, generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
                      print0, progress, run_command, setup_distributed)
@@ -215,7 +215,7 @@ def derive(cfg, rank, W, device):
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
-        need(getattr(cfg, k) is None or math.isfinite(getattr(cfg, k)), f"--{k} must be finite, not {getattr(cfg, k)}")
+        need(getattr(cfg, k) is None or abs(getattr(cfg, k)) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
                            is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
                            dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():

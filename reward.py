@@ -214,7 +214,7 @@ class RewardCaller:
                         else:
                             wait = left if wait is None else min(wait, left)
                 if any(r is None for r in results):
-                    cond.wait(wait)
+                    cond.wait(wait if wait is None else min(wait, threading.TIMEOUT_MAX))  # else OverflowError
         return results
 
 

@@ -5711,6 +5711,7 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
     assert one == ([r["w"] * len(t) + 0.5 for r, t in zip(records, responses)], 0)
     assert RewardCaller(scrambled, workers=4)(records, responses) == one  # the same scores, in order
     assert RewardCaller(scrambled, workers=4, timeout=30)(records, responses) == one
+    assert RewardCaller(scrambled, workers=4, timeout=1e12)(records, responses) == one  # past threading.TIMEOUT_MAX
 
     def flaky(record, response):
         if response == "slow":
@@ -8528,8 +8529,9 @@ def test_every_number_is_checked_against_its_range():
                 with pytest.raises(UsageError, match=re.escape(f"--{k} must be {rule}, not {getattr(cfg, k)!r}")):
                     ppo.derive(cfg, 0, 1, cpu)
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
-        with pytest.raises(UsageError, match=re.escape(f"--{k} must be finite")):
-            ppo.derive(ppo.Config(**{k: float("inf")}), 0, 1, cpu)
+        for v in (float("inf"), float("nan"), -1e39):  # 1e39: a score of inf once the scores are float32
+            with pytest.raises(UsageError, match=re.escape(f"--{k} must be finite in float32, not {v}")):
+                ppo.derive(ppo.Config(**{k: v}), 0, 1, cpu)
     for match, kw in [("--prompt_key must not be empty", dict(prompt_key="")),
                       ("--prompt_key and --messages_key must differ", dict(messages_key="prompt")),
                       ("--wandb_project must not be empty", dict(wandb=True, wandb_project=" ")),
