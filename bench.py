@@ -30,6 +30,7 @@ so a run cut short still reports. Tools for runs on random weights (the GPU runb
     python bench.py random_checkpoints FOLDER SHAPE      a tokenizer and random policy / reward model of a shape
     python bench.py word_prompts PATH N LENGTH           N prompts of LENGTH - 1 tokens for that tokenizer
     python bench.py memory_vs_plan OUT_DIR               a finished run's mem/* peaks beside --dry_run's plan
+    python bench.py peak_owners --flags="PPO FLAGS"      CUDA: a run's phase peaks and what holds the memory at each
     python bench.py decode_pool POLICY                   CUDA: the decode graphs' memory pool beside the plan's
 
 ppo_step. The workload: SmolLM2-135M-Instruct (the embedded GGUF), 32 prompts a step, half of them short-answer
@@ -1647,6 +1648,109 @@ def memory_vs_plan(out_dir, gpus=1):
     table.summary()
 
 
+def _phase_mark():  # a 512-byte block whose allocation frames name this function: where a phase ended, in the trace
+    return torch.empty(512, dtype=torch.uint8, device="cuda")
+
+
+def phase_peaks(trace, ends, repo=os.path.dirname(os.path.abspath(__file__))):
+    """The caching allocator's trace (its 'alloc' and 'free_requested' entries, oldest first) cut into phases at
+    the blocks _phase_mark allocated, the nth cut ending phase ends[n] (runtime.phase_end's names; None ends no
+    phase: a step's start) -> [(step, phase, peak bytes, {owner: [bytes, blocks]})], the owners of the blocks live
+    at the phase's largest total. A block's owner: the innermost frame of its allocation in this repository
+    ("file.py:line function") and the innermost frame below it, outside it ("file.py function", FSDP2's
+    all-gather say). Blocks allocated before the trace began are not seen (record from the start)."""
+    def owner(frames):  # frames: innermost first
+        ours = [i for i, f in enumerate(frames) if os.path.abspath(f["filename"]).startswith(repo + os.sep)
+                and "site-packages" not in f["filename"]]
+        if not ours:
+            return "outside this repository"
+        f = frames[ours[0]]
+        below = f" < {os.path.basename(frames[0]['filename'])} {frames[0]['name']}" if ours[0] > 0 else ""
+        return f"{os.path.relpath(f['filename'], repo)}:{f['line']} {f['name']}{below}"
+
+    live, total = {}, 0
+    peaks, best = [], (0, -1)  # per phase: its largest total and the entry index reaching it
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            if any(f["name"] == "_phase_mark" for f in e.get("frames", ())):
+                peaks.append(best)
+                best = (total, i)
+                continue
+            live[e["addr"]] = e
+            total += e["size"]
+            best = max(best, (total, i))
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    if len(peaks) != len(ends):
+        raise ValueError(f"the trace holds {len(peaks)} phase marks, {len(ends)} phases ended: was it cut short "
+                         "(max_entries)?")
+    at = {p[1]: n for n, p in enumerate(peaks) if ends[n] is not None and p[1] >= 0}  # entry index -> phase
+    live, out, step = {}, {}, 0
+    for i, e in enumerate(trace):  # again, keeping the live blocks at each phase's peak
+        if e["action"] == "alloc" and not any(f["name"] == "_phase_mark" for f in e.get("frames", ())):
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+        if i in at:
+            groups = {}
+            for b in live.values():
+                g = groups.setdefault(owner(b.get("frames", ())), [0, 0])
+                g[0], g[1] = g[0] + b["size"], g[1] + 1
+            out[at[i]] = groups
+    result = []
+    for n, (phase, (peak, _)) in enumerate(zip(ends, peaks)):
+        step += phase is None
+        if phase is not None:
+            result.append((step, phase, peak, out.get(n, {})))
+    return result
+
+
+def peak_owners(flags, top=12, snapshot=""):
+    """CUDA: who holds the memory at each phase's peak. Runs ppo.main on `flags` (ppo.py's command line, one
+    string) in this process, its --dry_run=1 plan first, with the caching allocator's history recorded, then per
+    step and phase prints the peak and the `top` owners of the blocks live at it (phase_peaks), largest first:
+    the plan's lines should account for each. snapshot: also write the allocator's pickled snapshot there
+    (pytorch.org/memory_viz draws it)."""
+    import dataclasses
+    import shlex
+
+    from runtime import run_command
+
+    if not torch.cuda.is_available():
+        print("peak_owners: CUDA only (the caching allocator's history)")
+        return
+    cfg = run_command(ppo.Config, lambda c: c, argv=shlex.split(flags))
+    if not isinstance(cfg, ppo.Config):  # a usage error, printed
+        return cfg
+    ppo.main(dataclasses.replace(cfg, dry_run=1))
+    ends, phase_end = [], ppo.phase_end
+
+    def marked(device, peaks, phase):
+        t = phase_end(device, peaks, phase)
+        ends.append(phase)
+        _phase_mark()  # allocated and freed at once: 512 bytes in the trace, outside every phase's peak
+        return t
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=4_000_000)
+    ppo.phase_end = marked
+    try:
+        ppo.main(cfg)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        ppo.phase_end = phase_end
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if snapshot:
+        import pickle
+
+        with open(snapshot, "wb") as f:
+            pickle.dump(snap, f)
+    trace = [e for e in snap["device_traces"][torch.cuda.current_device()] if e["action"] in ("alloc", "free_requested")]
+    for step, phase, peak, owners in phase_peaks(trace, ends):
+        print(f"step {step} {phase}: peak {peak / 2**30:.3f} GiB, held by")
+        for name, (size, blocks) in sorted(owners.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"  {size / 2**30:8.3f} GiB  {blocks:5d} blocks  {name}")
+
+
 def decode_pool(policy, rows=8, max_prompt_len=64, max_new_tokens=64, stop_token_ids=(), seed=0):
     """CUDA: the memory pool that the compiled decode step's CUDA graphs keep once a rollout like PPO's has run
     (`rows` prompts of max_prompt_len - 1 random tokens at a time, temperature 0.7, rows that sample one of
@@ -1695,4 +1799,4 @@ if __name__ == "__main__":
                "scoring_head": scoring_head, "sampler": sampler,
                "attention": attention, "real_shapes": real_shapes,
                "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
-               "decode_pool": decode_pool})
+               "peak_owners": peak_owners, "decode_pool": decode_pool})

@@ -9758,6 +9758,36 @@ def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     assert p.stdout.count("\n| 1 |") == 1 and "no mem/* peaks to compare (CUDA only)" in p.stdout
 
 
+def test_phase_peaks_cuts_the_trace_at_the_marks_and_names_the_owners():
+    # bench.peak_owners' replay of the allocator's trace (CUDA-only to record; its arithmetic here, by hand): the
+    # phases end at the 512-byte marks, a phase's peak is its largest live total (blocks from earlier phases
+    # included), its owners are the live blocks then, by their innermost frame here and the frame below it
+    import bench
+
+    here = lambda line, name: dict(filename=os.path.join(REPO, "model.py"), line=line, name=name)  # noqa: E731
+    fsdp = dict(filename="/x/site-packages/torch/distributed/fsdp/_fsdp_collectives.py", line=1,
+                name="foreach_all_gather")
+    mark = dict(action="alloc", addr=999, size=512, frames=[dict(filename=os.path.join(REPO, "bench.py"), line=1,
+                                                                  name="_phase_mark")])
+    free = lambda addr: dict(action="free_requested", addr=addr)  # noqa: E731
+    alloc = lambda addr, size, *frames: dict(action="alloc", addr=addr, size=size, frames=list(frames))  # noqa: E731
+    trace = [free(7),  # a block from before the trace: not counted
+             mark,  # step 1 starts
+             alloc(1, 100, fsdp, here(10, "forward")), alloc(2, 50, here(20, "head")), free(1),
+             alloc(3, 30, here(20, "head")), mark, free(999),  # rollout: peak 150 (blocks 1 and 2)
+             alloc(4, 500, here(30, "attend")), free(4), alloc(5, 10, dict(filename="/usr/lib/x.py", line=1, name="f")),
+             mark,  # score: peak 580 (2, 3, 4)
+             mark, alloc(6, 5, here(20, "head")), mark]  # step 2; its rollout: peak 95 (2, 3, 5, 6)
+    got = bench.phase_peaks(trace, [None, "rollout", "score", None, "rollout"], repo=REPO)
+    assert [(s, p, peak) for s, p, peak, _ in got] == [(1, "rollout", 150), (1, "score", 580), (2, "rollout", 95)]
+    assert got[0][3] == {"model.py:10 forward < _fsdp_collectives.py foreach_all_gather": [100, 1],
+                         "model.py:20 head": [50, 1]}
+    assert got[1][3] == {"model.py:20 head": [80, 2], "model.py:30 attend": [500, 1]}
+    assert got[2][3] == {"model.py:20 head": [85, 3], "outside this repository": [10, 1]}
+    with pytest.raises(ValueError, match="4 phase marks, 5 phases ended"):
+        bench.phase_peaks(trace[:-1], [None, "rollout", "score", None, "rollout"], repo=REPO)
+
+
 @slow
 def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
     # a LoRA run with a critic that is the reward model plus adapters. Its first minibatch sees the weights that
