@@ -1631,11 +1631,10 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
 def memory_vs_plan(out_dir, gpus=1):
     """A finished run's steps (metrics.jsonl) as real_shapes prints them, with its mem/* peaks (CUDA) against
     --dry_run's plan of its config (its newest checkpoint's config.json) for `gpus` GPUs."""
-    from checkpoint import CHECKPOINT_FILES, STEP_DIR
+    from checkpoint import CHECKPOINT_FILES, step_names
 
     root = os.path.join(out_dir, "checkpoints")
-    done = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)
-                  and all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES))
+    done = [n for n in step_names(root) if all(os.path.isfile(os.path.join(root, n, f)) for f in CHECKPOINT_FILES)]
     if not done:
         raise FileNotFoundError(f"{root}: no complete checkpoint, whose config.json the plan needs")
     with open(os.path.join(root, done[-1], "config.json")) as f:  # the Config, and what save() adds (input_sha256)

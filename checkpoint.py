@@ -262,6 +262,13 @@ def _alive(pid):
     return True
 
 
+def step_names(root):
+    """The step-N folders in root (none if it is not a folder), by N: as text, step-1000000 would come before
+    step-999999 (six digits are only padding)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((n for n in names if STEP_DIR.fullmatch(n)), key=lambda n: int(n.removeprefix("step-")))
+
+
 def _holds_a_run(out_dir):
     """What in out_dir shows a run was started there ("" if nothing)."""
     found = []
@@ -270,7 +277,7 @@ def _holds_a_run(out_dir):
         with open(metrics, "rb") as f:  # lines, whatever bytes a crash or an editor left in them
             found.append(f"metrics.jsonl with {sum(1 for _ in f)} steps")
     root = os.path.join(out_dir, "checkpoints")
-    steps = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n)) if os.path.isdir(root) else []
+    steps = step_names(root)
     if steps:
         found.append(f"checkpoints {', '.join(steps)}")
     found += [f"an exported {d}/" for d in ("actor", "actor-lora") if os.path.isdir(os.path.join(out_dir, d))]
@@ -286,7 +293,7 @@ def _set_aside_later_steps(out_dir, ckpt):
     if not STEP_DIR.fullmatch(name):  # (a copy named otherwise: no step to compare with)
         return
     step, root = int(name.removeprefix("step-")), os.path.join(out_dir, "checkpoints")
-    later = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and int(n.removeprefix("step-")) > step)
+    later = [n for n in step_names(root) if int(n.removeprefix("step-")) > step]
     if not later:
         return
     aside = os.path.join(out_dir, f"after-step-{step}.old-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -465,14 +472,12 @@ def rotate(folder, run_id, keep):
     `keep` that verify are kept, `folder` among them, and the older ones removed. Later ones (one that --resume=auto
     skipped as failing to verify, which the run replaces when it gets there) and another run's are left alone."""
     root, this = os.path.dirname(folder), os.path.basename(folder)
-    ours = sorted(n for n in os.listdir(root) if STEP_DIR.fullmatch(n) and n <= this
-                  and _run_id(os.path.join(root, n)) == run_id)
+    names = step_names(root)
+    ours = [n for n in names[: names.index(this) + 1] if _run_id(os.path.join(root, n)) == run_id]
     good = [n for n in ours if n == this or verify(os.path.join(root, n)) is None]
-    oldest_kept = good[-min(keep, len(good))]
-    for n in ours:
-        if n < oldest_kept:
-            os.replace(os.path.join(root, n), os.path.join(root, n + ".tmp"))  # a removal cut short: claim ends it
-            shutil.rmtree(os.path.join(root, n + ".tmp"))
+    for n in ours[: ours.index(good[-min(keep, len(good))])]:  # older than the oldest kept
+        os.replace(os.path.join(root, n), os.path.join(root, n + ".tmp"))  # a removal cut short: claim ends it
+        shutil.rmtree(os.path.join(root, n + ".tmp"))
 
 
 def _local_bytes(state):
@@ -527,8 +532,7 @@ def verify(folder, legacy_ok=False):
         if glob.glob(os.path.join(folder, "*.safetensors")) and {".metadata", "trainer.pt"} <= set(missing):
             return ("a model folder (the HF export, out_dir/actor?), not a training checkpoint: resume from "
                     "out_dir/checkpoints/step-N or with --resume=auto; an exported model is passed as --model")
-        steps = [os.path.join(d, n) for d in (folder, os.path.join(folder, "checkpoints")) if os.path.isdir(d)
-                 for n in sorted(os.listdir(d)) if STEP_DIR.fullmatch(n)]
+        steps = [os.path.join(d, n) for d in (folder, os.path.join(folder, "checkpoints")) for n in step_names(d)]
         if steps:  # a run's out_dir, or its checkpoints folder
             return (f"not a checkpoint but a folder of them: pass one ({steps[-1]}, the newest), or --resume=auto "
                     "with that run's --out_dir")
@@ -580,8 +584,7 @@ def find(cfg):
         check_config(resume, cfg)
         return resume
     root = os.path.join(cfg.out_dir, "checkpoints")
-    names = sorted((n for n in os.listdir(root) if STEP_DIR.fullmatch(n)), reverse=True) if os.path.isdir(root) else []
-    for n in names:
+    for n in reversed(step_names(root)):
         problem = verify(os.path.join(root, n))
         if problem is None:
             check_config(os.path.join(root, n), cfg)

@@ -7884,6 +7884,23 @@ def test_find_takes_the_newest_that_verifies_and_checks_its_config(tmp_path, cap
     assert C.find(dataclasses.replace(cfg, resume="")) is None
 
 
+def test_step_folders_go_by_their_number_past_six_digits(tmp_path):
+    # step-1000000 is newer than step-999999, which text order puts after it: --resume=auto takes the newest by its
+    # number, and rotation keeps the newest by number
+    import ppo
+
+    out = tmp_path / "out"
+    cfg = ppo.Config(out_dir=str(out), resume="auto")
+    root = out / "checkpoints"
+    for k in (999_998, 1_000_000, 999_999):
+        config_checkpoint(root / f"step-{k:06d}", cfg, step=k)
+    assert C.step_names(str(root)) == ["step-999998", "step-999999", "step-1000000"]
+    assert C.step_names(str(tmp_path / "none")) == []
+    assert C.find(cfg) == str(root / "step-1000000")
+    C.rotate(config_checkpoint(root / "step-1000001", cfg, step=1_000_001), "r", keep=2)
+    assert sorted(os.listdir(root)) == ["step-1000000", "step-1000001"]
+
+
 def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypatch):
     # the lock: a live holder refused by PID, a dead one's taken over, release removes this run's lock alone; a new run
     # into a folder with metrics only is refused, the folder as it was; --resume=auto continuing out_dir's own
