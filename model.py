@@ -798,10 +798,17 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def copy_weights_from(self, src):
         """Copies src's parameters (an FSDP-sharded model: gathered, every rank takes part) into this plain model,
-        with src's LoRA adapters merged into its weights (lora.full_parameters)."""
+        with src's LoRA adapters merged into its weights (lora.full_parameters). Each of this model's parameters
+        must get one (a fork's new parameter on one side only is named, not left stale or dropped)."""
         params = dict(self.named_parameters())
+        left = set(params)
         for name, p in full_parameters(src):
+            if name not in params:
+                raise KeyError(f"copy_weights_from: the source's {name} has no parameter of that name here")
             params[name].copy_(p)
+            left.discard(name)
+        if left:
+            raise KeyError(f"copy_weights_from: {sorted(left)} of this model are not in the source: not refilled")
 
     def save_pretrained(self, folder, tokenizer=None, dtype=None, max_shard_size=None):
         """Writes config.json, the safetensors weights (in the checkpoint's dtype unless `dtype` is given) and

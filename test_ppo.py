@@ -1673,6 +1673,14 @@ def test_lora_merge_and_adapters_off(tmp_path):
         zero = lora.add_adapters(copy.deepcopy(base), lora.LoRAConfig(4, 8.0))  # B = 0
         gen.copy_weights_from(zero)
         assert all(torch.equal(a, b) for a, b in zip(gen.state_dict().values(), base.state_dict().values()))
+        # a parameter on one side only (a fork's addition) is named: not left stale in the copy, nor dropped
+        zero.model.extra = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(KeyError, match="the source's model.extra has no parameter of that name here"):
+            gen.copy_weights_from(zero)
+        gen.model.extra = torch.nn.Parameter(torch.zeros(3))
+        gen.model.more = torch.nn.Parameter(torch.zeros(2))
+        with pytest.raises(KeyError, match=re.escape("['model.more'] of this model are not in the source")):
+            gen.copy_weights_from(zero)
     # dropout: in forwards that build a graph only (scoring and generation see none)
     _, drop = lora_model(tmp_path / "d", "qwen2", dropout=0.5)
     with torch.no_grad():
