@@ -148,6 +148,8 @@ def kl_estimate(logp, ref_logp, kind="k1", kl_exact=None):
         raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
     dtype = _float_dtype(logp, ref_logp)
     if kl_exact is not None:
+        if kl_exact.shape != logp.shape:  # (B, 1) would broadcast, one token's KL on the whole row
+            raise ValueError(f"kl_exact {tuple(kl_exact.shape)} and logp {tuple(logp.shape)} differ in shape")
         kl_exact = kl_exact.to(dtype)
     return KL_ESTIMATORS[kind](logp.to(dtype), ref_logp.to(dtype), kl_exact)
 

@@ -5428,6 +5428,8 @@ def test_exact_kl_estimator_and_final_score():
     assert torch.equal(kl, torch.where(mask, exact, 0.0)) and torch.equal(rewards, -0.2 * kl)
     with pytest.raises(ValueError, match="needs kl_exact"):
         shape_rewards(torch.zeros(3), logp, ref_logp, mask, 0.2, kl_estimator="exact")
+    with pytest.raises(ValueError, match=re.escape("kl_exact (3, 1) and logp (3, 6) differ in shape")):
+        shape_rewards(torch.zeros(3), logp, ref_logp, mask, 0.2, kl_estimator="exact", kl_exact=exact[:, :1])
     # the score a fork gets from final_score is the one shape_rewards puts on the last token
     score, ended = torch.tensor([3.0, -0.5, 9.0]), torch.tensor([True, True, False])
     used = final_score(score, ended, score_clip=2.0, non_stop_penalty=-1.0)
