@@ -332,6 +332,27 @@ def claim(out_dir, resume, overwrite, ckpt):
     return release
 
 
+def _remove_stale(lock, judged, out_dir):
+    """Removes the stale lock `judged` (its os.stat), unless another run taking it over at the same time got there
+    first: the file is moved out of the way in one step (rename), and if it is not the one judged stale (that run's
+    own lock, made since) it is put back and this run refused. Without it, two runs could both take over the
+    same stale lock, the second deleting the first's new one and both writing into out_dir."""
+    grab = f"{lock}.{socket.gethostname()}.{os.getpid()}"
+    try:
+        os.rename(lock, grab)
+    except FileNotFoundError:  # the other run removed it: whichever creates the new lock first (O_EXCL) wins
+        return
+    now = os.stat(grab)
+    if (now.st_ino, now.st_mtime_ns) != (judged.st_ino, judged.st_mtime_ns):
+        try:
+            os.link(grab, lock)
+        except FileExistsError:
+            pass
+        os.remove(grab)
+        raise FolderInUse(f"--out_dir={out_dir} was just taken by another run ({lock})")
+    os.remove(grab)
+
+
 def _claim(out_dir, resume, overwrite, ckpt):
     """Makes this run the owner of out_dir, and returns the function that gives it back. Raises FolderInUse when a
     live run holds out_dir/.lock (its PID and host named), or when out_dir holds an earlier run and this one neither
@@ -341,19 +362,23 @@ def _claim(out_dir, resume, overwrite, ckpt):
     over. Then removes what interrupted writes left (checkpoints/*.tmp, the export's .tmp-* folders) and completes
     an export killed while it replaced the previous one (hf.finish_write)."""
     lock = os.path.join(out_dir, LOCK)
-    if os.path.isfile(lock):
+    try:
+        judged = os.stat(lock)  # the file judged below: a lock made since (another run's) is another file
+    except FileNotFoundError:
+        judged = None
+    if judged is not None:
         try:
             with open(lock) as f:
                 holder = json.load(f)
         except (OSError, ValueError):
             holder = {}
         # a lock left empty: its run was killed between creating and writing it (or writes it this moment: wait)
-        torn = not holder and time.time() - os.path.getmtime(lock) > TORN_LOCK_S
+        torn = not holder and time.time() - judged.st_mtime > TORN_LOCK_S
         if torn or holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()  # an earlier main()
                                                                    or not _alive(holder.get("pid", -1))):  # here, or dead
             whose = "left empty by a killed run" if torn else f"of PID {holder.get('pid')} (no longer running)"
             print(f"{out_dir}: taking over the stale lock {whose}", flush=True)
-            os.remove(lock)
+            _remove_stale(lock, judged, out_dir)
         else:
             raise FolderInUse(f"--out_dir={out_dir} is in use by another run: PID {holder.get('pid')} on host "
                               f"{holder.get('host')}, since {holder.get('since')} ({lock}); wait for it or stop it, "

@@ -7964,6 +7964,41 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     assert (tmp_path / "out.old-T" / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
+    # both judge the lock stale at once: the one that gets there second found the other's new lock in place of the
+    # stale one and deleted it, and both wrote into out_dir; or found no lock left and stopped on FileNotFoundError
+    import socket
+
+    out = tmp_path / "out"
+    os.makedirs(out)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = json.dumps(dict(pid=dead.pid, host=socket.gethostname(), since="then"))
+    other = json.dumps(dict(pid=os.getppid(), host=socket.gethostname(), since="now"))
+
+    def taken_meanwhile(pid):  # while this run judges the lock, the other run replaces it with its own
+        os.remove(out / ".lock")
+        (out / ".lock").write_text(other)
+        return False
+
+    (out / ".lock").write_text(stale)
+    os.utime(out / ".lock", (time.time() - 100,) * 2)  # written long ago (a file made since may reuse its inode)
+    monkeypatch.setattr(C, "_alive", taken_meanwhile)
+    with pytest.raises(C.FolderInUse, match="was just taken by another run"):
+        C._claim(str(out), "", False, None)
+    assert (out / ".lock").read_text() == other and os.listdir(out) == [".lock"]
+
+    def removed_meanwhile(pid):  # the other run removed the stale lock and has not made its own yet
+        os.remove(out / ".lock")
+        return False
+
+    (out / ".lock").write_text(stale)
+    monkeypatch.setattr(C, "_alive", removed_meanwhile)
+    release = C._claim(str(out), "", False, None)
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid() and os.listdir(out) == [".lock"]
+    release()
+
+
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
     # --resume=out_dir/after-step-2.old-T/checkpoints/step-000004 (set aside by going back) with --overwrite moved
     # out_dir, and the checkpoint with it, aside, then crashed reading it; --resume=.../step-N.tmp (a write cut short)
