@@ -46,8 +46,10 @@ def print0(*args, **kwargs):
 
 
 def all_sum(x):
-    """Sums a tensor (or nested list of floats) over ranks in float64; returns it on the CPU."""
-    t = torch.as_tensor(x).double().cpu()
+    """Sums a tensor (or nested list of floats) over ranks in float64; returns a new tensor on the CPU, x untouched
+    (a CPU float64 x was the tensor reduced in place). A list is read as float64: as_tensor's default float32 held
+    check_space's bytes to 24 bits."""
+    t = torch.as_tensor(x, dtype=torch.float64).detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)  # on the CPU: gloo
     return t

@@ -7672,6 +7672,30 @@ shutil.disk_usage = full_after_the_first_save
     assert [r["step"] for r in rows] == [1, 2]
 
 
+def test_check_space_needs_the_bytes_plus_1_percent_and_16_mib(monkeypatch, tmp_path):
+    # 100 MiB * 1.01 + 16 MiB = 122683392 bytes, exactly: that much free is enough, a byte less is not. The folder
+    # is made first (disk_usage of a folder not there yet raised FileNotFoundError)
+    import shutil
+
+    runtime.setup_distributed()  # (a group of one)
+    free = [0]
+    monkeypatch.setattr(runtime.shutil, "disk_usage", lambda path: (os.stat(path), shutil._ntuple_diskusage(0, 0, free[0]))[1])
+    folder = tmp_path / "out" / "checkpoints"
+    for free[0], ok in ((122683392, True), (122683391, False)):
+        try:
+            runtime.check_space(str(folder), 100 * 2**20, "the test")
+        except OSError as e:
+            assert not ok and str(e).startswith(f"not enough disk space for the test in {folder}: it needs about"), e
+        else:
+            assert ok
+    free[0] = 5 * 2**30
+    with pytest.raises(OSError, match=re.escape(f"for the training checkpoint in {folder}: it needs about 10.12 GiB, "
+                                                "5.00 GiB are free; nothing was written and the previous checkpoint "
+                                                "is kept. Free some space (or move --out_dir), then resume with "
+                                                "--resume=auto")):
+        runtime.check_space(str(folder), 10 * 2**30, "the training checkpoint")  # 10.1 GiB + 16 MiB
+
+
 @slow
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_path):
     # --resume=PATH to an earlier checkpoint of out_dir (going back, say, to before a reward bug): the later
@@ -8242,6 +8266,90 @@ def hangs_in_step_2(record, response):
     p = run_script(ppo_script({**args, "total_steps": 2, "resume": "auto"}, setup, reward_fn="hangs_in_step_2"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+def test_stop_signal_flags_once_ignores_the_same_request_and_stops_on_a_second(monkeypatch, capfd):
+    # in process, with a clock of the test's own: the first SIGTERM only sets the flag; a signal less than
+    # SAME_REQUEST_S later is that request arriving twice (torchrun passing scancel's on), ignored; one 2 s or
+    # more later stops the process with 128 + its number. close() puts the handlers back
+    clock, exits = [100.0], []
+
+    def exit_(status):
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(runtime.os, "_exit", exit_)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = runtime.StopSignal()
+    try:
+        assert all(signal.getsignal(s) == stop._handle for s in before)
+        sums = []
+        total = lambda x: sums.append(x) or torch.tensor(x, dtype=torch.float64)  # noqa: E731 -- one rank's sum
+        assert not stop.requested(total) and sums == [[0.0]]
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.received == [signal.SIGTERM] and stop.requested(total) and sums[-1] == [1.0] and not exits
+        clock[0] += stop.SAME_REQUEST_S - 0.01
+        signal.raise_signal(signal.SIGINT)
+        assert stop.received == [signal.SIGTERM] and not exits
+        clock[0] += 0.01  # SAME_REQUEST_S after the first
+        with pytest.raises(SystemExit):
+            signal.raise_signal(signal.SIGINT)
+        assert exits == [128 + signal.SIGINT] and stop.received == [signal.SIGTERM, signal.SIGINT]
+    finally:
+        stop.close()
+        assert {s: signal.getsignal(s) for s in before} == before
+    err = capfd.readouterr().err
+    assert f"signal {signal.SIGTERM}: stopping after the step in flight" in err
+    assert f"signal {signal.SIGINT} again: stopping now" in err
+
+
+def _runtime_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    stop = None
+    try:
+        out = {}
+        x = torch.tensor([[2.0**51 + 1 + rank, 0.5 * (rank + 1)], [-3.0, 0.25 * (rank + 1)]], dtype=torch.float64)
+        kept = x.clone()  # (a CPU float64 tensor: the one all_sum reduced)
+        out["sum"], out["list"] = runtime.all_sum(x), runtime.all_sum([[float(rank), 1.0]])
+        out["x_kept"] = torch.equal(x, kept)
+        # rank 0's free space decides (rank 1's is ignored: one disk); the bytes are the sum over ranks
+        usage = lambda free: lambda path: runtime.shutil._ntuple_diskusage(free, 0, free)  # noqa: E731
+        for free_gib in (8.1, 8.12):  # needs (3 + 5) * 1.01 GiB + 2 * 16 MiB = 8.111 GiB
+            runtime.shutil.disk_usage = usage(int(free_gib * 2**30) if rank == 0 else 2**50)
+            try:
+                runtime.check_space(out_dir, (3 + 2 * rank) * 2**30, "the test")
+                out[free_gib] = None
+            except OSError as e:
+                out[free_gib] = str(e)
+        # a signal on rank 1 alone: both ranks stop at the same step
+        stop = runtime.StopSignal()
+        out["before"] = stop.requested(runtime.all_sum)
+        dist.barrier()
+        if rank == 1:
+            signal.raise_signal(signal.SIGTERM)
+        out["after"], out["received"] = stop.requested(runtime.all_sum), list(stop.received)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if stop is not None:
+            stop.close()
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_sums_free_space_and_a_stop_signal_agree_over_two_ranks(tmp_path):
+    # all_sum in float64 (2**52 + 3, which float32 rounds), without touching a CPU float64 input (reduced in place);
+    # check_space's bytes summed over the ranks against rank 0's free space, raising on every rank; a signal that
+    # reached one rank stops both
+    mp.spawn(_runtime_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    want = torch.tensor([[2.0**52 + 3, 1.5], [-6.0, 0.75]], dtype=torch.float64)
+    msg = (f"not enough disk space for the test in {tmp_path}: it needs about 8.11 GiB, 8.10 GiB are free; nothing "
+           "was written and the previous checkpoint is kept")
+    for r, o in enumerate(outs):
+        assert torch.equal(o["sum"], want) and o["x_kept"] and o["list"].tolist() == [[1.0, 2.0]]
+        assert o[8.1].startswith(msg) and o[8.12] is None, (r, o[8.1])
+        assert (o["before"], o["after"], o["received"]) == (False, True, [signal.SIGTERM] if r == 1 else [])
 
 
 @slow
