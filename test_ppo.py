@@ -8084,6 +8084,136 @@ def test_logger_cuts_back_an_evaluation_the_history_lacks(tmp_path):
     assert C._holds_a_run(str(tmp_path)).startswith("metrics.jsonl with 2 steps")
 
 
+def test_logger_cuts_metrics_and_samples_back_to_the_checkpoints_step(tmp_path, capsys):
+    # resumed at step 2's checkpoint (written before step 2's evaluation): metrics.jsonl keeps the checkpoint's lines
+    # and that evaluation's last line (its rows are in samples/), not the later steps' nor a line a kill cut short;
+    # the evaluation joins the history the caller holds (ppo.main does not evaluate step 2 again) on every rank;
+    # train.jsonl keeps the steps up to 2; a later evaluation's rows go. Other ranks write nothing
+    import ppo
+
+    cfg = ppo.Config(out_dir=str(tmp_path), resume="auto")
+    s1, s2, s3 = ({"step": k, "objective/scores": k / 4} for k in (1, 2, 3))
+    e0, e2, e2b, e3 = ({"step": k, "eval/score": v} for k, v in ((0, 0.1), (2, 0.2), (2, 0.25), (3, 0.3)))
+    samples, train = tmp_path / "samples", [json.dumps({"step": k, "response": "r"}) + "\n" for k in (1, 2, 3)]
+
+    def write(rows_of=(0, 2, 3)):  # the earlier run's files; e2b: step 2 evaluated again (its rows replaced e2's)
+        os.makedirs(samples, exist_ok=True)
+        for n in os.listdir(samples):
+            os.remove(samples / n)
+        (tmp_path / "metrics.jsonl").write_text("".join(runtime.jsonl(m) for m in [e0, s1, s2, e2, e2b, s3, e3])
+                                                + '{"step": 4, "objec')
+        for k in rows_of:
+            (samples / f"step-{k:06d}.jsonl").write_text(f'{{"k": {k}}}\n')
+        (samples / "train.jsonl").write_text("".join(train) + '{"step": 4, "resp')
+        return {p.name: p.read_bytes() for p in [*samples.iterdir(), tmp_path / "metrics.jsonl"]}
+
+    files = write()
+    history = [e0, s1, s2]
+    log = runtime.Logger(cfg, history, False)
+    assert history == [e0, s1, s2, e2b] and log.state()["metrics"] is history
+    assert {p.name: p.read_bytes() for p in [*samples.iterdir(), tmp_path / "metrics.jsonl"]} == files
+    for rows_of, had, kept in (((0, 2, 3), [e0, s1, s2], [e0, s1, s2, e2b]),  # rank 0
+                               ((0, 2, 3), [e0, s1, s2, e2], [e0, s1, s2, e2]),  # the history has it: not twice
+                               ((0, 3), [e0, s1, s2], [e0, s1, s2])):  # killed before its rows: ppo.main evaluates again
+        write(rows_of)
+        history = list(had)
+        log = runtime.Logger(cfg, history, True)
+        assert history == kept and log.state()["metrics"] is history and read_metrics(tmp_path) == kept
+        assert sorted(os.listdir(samples)) == ["step-000000.jsonl"] + ["step-000002.jsonl"] * (2 in rows_of) + ["train.jsonl"]
+        assert (samples / "train.jsonl").read_text() == "".join(train[:2])
+    # whole lines that do not parse (a disk error, an editor): dropped and named with file and line
+    (samples / "train.jsonl").write_text(train[0] + '{"step": 2, "resp\n[2]\n' + train[1] + '{"response": "r"}\n')
+    runtime.Logger(cfg, [e0, s1, s2], True)
+    assert (samples / "train.jsonl").read_text() == "".join(train[:2])
+    out = capsys.readouterr().out
+    assert all(f"{samples / 'train.jsonl'}:{i}: not a JSON object with an integer step: dropped" in out for i in (2, 3, 5))
+    assert ":1:" not in out and ":4:" not in out
+    (samples / "train.jsonl").write_text(train[0] + train[1].rstrip("\n"))  # cut just before its newline: the next
+    runtime.Logger(cfg, [e0, s1, s2], True)  # line appended would join it
+    assert (samples / "train.jsonl").read_text() == train[0]
+
+
+def test_logger_writes_steps_samples_and_evaluations(tmp_path, capsys):
+    # a sample line in train.jsonl every sample_every steps; an evaluation's line in metrics.jsonl and its rows in
+    # samples/step-NNNNNN.jsonl (the name the resume above reads)
+    import ppo
+
+    cfg = ppo.Config(out_dir=str(tmp_path), log_every=100, sample_every=2)
+    log = runtime.Logger(cfg, [], True)
+    for step in (1, 2, 3):
+        log.log({"step": step, "x": float("inf")}, sample=(0.5, "prompt ", f"response {step}"))
+    ev = {"step": 3, "eval/score": 0.5, "eval/score_std": 0.2, "eval/kl": 0.01, "eval/response_length": 4.0,
+          "eval/stop_rate": 1.0, "time/eval": 0.5}
+    rows = [{"prompt": "a", "response": "b", "score": 0.25}, {"prompt": "c", "response": "d", "score": 0.75}]
+    log.log_eval(ev, rows)
+    assert read_metrics(tmp_path) == [{"step": k, "x": None} for k in (1, 2, 3)] + [ev] and log.history[-1] is ev
+    assert [json.loads(line) for line in open(tmp_path / "samples" / "train.jsonl")] == [
+        dict(step=2, prompt="prompt ", response="response 2", score=0.5)]
+    assert [json.loads(line) for line in open(tmp_path / "samples" / "step-000003.jsonl")] == rows
+    assert "eval    3 | score +0.500 +- 0.141 |" in capsys.readouterr().out
+
+
+def test_logger_continues_the_wandb_run_from_its_step(monkeypatch, tmp_path):
+    # resumed (--resume=auto) at step 2 of a wandb run that has steps up to 4 and evaluations up to 2: the same run,
+    # the steps it has not sent again, an evaluation it lacks at wandb's step with its own eval/step, one it has not
+    # sent again. Back to an earlier checkpoint by path (later steps in metrics.jsonl): a new run named after the
+    # step; the latest checkpoint by path continues the run
+    import ppo
+
+    inits, logged, steps = [], [], [None]  # steps: the step wandb.init's run is at
+
+    class Run:
+        def __init__(self, id):
+            self.id, self.step = id or "new", steps[0]
+
+        def log(self, m, step):
+            logged.append((step, m.get("eval/step"), m["step"]))
+            self.step = max(self.step, step)
+
+        def define_metric(self, name, step_metric=None):
+            pass
+
+    def init(mode=None, **kw):
+        inits.append((kw["id"], kw["name"], kw["resume"]))
+        return Run(kw["id"])
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=lambda columns, data: data))
+    out = tmp_path / "run"
+    os.makedirs(out)
+    s = [{"step": k} for k in range(5)]
+    ev = [{"step": k, "eval/score": 0.5, "eval/score_std": 0.0, "eval/kl": 0.0, "eval/response_length": 1.0,
+           "eval/stop_rate": 1.0, "time/eval": 0.1} for k in range(5)]
+    earlier = "".join(runtime.jsonl(m) for m in [ev[0], s[1], s[2], ev[2], s[3], s[4]])
+    for resume, wandb_id, at in (("auto", "abc", 4), (str(out / "checkpoints" / "step-000002"), "new", 0)):
+        (out / "metrics.jsonl").write_text(earlier)
+        logged.clear()
+        steps[0] = at
+        log = runtime.Logger(ppo.Config(out_dir=str(out), wandb=True, log_every=100, resume=resume), [ev[0], s[1], s[2]],
+                             True, wandb_id="abc")
+        assert inits[-1] == (("abc", "run", "allow") if resume == "auto" else (None, "run-from-step-2", None))
+        log.log_eval(ev[2], [{"score": 0.5}])
+        log.log(s[3])
+        log.log_eval(ev[3], [{"score": 0.5}])
+        log.log(s[4])
+        assert log.state()["wandb_id"] == wandb_id
+        assert logged == ([(4, 3, 3), (4, None, 4)] if resume == "auto" else
+                          [(2, 2, 2), (3, None, 3), (3, 3, 3), (4, None, 4)]), resume
+    (out / "metrics.jsonl").write_text("".join(runtime.jsonl(m) for m in [ev[0], s[1], s[2]]))  # the latest, by path
+    runtime.Logger(ppo.Config(out_dir=str(out), wandb=True, resume=str(out / "checkpoints" / "step-000002")),
+                   [ev[0], s[1], s[2]], True, wandb_id="abc")
+    assert inits[-1] == ("abc", "run", "allow")
+
+
+def test_read_jsonl_keeps_the_lines_that_parse_with_a_step(tmp_path):
+    # what a kill, an editor or a disk error leaves: a cut last line, bytes that are not UTF-8, a line that is not
+    # an object or has no integer step
+    path = tmp_path / "metrics.jsonl"
+    assert runtime.read_jsonl(str(path)) == []
+    path.write_bytes(b'{"step": 1, "a": 0.5}\n[1, 2]\n{"a": 1}\n{"step": "2"}\n\n{"step": 3, "s": "\xff\xfe"}\n'
+                     b'{"step": 4, "a": nu')
+    assert runtime.read_jsonl(str(path)) == [{"step": 1, "a": 0.5}, {"step": 3, "s": "\ufffd\ufffd"}]
+
+
 def test_a_skipped_update_leaves_the_step_metrics_finite(tiny_run, tmp_path):
     # the step's grad norms and losses averaged every update, a skipped one's NaN too: metrics.jsonl got a bare NaN
     # (not JSON) and lost the updates that were fine. The finite ones are averaged; a non-finite number is null
