@@ -7205,6 +7205,9 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the second process of a node: its own GPU
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 1)) and chosen == [0, 1]
 
 
 def test_ratio_variance_is_each_minibatchs_own_averaged():
@@ -8649,6 +8652,28 @@ def test_config_errors_name_the_problem():
     assert (run.local_rollout, run.local_mini, run.local_micro) == (8, 4, 4)  # micro capped per rank, cfg untouched
 
 
+def test_flags_are_held_to_their_types():
+    # what fire hands over for each kind of field: a bool is no number (True was --total_steps=1), a number no bool,
+    # None only where the field takes it, names split at commas, a band two numbers made floats
+    import ppo
+
+    for kw, match in ((dict(lr=None), "--lr=None: expected float"), (dict(lr=True), "--lr=True: expected float"),
+                      (dict(total_steps=True), "--total_steps=True: expected int"),
+                      (dict(wandb=1), "--wandb=1: expected bool"), (dict(wandb="yes"), "--wandb='yes': expected bool"),
+                      (dict(stop_token_ids=True), "--stop_token_ids=(True,): expected tuple of ints"),
+                      (dict(stop_token_ids=(2, 1.0)), "--stop_token_ids=(2, 1.0): expected tuple of ints"),
+                      (dict(is_band=(1, 2, 3)), "--is_band=(1, 2, 3): expected tuple of two numbers"),
+                      (dict(is_band=(True, 2)), "--is_band=(True, 2): expected tuple of two numbers"),
+                      (dict(lora_targets=("q_proj", 7)), "--lora_targets=('q_proj', 7): expected tuple of names")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            ppo.Config(**kw)
+    cfg = ppo.Config(non_stop_penalty=None, total_steps=3, wandb=True, is_band=(1, 2), lora_targets="q_proj,v_proj",
+                     stop_token_ids=(5, 6), wandb_project=12)
+    assert (cfg.non_stop_penalty, cfg.total_steps, cfg.wandb, cfg.lora_targets, cfg.stop_token_ids) == (
+        None, 3, True, ("q_proj", "v_proj"), (5, 6))
+    assert cfg.is_band == (1.0, 2.0) and all(type(v) is float for v in cfg.is_band) and cfg.wandb_project == "12"
+
+
 def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     # the whole vocabularies were compared, so a reward model with an added pad token, or a special token renamed at
     # its id, was refused, and every refusal said the same sentence. Now: the policy's ids must be the same tokens,
@@ -8865,10 +8890,20 @@ def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
     os.makedirs(tmp_path / "wandb")
     (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")
     runtime.check_wandb("ppo")
-    for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)")):  # wandb.init's own rules
+    for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)"), ("a:b", "(found :)")):  # wandb's rules
         with pytest.raises(UsageError, match=re.escape(f"--wandb_project={name!r}: wandb takes at most 128 characters, "
                                                        f"none of / \\ # ? % : {found}")):
             runtime.check_wandb(name)
+    runtime.check_wandb("p" * 128)
+    # the variables before the settings files: a server in WANDB_BASE_URL with a netrc entry, another in the file
+    os.remove(tmp_path / "wandb" / "settings")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://localhost:8080")
+    runtime.check_wandb("ppo")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    with pytest.raises(UsageError, match="no credentials for wandb.example.org"):
+        runtime.check_wandb("ppo")
+    monkeypatch.setenv("WANDB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))  # an identity token: credentials
+    runtime.check_wandb("ppo")
 
 
 def test_resume_compares_data_files_by_content(tmp_path):
@@ -9112,6 +9147,37 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
 
 
 # -- the command line, reward functions from Python, wandb ------------------------------------------
+
+
+def test_run_command_prints_a_usage_error_as_one_line(monkeypatch, capsys):
+    # a UsageError: "error: ..." on one line, no traceback, status 2 (PPO_DEBUG=1 raises it); any other error is the
+    # code's and raises; otherwise main's result
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        n: int = 1
+
+    def main(cfg):
+        if cfg.n == 99:
+            raise ValueError("a bug")
+        runtime.need(cfg.n >= 0, f"--n must be >= 0,\nnot {cfg.n}")
+        return cfg.n * 10
+
+    monkeypatch.delenv("PPO_DEBUG", raising=False)
+    assert runtime.run_command(Cfg, main, ["--n=3"]) == 30
+    for debug in (None, "", "0"):
+        if debug is not None:
+            monkeypatch.setenv("PPO_DEBUG", debug)
+        assert runtime.run_command(Cfg, main, ["--n=-2"]) == 2
+        assert capsys.readouterr().err == "error: --n must be >= 0, not -2\n"
+    monkeypatch.setenv("PPO_DEBUG", "1")
+    with pytest.raises(UsageError, match="--n must be >= 0"):
+        runtime.run_command(Cfg, main, ["--n=-2"])
+    monkeypatch.delenv("PPO_DEBUG")
+    with pytest.raises(ValueError, match="a bug"):
+        runtime.run_command(Cfg, main, ["--n=99"])
+    assert issubclass(UsageError, ValueError)  # (what callers that predate it catch)
 
 
 def test_help_lists_every_option_with_default_and_comment():
@@ -9819,7 +9885,7 @@ def test_lora_reference_and_reward_model_are_the_bases_with_adapters_off(tiny_ru
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and its fault counters")
-def test_keep_freed_memory_stops_the_page_faults_of_a_repeated_allocation():
+def test_keep_freed_memory_stops_the_page_faults_of_a_repeated_allocation(monkeypatch):
     # a 64 MiB tensor allocated, written and freed 20 times: by default glibc maps each one afresh and all its 16384
     # pages fault every time; after runtime.keep_freed_memory() the heap settles within a few rounds (torch's 64-byte
     # aligned requests do not fit the hole the last one left until holes merge) and then faults on nothing, holding
@@ -9847,6 +9913,68 @@ print(faults, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         got[mode] = (json.loads(faults), int(rss) * 1024)
     assert all(f > 16000 for f in got["default"][0]), got
     assert sum(got["keep"][0][10:]) < 100 and got["keep"][1] - got["default"][1] < 16 * 64 * 2**20, got
+    # what it asks of glibc (malloc.h: M_MMAP_MAX -4, M_TRIM_THRESHOLD -1), and False when either is refused or the
+    # C library has no mallopt (musl, macOS)
+    import ctypes
+
+    asked, refuse = [], [None]
+
+    def mallopt(param, value):
+        asked.append((param, value))
+        return int(param != refuse[0])
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: types.SimpleNamespace(mallopt=mallopt))
+    assert runtime.keep_freed_memory() and asked == [(-4, 0), (-1, 2**31 - 1)]
+    for refuse[0] in (-4, -1):
+        assert not runtime.keep_freed_memory()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: types.SimpleNamespace())
+    assert runtime.keep_freed_memory() is False
+
+
+def test_phase_end_waits_then_reads_and_resets_the_phase_peak(monkeypatch):
+    # on CUDA (torch.cuda stood in for here): the queued kernels first (a host clock alone charges a phase's work to
+    # the next), then the allocator's peak over the phase in GiB, then the count restarts for the next phase; a
+    # phase of None records no peak. On the CPU: the host time alone
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(
+        synchronize=lambda: calls.append(("sync", device))))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append(("peak", device)) or 3 * 2**29)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
+    gpu, peaks = torch.device("cuda", 1), {}
+    t0 = time.time()
+    t = runtime.phase_end(gpu, peaks, "rollout")
+    assert calls == [("sync", gpu), ("peak", gpu), ("reset", gpu)] and peaks == {"mem/rollout_peak_gib": 1.5}
+    assert t0 <= t <= time.time()
+    calls.clear()
+    runtime.phase_end(gpu, peaks, None)
+    assert calls == [("sync", gpu), ("reset", gpu)] and peaks == {"mem/rollout_peak_gib": 1.5}
+    calls.clear()
+    assert runtime.phase_end(torch.device("cpu"), peaks, "train") >= t and not calls and len(peaks) == 1
+
+
+def test_progress_bars_on_rank_0_at_a_terminal_only(monkeypatch):
+    # a bar (cleared when done, a generator's length as its total) on rank 0 writing to a terminal; the iterable
+    # itself in a log file or a pipe, and on the other ranks
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    rank = [0]
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: rank[0])
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    bar = runtime.progress("step 3 score")(x * x for x in range(5))
+    assert bar.desc == "step 3 score" and bar.total is None and not bar.leave and list(bar) == [0, 1, 4, 9, 16]
+    bar = runtime.progress("eval")((x for x in range(3)), 3)
+    assert bar.total == 3 and list(bar) == [0, 1, 2] and "eval" in sys.stdout.getvalue()
+    items = iter([1, 2])
+    rank[0] = 1
+    assert runtime.progress("x")(items, 2) is items
+    rank[0] = 0
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert runtime.progress("x")(items, 2) is items and sys.stdout.getvalue() == ""
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
