@@ -46,8 +46,10 @@ def print0(*args, **kwargs):
 
 
 def all_sum(x):
-    """Sums a tensor (or nested list of floats) over ranks in float64; returns it on the CPU."""
-    t = torch.as_tensor(x).double().cpu()
+    """Sums a tensor (or nested list of floats) over ranks in float64; returns a new tensor on the CPU, x untouched
+    (a CPU float64 x was the tensor reduced in place). A list is read as float64: as_tensor's default float32 held
+    check_space's bytes to 24 bits."""
+    t = torch.as_tensor(x, dtype=torch.float64).detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)  # on the CPU: gloo
     return t
@@ -266,8 +268,12 @@ class Logger:
                 os.remove(os.path.join(self.samples, name))
         train = os.path.join(self.samples, "train.jsonl")
         if os.path.exists(train):
-            with open(train) as f:  # a line a kill -9 cut short (no newline: only the last can be) goes too
-                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= last]
+            with open(train, errors="replace") as f:  # a line a kill -9 cut short (no newline: only the last can be)
+                lines = [(line, _row(line)) for line in f]  # goes too; a whole line that does not parse is named
+            for i, (line, row) in enumerate(lines, 1):  # (it stopped the resume with a JSONDecodeError, naming nothing)
+                if row is None and line.endswith("\n"):
+                    print(f"{train}:{i}: not a JSON object with an integer step: dropped", flush=True)
+            kept = [line for line, row in lines if line.endswith("\n") and row is not None and row["step"] <= last]
             with open(train + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(train + ".tmp", train)
@@ -374,18 +380,21 @@ def jsonl(m):
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}) + "\n"
 
 
+def _row(line):
+    """A jsonl line's object, or None unless it parses as an object with an integer step."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
 def read_jsonl(path):
     """The rows of a metrics.jsonl, the lines that parse: a kill can cut the last one short."""
-    rows = []
     if not os.path.isfile(path):
-        return rows
+        return []
     with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+        return [row for row in map(_row, f) if row is not None]
 
 
 class StopSignal:

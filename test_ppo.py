@@ -7215,6 +7215,9 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 0)) and chosen == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the second process of a node: its own GPU
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 1)) and chosen == [0, 1]
 
 
 def test_ratio_variance_is_each_minibatchs_own_averaged():
@@ -7682,6 +7685,30 @@ shutil.disk_usage = full_after_the_first_save
     assert [r["step"] for r in rows] == [1, 2]
 
 
+def test_check_space_needs_the_bytes_plus_1_percent_and_16_mib(monkeypatch, tmp_path):
+    # 100 MiB * 1.01 + 16 MiB = 122683392 bytes, exactly: that much free is enough, a byte less is not. The folder
+    # is made first (disk_usage of a folder not there yet raised FileNotFoundError)
+    import shutil
+
+    runtime.setup_distributed()  # (a group of one)
+    free = [0]
+    monkeypatch.setattr(runtime.shutil, "disk_usage", lambda path: (os.stat(path), shutil._ntuple_diskusage(0, 0, free[0]))[1])
+    folder = tmp_path / "out" / "checkpoints"
+    for free[0], ok in ((122683392, True), (122683391, False)):
+        try:
+            runtime.check_space(str(folder), 100 * 2**20, "the test")
+        except OSError as e:
+            assert not ok and str(e).startswith(f"not enough disk space for the test in {folder}: it needs about"), e
+        else:
+            assert ok
+    free[0] = 5 * 2**30
+    with pytest.raises(OSError, match=re.escape(f"for the training checkpoint in {folder}: it needs about 10.12 GiB, "
+                                                "5.00 GiB are free; nothing was written and the previous checkpoint "
+                                                "is kept. Free some space (or move --out_dir), then resume with "
+                                                "--resume=auto")):
+        runtime.check_space(str(folder), 10 * 2**30, "the training checkpoint")  # 10.1 GiB + 16 MiB
+
+
 @slow
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_run, tmp_path):
     # --resume=PATH to an earlier checkpoint of out_dir (going back, say, to before a reward bug): the later
@@ -8122,6 +8149,136 @@ def test_logger_cuts_back_an_evaluation_the_history_lacks(tmp_path):
     assert C._holds_a_run(str(tmp_path)).startswith("metrics.jsonl with 2 steps")
 
 
+def test_logger_cuts_metrics_and_samples_back_to_the_checkpoints_step(tmp_path, capsys):
+    # resumed at step 2's checkpoint (written before step 2's evaluation): metrics.jsonl keeps the checkpoint's lines
+    # and that evaluation's last line (its rows are in samples/), not the later steps' nor a line a kill cut short;
+    # the evaluation joins the history the caller holds (ppo.main does not evaluate step 2 again) on every rank;
+    # train.jsonl keeps the steps up to 2; a later evaluation's rows go. Other ranks write nothing
+    import ppo
+
+    cfg = ppo.Config(out_dir=str(tmp_path), resume="auto")
+    s1, s2, s3 = ({"step": k, "objective/scores": k / 4} for k in (1, 2, 3))
+    e0, e2, e2b, e3 = ({"step": k, "eval/score": v} for k, v in ((0, 0.1), (2, 0.2), (2, 0.25), (3, 0.3)))
+    samples, train = tmp_path / "samples", [json.dumps({"step": k, "response": "r"}) + "\n" for k in (1, 2, 3)]
+
+    def write(rows_of=(0, 2, 3)):  # the earlier run's files; e2b: step 2 evaluated again (its rows replaced e2's)
+        os.makedirs(samples, exist_ok=True)
+        for n in os.listdir(samples):
+            os.remove(samples / n)
+        (tmp_path / "metrics.jsonl").write_text("".join(runtime.jsonl(m) for m in [e0, s1, s2, e2, e2b, s3, e3])
+                                                + '{"step": 4, "objec')
+        for k in rows_of:
+            (samples / f"step-{k:06d}.jsonl").write_text(f'{{"k": {k}}}\n')
+        (samples / "train.jsonl").write_text("".join(train) + '{"step": 4, "resp')
+        return {p.name: p.read_bytes() for p in [*samples.iterdir(), tmp_path / "metrics.jsonl"]}
+
+    files = write()
+    history = [e0, s1, s2]
+    log = runtime.Logger(cfg, history, False)
+    assert history == [e0, s1, s2, e2b] and log.state()["metrics"] is history
+    assert {p.name: p.read_bytes() for p in [*samples.iterdir(), tmp_path / "metrics.jsonl"]} == files
+    for rows_of, had, kept in (((0, 2, 3), [e0, s1, s2], [e0, s1, s2, e2b]),  # rank 0
+                               ((0, 2, 3), [e0, s1, s2, e2], [e0, s1, s2, e2]),  # the history has it: not twice
+                               ((0, 3), [e0, s1, s2], [e0, s1, s2])):  # killed before its rows: ppo.main evaluates again
+        write(rows_of)
+        history = list(had)
+        log = runtime.Logger(cfg, history, True)
+        assert history == kept and log.state()["metrics"] is history and read_metrics(tmp_path) == kept
+        assert sorted(os.listdir(samples)) == ["step-000000.jsonl"] + ["step-000002.jsonl"] * (2 in rows_of) + ["train.jsonl"]
+        assert (samples / "train.jsonl").read_text() == "".join(train[:2])
+    # whole lines that do not parse (a disk error, an editor): dropped and named with file and line
+    (samples / "train.jsonl").write_text(train[0] + '{"step": 2, "resp\n[2]\n' + train[1] + '{"response": "r"}\n')
+    runtime.Logger(cfg, [e0, s1, s2], True)
+    assert (samples / "train.jsonl").read_text() == "".join(train[:2])
+    out = capsys.readouterr().out
+    assert all(f"{samples / 'train.jsonl'}:{i}: not a JSON object with an integer step: dropped" in out for i in (2, 3, 5))
+    assert ":1:" not in out and ":4:" not in out
+    (samples / "train.jsonl").write_text(train[0] + train[1].rstrip("\n"))  # cut just before its newline: the next
+    runtime.Logger(cfg, [e0, s1, s2], True)  # line appended would join it
+    assert (samples / "train.jsonl").read_text() == train[0]
+
+
+def test_logger_writes_steps_samples_and_evaluations(tmp_path, capsys):
+    # a sample line in train.jsonl every sample_every steps; an evaluation's line in metrics.jsonl and its rows in
+    # samples/step-NNNNNN.jsonl (the name the resume above reads)
+    import ppo
+
+    cfg = ppo.Config(out_dir=str(tmp_path), log_every=100, sample_every=2)
+    log = runtime.Logger(cfg, [], True)
+    for step in (1, 2, 3):
+        log.log({"step": step, "x": float("inf")}, sample=(0.5, "prompt ", f"response {step}"))
+    ev = {"step": 3, "eval/score": 0.5, "eval/score_std": 0.2, "eval/kl": 0.01, "eval/response_length": 4.0,
+          "eval/stop_rate": 1.0, "time/eval": 0.5}
+    rows = [{"prompt": "a", "response": "b", "score": 0.25}, {"prompt": "c", "response": "d", "score": 0.75}]
+    log.log_eval(ev, rows)
+    assert read_metrics(tmp_path) == [{"step": k, "x": None} for k in (1, 2, 3)] + [ev] and log.history[-1] is ev
+    assert [json.loads(line) for line in open(tmp_path / "samples" / "train.jsonl")] == [
+        dict(step=2, prompt="prompt ", response="response 2", score=0.5)]
+    assert [json.loads(line) for line in open(tmp_path / "samples" / "step-000003.jsonl")] == rows
+    assert "eval    3 | score +0.500 +- 0.141 |" in capsys.readouterr().out
+
+
+def test_logger_continues_the_wandb_run_from_its_step(monkeypatch, tmp_path):
+    # resumed (--resume=auto) at step 2 of a wandb run that has steps up to 4 and evaluations up to 2: the same run,
+    # the steps it has not sent again, an evaluation it lacks at wandb's step with its own eval/step, one it has not
+    # sent again. Back to an earlier checkpoint by path (later steps in metrics.jsonl): a new run named after the
+    # step; the latest checkpoint by path continues the run
+    import ppo
+
+    inits, logged, steps = [], [], [None]  # steps: the step wandb.init's run is at
+
+    class Run:
+        def __init__(self, id):
+            self.id, self.step = id or "new", steps[0]
+
+        def log(self, m, step):
+            logged.append((step, m.get("eval/step"), m["step"]))
+            self.step = max(self.step, step)
+
+        def define_metric(self, name, step_metric=None):
+            pass
+
+    def init(mode=None, **kw):
+        inits.append((kw["id"], kw["name"], kw["resume"]))
+        return Run(kw["id"])
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=lambda columns, data: data))
+    out = tmp_path / "run"
+    os.makedirs(out)
+    s = [{"step": k} for k in range(5)]
+    ev = [{"step": k, "eval/score": 0.5, "eval/score_std": 0.0, "eval/kl": 0.0, "eval/response_length": 1.0,
+           "eval/stop_rate": 1.0, "time/eval": 0.1} for k in range(5)]
+    earlier = "".join(runtime.jsonl(m) for m in [ev[0], s[1], s[2], ev[2], s[3], s[4]])
+    for resume, wandb_id, at in (("auto", "abc", 4), (str(out / "checkpoints" / "step-000002"), "new", 0)):
+        (out / "metrics.jsonl").write_text(earlier)
+        logged.clear()
+        steps[0] = at
+        log = runtime.Logger(ppo.Config(out_dir=str(out), wandb=True, log_every=100, resume=resume), [ev[0], s[1], s[2]],
+                             True, wandb_id="abc")
+        assert inits[-1] == (("abc", "run", "allow") if resume == "auto" else (None, "run-from-step-2", None))
+        log.log_eval(ev[2], [{"score": 0.5}])
+        log.log(s[3])
+        log.log_eval(ev[3], [{"score": 0.5}])
+        log.log(s[4])
+        assert log.state()["wandb_id"] == wandb_id
+        assert logged == ([(4, 3, 3), (4, None, 4)] if resume == "auto" else
+                          [(2, 2, 2), (3, None, 3), (3, 3, 3), (4, None, 4)]), resume
+    (out / "metrics.jsonl").write_text("".join(runtime.jsonl(m) for m in [ev[0], s[1], s[2]]))  # the latest, by path
+    runtime.Logger(ppo.Config(out_dir=str(out), wandb=True, resume=str(out / "checkpoints" / "step-000002")),
+                   [ev[0], s[1], s[2]], True, wandb_id="abc")
+    assert inits[-1] == ("abc", "run", "allow")
+
+
+def test_read_jsonl_keeps_the_lines_that_parse_with_a_step(tmp_path):
+    # what a kill, an editor or a disk error leaves: a cut last line, bytes that are not UTF-8, a line that is not
+    # an object or has no integer step
+    path = tmp_path / "metrics.jsonl"
+    assert runtime.read_jsonl(str(path)) == []
+    path.write_bytes(b'{"step": 1, "a": 0.5}\n[1, 2]\n{"a": 1}\n{"step": "2"}\n\n{"step": 3, "s": "\xff\xfe"}\n'
+                     b'{"step": 4, "a": nu')
+    assert runtime.read_jsonl(str(path)) == [{"step": 1, "a": 0.5}, {"step": 3, "s": "\ufffd\ufffd"}]
+
+
 def test_a_skipped_update_leaves_the_step_metrics_finite(tiny_run, tmp_path):
     # the step's grad norms and losses averaged every update, a skipped one's NaN too: metrics.jsonl got a bare NaN
     # (not JSON) and lost the updates that were fine. The finite ones are averaged; a non-finite number is null
@@ -8305,6 +8462,90 @@ def hangs_in_step_2(record, response):
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
+def test_stop_signal_flags_once_ignores_the_same_request_and_stops_on_a_second(monkeypatch, capfd):
+    # in process, with a clock of the test's own: the first SIGTERM only sets the flag; a signal less than
+    # SAME_REQUEST_S later is that request arriving twice (torchrun passing scancel's on), ignored; one 2 s or
+    # more later stops the process with 128 + its number. close() puts the handlers back
+    clock, exits = [100.0], []
+
+    def exit_(status):
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(runtime.os, "_exit", exit_)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = runtime.StopSignal()
+    try:
+        assert all(signal.getsignal(s) == stop._handle for s in before)
+        sums = []
+        total = lambda x: sums.append(x) or torch.tensor(x, dtype=torch.float64)  # noqa: E731 -- one rank's sum
+        assert not stop.requested(total) and sums == [[0.0]]
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.received == [signal.SIGTERM] and stop.requested(total) and sums[-1] == [1.0] and not exits
+        clock[0] += stop.SAME_REQUEST_S - 0.01
+        signal.raise_signal(signal.SIGINT)
+        assert stop.received == [signal.SIGTERM] and not exits
+        clock[0] += 0.01  # SAME_REQUEST_S after the first
+        with pytest.raises(SystemExit):
+            signal.raise_signal(signal.SIGINT)
+        assert exits == [128 + signal.SIGINT] and stop.received == [signal.SIGTERM, signal.SIGINT]
+    finally:
+        stop.close()
+        assert {s: signal.getsignal(s) for s in before} == before
+    err = capfd.readouterr().err
+    assert f"signal {signal.SIGTERM}: stopping after the step in flight" in err
+    assert f"signal {signal.SIGINT} again: stopping now" in err
+
+
+def _runtime_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    stop = None
+    try:
+        out = {}
+        x = torch.tensor([[2.0**51 + 1 + rank, 0.5 * (rank + 1)], [-3.0, 0.25 * (rank + 1)]], dtype=torch.float64)
+        kept = x.clone()  # (a CPU float64 tensor: the one all_sum reduced)
+        out["sum"], out["list"] = runtime.all_sum(x), runtime.all_sum([[float(rank), 1.0]])
+        out["x_kept"] = torch.equal(x, kept)
+        # rank 0's free space decides (rank 1's is ignored: one disk); the bytes are the sum over ranks
+        usage = lambda free: lambda path: runtime.shutil._ntuple_diskusage(free, 0, free)  # noqa: E731
+        for free_gib in (8.1, 8.12):  # needs (3 + 5) * 1.01 GiB + 2 * 16 MiB = 8.111 GiB
+            runtime.shutil.disk_usage = usage(int(free_gib * 2**30) if rank == 0 else 2**50)
+            try:
+                runtime.check_space(out_dir, (3 + 2 * rank) * 2**30, "the test")
+                out[free_gib] = None
+            except OSError as e:
+                out[free_gib] = str(e)
+        # a signal on rank 1 alone: both ranks stop at the same step
+        stop = runtime.StopSignal()
+        out["before"] = stop.requested(runtime.all_sum)
+        dist.barrier()
+        if rank == 1:
+            signal.raise_signal(signal.SIGTERM)
+        out["after"], out["received"] = stop.requested(runtime.all_sum), list(stop.received)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if stop is not None:
+            stop.close()
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_sums_free_space_and_a_stop_signal_agree_over_two_ranks(tmp_path):
+    # all_sum in float64 (2**52 + 3, which float32 rounds), without touching a CPU float64 input (reduced in place);
+    # check_space's bytes summed over the ranks against rank 0's free space, raising on every rank; a signal that
+    # reached one rank stops both
+    mp.spawn(_runtime_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    want = torch.tensor([[2.0**52 + 3, 1.5], [-6.0, 0.75]], dtype=torch.float64)
+    msg = (f"not enough disk space for the test in {tmp_path}: it needs about 8.11 GiB, 8.10 GiB are free; nothing "
+           "was written and the previous checkpoint is kept")
+    for r, o in enumerate(outs):
+        assert torch.equal(o["sum"], want) and o["x_kept"] and o["list"].tolist() == [[1.0, 2.0]]
+        assert o[8.1].startswith(msg) and o[8.12] is None, (r, o[8.1])
+        assert (o["before"], o["after"], o["received"]) == (False, True, [signal.SIGTERM] if r == 1 else [])
+
 
 @slow
 def test_resume_from_another_config_is_refused(tiny_run, tmp_path):
@@ -8471,6 +8712,28 @@ def test_config_errors_name_the_problem():
     assert isinstance(cfg.lr, float) and isinstance(cfg.non_stop_penalty, float)
     run = ppo.derive(ppo.Config(mini_batch_size=8, micro_batch_size=8, rollout_batch_size=16), 1, 2, cpu)
     assert (run.local_rollout, run.local_mini, run.local_micro) == (8, 4, 4)  # micro capped per rank, cfg untouched
+
+
+def test_flags_are_held_to_their_types():
+    # what fire hands over for each kind of field: a bool is no number (True was --total_steps=1), a number no bool,
+    # None only where the field takes it, names split at commas, a band two numbers made floats
+    import ppo
+
+    for kw, match in ((dict(lr=None), "--lr=None: expected float"), (dict(lr=True), "--lr=True: expected float"),
+                      (dict(total_steps=True), "--total_steps=True: expected int"),
+                      (dict(wandb=1), "--wandb=1: expected bool"), (dict(wandb="yes"), "--wandb='yes': expected bool"),
+                      (dict(stop_token_ids=True), "--stop_token_ids=(True,): expected tuple of ints"),
+                      (dict(stop_token_ids=(2, 1.0)), "--stop_token_ids=(2, 1.0): expected tuple of ints"),
+                      (dict(is_band=(1, 2, 3)), "--is_band=(1, 2, 3): expected tuple of two numbers"),
+                      (dict(is_band=(True, 2)), "--is_band=(True, 2): expected tuple of two numbers"),
+                      (dict(lora_targets=("q_proj", 7)), "--lora_targets=('q_proj', 7): expected tuple of names")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            ppo.Config(**kw)
+    cfg = ppo.Config(non_stop_penalty=None, total_steps=3, wandb=True, is_band=(1, 2), lora_targets="q_proj,v_proj",
+                     stop_token_ids=(5, 6), wandb_project=12)
+    assert (cfg.non_stop_penalty, cfg.total_steps, cfg.wandb, cfg.lora_targets, cfg.stop_token_ids) == (
+        None, 3, True, ("q_proj", "v_proj"), (5, 6))
+    assert cfg.is_band == (1.0, 2.0) and all(type(v) is float for v in cfg.is_band) and cfg.wandb_project == "12"
 
 
 def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
@@ -8689,10 +8952,20 @@ def test_wandb_credentials_checked_before_loading(monkeypatch, tmp_path):
     os.makedirs(tmp_path / "wandb")
     (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")
     runtime.check_wandb("ppo")
-    for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)")):  # wandb.init's own rules
+    for name, found in (("team/ppo#2", "(found # /)"), ("p" * 129, "(too long)"), ("a:b", "(found :)")):  # wandb's rules
         with pytest.raises(UsageError, match=re.escape(f"--wandb_project={name!r}: wandb takes at most 128 characters, "
                                                        f"none of / \\ # ? % : {found}")):
             runtime.check_wandb(name)
+    runtime.check_wandb("p" * 128)
+    # the variables before the settings files: a server in WANDB_BASE_URL with a netrc entry, another in the file
+    os.remove(tmp_path / "wandb" / "settings")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://localhost:8080")
+    runtime.check_wandb("ppo")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    with pytest.raises(UsageError, match="no credentials for wandb.example.org"):
+        runtime.check_wandb("ppo")
+    monkeypatch.setenv("WANDB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))  # an identity token: credentials
+    runtime.check_wandb("ppo")
 
 
 def test_resume_compares_data_files_by_content(tmp_path):
@@ -8936,6 +9209,37 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
 
 
 # -- the command line, reward functions from Python, wandb ------------------------------------------
+
+
+def test_run_command_prints_a_usage_error_as_one_line(monkeypatch, capsys):
+    # a UsageError: "error: ..." on one line, no traceback, status 2 (PPO_DEBUG=1 raises it); any other error is the
+    # code's and raises; otherwise main's result
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        n: int = 1
+
+    def main(cfg):
+        if cfg.n == 99:
+            raise ValueError("a bug")
+        runtime.need(cfg.n >= 0, f"--n must be >= 0,\nnot {cfg.n}")
+        return cfg.n * 10
+
+    monkeypatch.delenv("PPO_DEBUG", raising=False)
+    assert runtime.run_command(Cfg, main, ["--n=3"]) == 30
+    for debug in (None, "", "0"):
+        if debug is not None:
+            monkeypatch.setenv("PPO_DEBUG", debug)
+        assert runtime.run_command(Cfg, main, ["--n=-2"]) == 2
+        assert capsys.readouterr().err == "error: --n must be >= 0, not -2\n"
+    monkeypatch.setenv("PPO_DEBUG", "1")
+    with pytest.raises(UsageError, match="--n must be >= 0"):
+        runtime.run_command(Cfg, main, ["--n=-2"])
+    monkeypatch.delenv("PPO_DEBUG")
+    with pytest.raises(ValueError, match="a bug"):
+        runtime.run_command(Cfg, main, ["--n=99"])
+    assert issubclass(UsageError, ValueError)  # (what callers that predate it catch)
 
 
 def test_help_lists_every_option_with_default_and_comment():
@@ -9643,7 +9947,7 @@ def test_lora_reference_and_reward_model_are_the_bases_with_adapters_off(tiny_ru
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and its fault counters")
-def test_keep_freed_memory_stops_the_page_faults_of_a_repeated_allocation():
+def test_keep_freed_memory_stops_the_page_faults_of_a_repeated_allocation(monkeypatch):
     # a 64 MiB tensor allocated, written and freed 20 times: by default glibc maps each one afresh and all its 16384
     # pages fault every time; after runtime.keep_freed_memory() the heap settles within a few rounds (torch's 64-byte
     # aligned requests do not fit the hole the last one left until holes merge) and then faults on nothing, holding
@@ -9671,6 +9975,68 @@ print(faults, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         got[mode] = (json.loads(faults), int(rss) * 1024)
     assert all(f > 16000 for f in got["default"][0]), got
     assert sum(got["keep"][0][10:]) < 100 and got["keep"][1] - got["default"][1] < 16 * 64 * 2**20, got
+    # what it asks of glibc (malloc.h: M_MMAP_MAX -4, M_TRIM_THRESHOLD -1), and False when either is refused or the
+    # C library has no mallopt (musl, macOS)
+    import ctypes
+
+    asked, refuse = [], [None]
+
+    def mallopt(param, value):
+        asked.append((param, value))
+        return int(param != refuse[0])
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: types.SimpleNamespace(mallopt=mallopt))
+    assert runtime.keep_freed_memory() and asked == [(-4, 0), (-1, 2**31 - 1)]
+    for refuse[0] in (-4, -1):
+        assert not runtime.keep_freed_memory()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: types.SimpleNamespace())
+    assert runtime.keep_freed_memory() is False
+
+
+def test_phase_end_waits_then_reads_and_resets_the_phase_peak(monkeypatch):
+    # on CUDA (torch.cuda stood in for here): the queued kernels first (a host clock alone charges a phase's work to
+    # the next), then the allocator's peak over the phase in GiB, then the count restarts for the next phase; a
+    # phase of None records no peak. On the CPU: the host time alone
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(
+        synchronize=lambda: calls.append(("sync", device))))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append(("peak", device)) or 3 * 2**29)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
+    gpu, peaks = torch.device("cuda", 1), {}
+    t0 = time.time()
+    t = runtime.phase_end(gpu, peaks, "rollout")
+    assert calls == [("sync", gpu), ("peak", gpu), ("reset", gpu)] and peaks == {"mem/rollout_peak_gib": 1.5}
+    assert t0 <= t <= time.time()
+    calls.clear()
+    runtime.phase_end(gpu, peaks, None)
+    assert calls == [("sync", gpu), ("reset", gpu)] and peaks == {"mem/rollout_peak_gib": 1.5}
+    calls.clear()
+    assert runtime.phase_end(torch.device("cpu"), peaks, "train") >= t and not calls and len(peaks) == 1
+
+
+def test_progress_bars_on_rank_0_at_a_terminal_only(monkeypatch):
+    # a bar (cleared when done, a generator's length as its total) on rank 0 writing to a terminal; the iterable
+    # itself in a log file or a pipe, and on the other ranks
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    rank = [0]
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: rank[0])
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    bar = runtime.progress("step 3 score")(x * x for x in range(5))
+    assert bar.desc == "step 3 score" and bar.total is None and not bar.leave and list(bar) == [0, 1, 4, 9, 16]
+    bar = runtime.progress("eval")((x for x in range(3)), 3)
+    assert bar.total == 3 and list(bar) == [0, 1, 2] and "eval" in sys.stdout.getvalue()
+    items = iter([1, 2])
+    rank[0] = 1
+    assert runtime.progress("x")(items, 2) is items
+    rank[0] = 0
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert runtime.progress("x")(items, 2) is items and sys.stdout.getvalue() == ""
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
