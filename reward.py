@@ -38,8 +38,9 @@ disgusting dreadful gloomy grim cruel harsh bitter regret sorry negative tragic"
 
 def sentiment_reward(record, response):
     """Lexicon sentiment: 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5].
-    A density, not a count, so padding a response with more words does not pay by itself."""
-    words = re.findall(r"[a-z']+", response.lower())
+    A density, not a count, so padding a response with more words does not pay by itself. A word: letters a-z
+    (case ignored) with inner apostrophes, typographic too ("don't", "it\u2019s"); a quote's are no part of it."""
+    words = re.findall(r"[a-z]+(?:['\u2019][a-z]+)*", response.lower())
     pos = sum(w in POSITIVE for w in words)
     neg = sum(w in NEGATIVE for w in words)
     return max(-5.0, min(5.0, 10.0 * (pos - neg) / (len(words) + 5)))

@@ -5806,6 +5806,24 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         RewardCaller(flaky, timeout=-1)
 
 
+def test_sentiment_reward_by_hand():
+    # 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5]; a word: letters, case ignored,
+    # with inner apostrophes (typographic too), so a quoted word counts and a lone apostrophe is no word
+    from reward import NEGATIVE, POSITIVE, sentiment_reward
+
+    cases = [("", 0.0), ("What a lovely, sunny day!", 10 * 1 / (5 + 5)), ("Bad, BAD service; I hate it.", 10 * -3 / (6 + 5)),
+             ("a well-known, 5-star cafe: superb!!", 10 * 2 / (6 + 5)), ("Loved it. Lovely!", 10 * 2 / (3 + 5)),
+             ("happy", 10 / 6), ("unhappy", -10 / 6), ("GOOD Good good", 10 * 3 / (3 + 5)), ("no 123 problems", -10 / 7),
+             ("love " * 5, 5.0), ("joy " * 6, 5.0), ("sad " * 7 + "smile", 10 * -6 / (8 + 5)), ("awful " * 9, -5.0),
+             ("He said 'great', didn't he?", 10 * 1 / (5 + 5)), ("It\u2019s fine", 10 * 1 / (2 + 5)),
+             ("good ' ' ' ' bad good", 10 * 1 / (3 + 5))]
+    for text, want in cases:
+        assert sentiment_reward({}, text) == pytest.approx(want, rel=1e-12, abs=0), text
+    # the lists: lowercase letters only (the words are matched lowercased), no word in both, none lost or added
+    assert all(re.fullmatch("[a-z]+", w) for w in POSITIVE | NEGATIVE) and not POSITIVE & NEGATIVE
+    assert (len(POSITIVE), len(NEGATIVE)) == (88, 69)
+
+
 # ==================================================================================================
 # ppo.py
 # ==================================================================================================
