@@ -110,6 +110,9 @@ class RewardCaller:
         if len(records) != len(responses):
             raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
         calls = list(zip(records, responses))
+        if not self.timeout and self.watcher is None:  # started here, not by the workers: two could each start one
+            self.watcher = threading.Thread(target=self._watch, name=f"reward-watch-{self.name}", daemon=True)
+            self.watcher.start()
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
         scores, errors = [], 0
         for i, (ok, value) in enumerate(results):
@@ -143,9 +146,6 @@ class RewardCaller:
         after SLOW_S seconds is reported once (_watch)."""
         key = object()
         self.running[key] = (time.monotonic(), response)
-        if not self.timeout and self.watcher is None:
-            self.watcher = threading.Thread(target=self._watch, name=f"reward-watch-{self.name}", daemon=True)
-            self.watcher.start()
         try:
             return True, self.fn(record, response)
         except BaseException as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised,

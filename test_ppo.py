@@ -5824,6 +5824,33 @@ def test_sentiment_reward_by_hand():
     assert (len(POSITIVE), len(NEGATIVE)) == (88, 69)
 
 
+def test_reward_caller_starts_one_watcher(monkeypatch):
+    # the watcher of slow calls (no timeout) is started once, by the calling thread: started by the workers, two
+    # could each find none and start one (each naming every slow call: the lines twice)
+    import threading
+
+    import reward
+
+    made, second = [], threading.Event()
+
+    class Thread(threading.Thread):
+        def __init__(self, *args, name="", **kwargs):
+            if name.startswith("reward-watch-"):
+                made.append(name)
+                if len(made) > 1:
+                    second.set()
+                second.wait(0.5)  # a worker starting one waits here: would another start its own?
+            super().__init__(*args, name=name, **kwargs)
+
+    monkeypatch.setattr(reward, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    barrier = threading.Barrier(3, timeout=5)
+    caller = reward.RewardCaller(lambda r, t: barrier.wait() * 0 + 1.0, workers=3)
+    for _ in range(2):
+        assert caller([{}] * 3, ["a", "b", "c"]) == ([1.0] * 3, 0)
+    assert made == ["reward-watch-test_reward_caller_starts_one_watcher.<locals>.<lambda>"] and caller.watcher.is_alive()
+    assert reward.RewardCaller(lambda r, t: 1.0, workers=3, timeout=1.0)([{}], ["a"]) == ([1.0], 0) and len(made) == 1
+
+
 # ==================================================================================================
 # ppo.py
 # ==================================================================================================
