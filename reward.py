@@ -52,7 +52,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # the scores become float32 tensors: a larg
 
 def real_number(value):
     """Whether a reward function's return value is one real number: an int, float or bool, or a numpy or torch
-    scalar (a 0-dim array or tensor) of an integer, float or bool dtype; not a string, a complex number or a list."""
+    scalar (a 0-dim array or tensor) of an integer, float or bool dtype; not a string, a complex number or a list.
+    A bool is a 0/1 score (a verifier's `return answer == record["answer"]`), numpy's and torch's as Python's; an
+    array or tensor of one element is refused as a list of one is: one call scores one response, not a batch."""
     if isinstance(value, numbers.Real):
         return True
     dtype = getattr(value, "dtype", None)
@@ -96,11 +98,11 @@ class RewardCaller:
     def __init__(self, fn, workers=1, timeout=0.0, on_error=None):
         if not callable(fn):
             raise TypeError(f"the reward function must be callable as fn(record, response), got {fn!r:.80}")
-        if not (isinstance(workers, int) and workers >= 1):
+        if not (isinstance(workers, numbers.Integral) and not isinstance(workers, bool) and workers >= 1):
             raise ValueError(f"reward_workers must be an int >= 1, not {workers!r}")
         if not timeout >= 0:
             raise ValueError(f"reward_timeout must be >= 0 seconds (0: none), not {timeout!r}")
-        self.fn, self.workers, self.timeout, self.on_error = fn, workers, float(timeout), on_error
+        self.fn, self.workers, self.timeout, self.on_error = fn, int(workers), float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
