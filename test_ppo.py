@@ -5734,6 +5734,12 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
     assert said == ["reward function test_reward_caller_threads_timeouts_and_errors.<locals>.flaky failed on response 1 "
                     "('bad'): ConnectionError('judge unreachable'); scored --reward_on_error=-2 (further "
                     "ConnectionErrors are counted in val/reward_errors only)"], said
+    def kinds(record, response):
+        raise {"v": ValueError, "k": KeyError}[response](response)
+
+    assert RewardCaller(kinds, on_error=0.0)([{}] * 4, ["v", "k", "v", "k"]) == ([0.0] * 4, 4)
+    said = capsys.readouterr().out  # each kind once: the first ValueError and the first KeyError
+    assert re.findall(r"failed on response (\d) \('(\w)'\): (\w+)", said) == [("0", "v", "ValueError"), ("1", "k", "KeyError")]
     with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
                                            r"ConnectionError\('judge unreachable'\); --reward_on_error"):
         RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
@@ -5855,6 +5861,7 @@ def test_reward_caller_accepts_one_real_number():
     assert isinstance(e.value.__cause__, FloatingPointError)
     # the settings: a callable, an int >= 1 of workers (not a bool), a timeout >= 0 (not NaN)
     assert RewardCaller(lambda r, t: 1.0, workers=np.int64(2)).workers == 2
+    assert not real_number(types.SimpleNamespace(ndim=0, dtype="float32"))  # a dtype neither numpy's nor torch's
     for bad, match in [(dict(fn="sentiment"), "the reward function must be callable as fn\\(record, response\\), got 'sentiment'"),
                        (dict(workers=True), "reward_workers must be an int >= 1, not True"),
                        (dict(workers=2.0), "reward_workers must be an int >= 1, not 2.0"),
@@ -5908,10 +5915,13 @@ def test_reward_caller_tracks_the_calls_in_flight():
             return 1.0
 
         caller = RewardCaller(judge, workers, timeout, on_error=-1.0)
-        texts = ["ok0", "bad1", "ok2", "ok3", "bad4", "ok5"]
+        texts = ["ok0", "bad1", "ok0", "ok3", "bad1", "ok0"]  # the same response twice in flight (two samples)
         seen.clear()
-        t0 = time.monotonic()
-        assert caller([{}] * 6, texts) == ([1.0, -1.0, 1.0, 1.0, -1.0, 1.0], 2)
+        t0, out = time.monotonic(), []
+        done = threading.Thread(target=lambda: out.append(caller([{}] * 6, texts)), daemon=True)
+        done.start()
+        done.join(15)  # (a batch that never ends fails)
+        assert out == [([1.0, -1.0, 1.0, 1.0, -1.0, 1.0], 2)], (workers, timeout)
         assert caller.running == {}, (workers, timeout)
         rounds = [sorted(texts[i:i + workers]) for i in range(0, 6, workers) for _ in range(workers)]
         assert sorted(r for r, _, _ in seen) == sorted(rounds), (workers, seen)
@@ -5922,7 +5932,7 @@ def test_reward_caller_tracks_the_calls_in_flight():
     assert caller([{}], ["late"]) == ([-1.0], 1)
     assert [r for _, r in caller.running.values()] == ["late"]
     release.set()
-    for _ in range(500):  # its thread ends soon after
+    for _ in range(2500):  # its thread ends soon after
         if not caller.running:
             break
         time.sleep(0.002)
@@ -5954,12 +5964,45 @@ def test_reward_caller_drops_a_given_up_calls_late_result():
             running[0] -= 1
         return 1.0
 
-    scores, errors = RewardCaller(judge, 1, timeout=0.5, on_error=-1.0)([{}] * 4, ["late", "gate", "ok", "ok"])
+    out = []  # in a thread of the test's: a batch that never ends (no thread took the given-up one's place) fails
+    done = threading.Thread(target=lambda: out.append(RewardCaller(judge, 1, timeout=0.5, on_error=-1.0)(
+        [{}] * 4, ["late", "gate", "ok", "ok"])), daemon=True)
+    done.start()
+    done.join(15)
+    assert len(out) == 1, "the batch did not end"
+    (scores, errors), = out
     assert not late[0].is_alive() and scores[0] == -1.0
     # ("gate" waits for the late thread: on a machine so loaded that this took 0.5 s, "gate" timed out too)
     assert (scores, errors) in (([-1.0, 1.0, 1.0, 1.0], 1), ([-1.0, -1.0, 1.0, 1.0], 2)), (scores, errors)
     assert most[0] == 1
 
+
+def test_reward_caller_gives_up_each_call_at_its_own_deadline():
+    # a call is given up `timeout` after it started, not sooner (whatever the load), and not at the deadline of a
+    # call that started after it: "A" runs until given up, "B" starts 0.3 s after it (when "Q" ends) and returns
+    # once "C", which takes A's place, has started: B is not given up (its own deadline is 0.3 s later)
+    import threading
+
+    from reward import RewardCaller
+
+    timeout, at, c_started, release = 0.6, {}, threading.Event(), threading.Event()
+
+    def judge(record, response):
+        at[response] = time.monotonic()
+        if response == "A":
+            release.wait(10)
+        elif response == "Q":
+            time.sleep(0.3)
+        elif response == "B":
+            c_started.wait(5)
+        else:
+            c_started.set()
+            release.set()
+        return 1.0
+
+    t0 = time.monotonic()
+    assert RewardCaller(judge, 2, timeout, on_error=-1.0)([{}] * 4, ["A", "Q", "B", "C"]) == ([-1.0, 1.0, 1.0, 1.0], 1)
+    assert at["C"] >= t0 + timeout, (at, t0)  # A's place was taken only once it had run its timeout
 
 def test_reward_caller_starts_one_watcher(monkeypatch):
     # the watcher of slow calls (no timeout) is started once, by the calling thread: started by the workers, two
