@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import weakref
 
 
 POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
@@ -113,7 +114,8 @@ class RewardCaller:
             raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
         calls = list(zip(records, responses))
         if not self.timeout and self.watcher is None:  # started here, not by the workers: two could each start one
-            self.watcher = threading.Thread(target=self._watch, name=f"reward-watch-{self.name}", daemon=True)
+            self.watcher = threading.Thread(target=RewardCaller._watch, args=(weakref.ref(self),),
+                                            name=f"reward-watch-{self.name}", daemon=True)
             self.watcher.start()
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
         scores, errors = [], 0
@@ -158,13 +160,14 @@ class RewardCaller:
         finally:
             del self.running[key]
 
-    def _watch(self):
+    @staticmethod
+    def _watch(caller):
         """A daemon thread: names a call that runs past SLOW_S with no timeout to end it. On several ranks the
         others wait for this one in their next collective, until the process group's timeout (30 minutes) ends
-        the job and names one of them."""
+        the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
+        function, and whatever it holds, lived as long as the process: a thread for each caller)."""
         reported = set()
-        while True:
-            time.sleep(self.SLOW_S / 4)
+        while (self := caller()) is not None:
             now, rank = time.monotonic(), os.environ.get("RANK")
             slow = sorted(((t0, response, key) for key, (t0, response) in list(self.running.items())
                            if now - t0 >= self.SLOW_S and key not in reported), key=lambda c: c[0])
@@ -176,6 +179,8 @@ class RewardCaller:
                       flush=True)
                 reported |= {key for _, _, key in slow}
             reported &= set(self.running)  # the calls that ended
+            wait, self = self.SLOW_S / 4, None  # no reference while it sleeps
+            time.sleep(wait)
 
     def _threads(self, calls):
         """The calls' results in the pool of threads, each (True, value) or (False, exception)."""

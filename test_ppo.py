@@ -6034,6 +6034,9 @@ def test_reward_caller_starts_one_watcher(monkeypatch):
 def test_reward_caller_names_slow_calls_once(monkeypatch, capsys):
     # the watcher (no timeout), scan by scan on a clock of the test's: the calls past SLOW_S found at once in one line
     # naming the oldest and counting the others, each call named once however long it runs, the rank when there is one
+    import gc
+    import weakref
+
     import reward
 
     caller = reward.RewardCaller(lambda r, t: 1.0)
@@ -6068,13 +6071,23 @@ def test_reward_caller_names_slow_calls_once(monkeypatch, capsys):
     watch = types.FunctionType(reward.RewardCaller._watch.__code__,
                                {**vars(reward), "time": types.SimpleNamespace(sleep=sleep, monotonic=lambda: clock[0])})
     with pytest.raises(StopIteration):
-        watch(caller)
+        watch(weakref.ref(caller))
     said = capsys.readouterr().out.splitlines()
     name, tail = "reward function test_reward_caller_names_slow_calls_once.<locals>.<lambda> has run", (
         "and is waited for; --reward_timeout gives up such calls")
     assert said == [f"{name} 61 s on a response ('old') (and 1 more calls past 60 s) {tail}",
                     f"{name} 60 s on a response ('new') {tail}", f"{name} 100 s on a response ('dd') {tail}",
                     f"rank 3: {name} 90 s on a response ('{'x' * 79}) {tail}"], said
+    # it holds its caller by a weak reference, and ends with it: it kept the function alive as long as the process
+    other = reward.RewardCaller(lambda r, t: 1.0)
+    other.SLOW_S = 0.04
+    assert other([{}], ["a"]) == ([1.0], 0)
+    watcher, gone = other.watcher, weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None
+    watcher.join(10)
+    assert not watcher.is_alive()
 
 
 # ==================================================================================================
