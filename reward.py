@@ -103,6 +103,8 @@ class RewardCaller:
             raise ValueError(f"reward_workers must be an int >= 1, not {workers!r}")
         if not timeout >= 0:
             raise ValueError(f"reward_timeout must be >= 0 seconds (0: none), not {timeout!r}")
+        if not (on_error is None or real_number(on_error) and -FLOAT32_MAX <= on_error <= FLOAT32_MAX):
+            raise ValueError(f"reward_on_error must be None or a score finite in float32, not {on_error!r:.40}")
         self.fn, self.workers, self.timeout, self.on_error = fn, int(workers), float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self.reported = set()  # the kinds of failure already printed (each kind once a run)

@@ -5861,11 +5861,14 @@ def test_reward_caller_accepts_one_real_number():
     assert isinstance(e.value.__cause__, FloatingPointError)
     # the settings: a callable, an int >= 1 of workers (not a bool), a timeout >= 0 (not NaN)
     assert RewardCaller(lambda r, t: 1.0, workers=np.int64(2)).workers == 2
+    assert RewardCaller(lambda r, t: t / 0, on_error=np.float32(-1.5))([{}], [1.0]) == ([-1.5], 1)  # (printed)
     assert not real_number(types.SimpleNamespace(ndim=0, dtype="float32"))  # a dtype neither numpy's nor torch's
     for bad, match in [(dict(fn="sentiment"), "the reward function must be callable as fn\\(record, response\\), got 'sentiment'"),
                        (dict(workers=True), "reward_workers must be an int >= 1, not True"),
                        (dict(workers=2.0), "reward_workers must be an int >= 1, not 2.0"),
-                       (dict(timeout=math.nan), "reward_timeout must be >= 0 seconds \\(0: none\\), not nan")]:
+                       (dict(timeout=math.nan), "reward_timeout must be >= 0 seconds \\(0: none\\), not nan")] + [
+                       (dict(on_error=v), f"reward_on_error must be None or a score finite in float32, not {re.escape(repr(v)[:40])}")
+                       for v in ("0", math.nan, -math.inf, 1e39, 10**400, [0.0])]:
         with pytest.raises((TypeError, ValueError), match=match):
             RewardCaller(**{"fn": lambda r, t: 1.0, **bad})
 
