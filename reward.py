@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import weakref
 
 
 POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
@@ -38,8 +39,9 @@ disgusting dreadful gloomy grim cruel harsh bitter regret sorry negative tragic"
 
 def sentiment_reward(record, response):
     """Lexicon sentiment: 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5].
-    A density, not a count, so padding a response with more words does not pay by itself."""
-    words = re.findall(r"[a-z']+", response.lower())
+    A density, not a count, so padding a response with more words does not pay by itself. A word: letters a-z
+    (case ignored) with inner apostrophes, typographic too ("don't", "it\u2019s"); a quote's are no part of it."""
+    words = re.findall(r"[a-z]+(?:['\u2019][a-z]+)*", response.lower())
     pos = sum(w in POSITIVE for w in words)
     neg = sum(w in NEGATIVE for w in words)
     return max(-5.0, min(5.0, 10.0 * (pos - neg) / (len(words) + 5)))
@@ -51,7 +53,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # the scores become float32 tensors: a larg
 
 def real_number(value):
     """Whether a reward function's return value is one real number: an int, float or bool, or a numpy or torch
-    scalar (a 0-dim array or tensor) of an integer, float or bool dtype; not a string, a complex number or a list."""
+    scalar (a 0-dim array or tensor) of an integer, float or bool dtype; not a string, a complex number or a list.
+    A bool is a 0/1 score (a verifier's `return answer == record["answer"]`), numpy's and torch's as Python's; an
+    array or tensor of one element is refused as a list of one is: one call scores one response, not a batch."""
     if isinstance(value, numbers.Real):
         return True
     dtype = getattr(value, "dtype", None)
@@ -95,11 +99,13 @@ class RewardCaller:
     def __init__(self, fn, workers=1, timeout=0.0, on_error=None):
         if not callable(fn):
             raise TypeError(f"the reward function must be callable as fn(record, response), got {fn!r:.80}")
-        if not (isinstance(workers, int) and workers >= 1):
+        if not (isinstance(workers, numbers.Integral) and not isinstance(workers, bool) and workers >= 1):
             raise ValueError(f"reward_workers must be an int >= 1, not {workers!r}")
         if not timeout >= 0:
             raise ValueError(f"reward_timeout must be >= 0 seconds (0: none), not {timeout!r}")
-        self.fn, self.workers, self.timeout, self.on_error = fn, workers, float(timeout), on_error
+        if not (on_error is None or real_number(on_error) and -FLOAT32_MAX <= on_error <= FLOAT32_MAX):
+            raise ValueError(f"reward_on_error must be None or a score finite in float32, not {on_error!r:.40}")
+        self.fn, self.workers, self.timeout, self.on_error = fn, int(workers), float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
@@ -109,6 +115,10 @@ class RewardCaller:
         if len(records) != len(responses):
             raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
         calls = list(zip(records, responses))
+        if not self.timeout and self.watcher is None:  # started here, not by the workers: two could each start one
+            self.watcher = threading.Thread(target=RewardCaller._watch, args=(weakref.ref(self),),
+                                            name=f"reward-watch-{self.name}", daemon=True)
+            self.watcher.start()
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
         scores, errors = [], 0
         for i, (ok, value) in enumerate(results):
@@ -142,9 +152,6 @@ class RewardCaller:
         after SLOW_S seconds is reported once (_watch)."""
         key = object()
         self.running[key] = (time.monotonic(), response)
-        if not self.timeout and self.watcher is None:
-            self.watcher = threading.Thread(target=self._watch, name=f"reward-watch-{self.name}", daemon=True)
-            self.watcher.start()
         try:
             return True, self.fn(record, response)
         except BaseException as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised,
@@ -155,13 +162,14 @@ class RewardCaller:
         finally:
             del self.running[key]
 
-    def _watch(self):
+    @staticmethod
+    def _watch(caller):
         """A daemon thread: names a call that runs past SLOW_S with no timeout to end it. On several ranks the
         others wait for this one in their next collective, until the process group's timeout (30 minutes) ends
-        the job and names one of them."""
+        the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
+        function, and whatever it holds, lived as long as the process: a thread for each caller)."""
         reported = set()
-        while True:
-            time.sleep(self.SLOW_S / 4)
+        while (self := caller()) is not None:
             now, rank = time.monotonic(), os.environ.get("RANK")
             slow = sorted(((t0, response, key) for key, (t0, response) in list(self.running.items())
                            if now - t0 >= self.SLOW_S and key not in reported), key=lambda c: c[0])
@@ -173,6 +181,8 @@ class RewardCaller:
                       flush=True)
                 reported |= {key for _, _, key in slow}
             reported &= set(self.running)  # the calls that ended
+            wait, self = self.SLOW_S / 4, None  # no reference while it sleeps
+            time.sleep(wait)
 
     def _threads(self, calls):
         """The calls' results in the pool of threads, each (True, value) or (False, exception)."""

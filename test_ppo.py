@@ -5744,6 +5744,12 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
     assert said == ["reward function test_reward_caller_threads_timeouts_and_errors.<locals>.flaky failed on response 1 "
                     "('bad'): ConnectionError('judge unreachable'); scored --reward_on_error=-2 (further "
                     "ConnectionErrors are counted in val/reward_errors only)"], said
+    def kinds(record, response):
+        raise {"v": ValueError, "k": KeyError}[response](response)
+
+    assert RewardCaller(kinds, on_error=0.0)([{}] * 4, ["v", "k", "v", "k"]) == ([0.0] * 4, 4)
+    said = capsys.readouterr().out  # each kind once: the first ValueError and the first KeyError
+    assert re.findall(r"failed on response (\d) \('(\w)'\): (\w+)", said) == [("0", "v", "ValueError"), ("1", "k", "KeyError")]
     with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
                                            r"ConnectionError\('judge unreachable'\); --reward_on_error"):
         RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
@@ -5814,6 +5820,287 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         RewardCaller(flaky, workers=0)
     with pytest.raises(ValueError, match="reward_timeout must be >= 0"):
         RewardCaller(flaky, timeout=-1)
+
+
+def test_sentiment_reward_by_hand():
+    # 10 * (positive words - negative words) / (words + 5), clipped to [-5, 5]; a word: letters, case ignored,
+    # with inner apostrophes (typographic too), so a quoted word counts and a lone apostrophe is no word
+    from reward import NEGATIVE, POSITIVE, sentiment_reward
+
+    cases = [("", 0.0), ("What a lovely, sunny day!", 10 * 1 / (5 + 5)), ("Bad, BAD service; I hate it.", 10 * -3 / (6 + 5)),
+             ("a well-known, 5-star cafe: superb!!", 10 * 2 / (6 + 5)), ("Loved it. Lovely!", 10 * 2 / (3 + 5)),
+             ("happy", 10 / 6), ("unhappy", -10 / 6), ("GOOD Good good", 10 * 3 / (3 + 5)), ("no 123 problems", -10 / 7),
+             ("love " * 5, 5.0), ("joy " * 6, 5.0), ("sad " * 7 + "smile", 10 * -6 / (8 + 5)), ("awful " * 9, -5.0),
+             ("He said 'great', didn't he?", 10 * 1 / (5 + 5)), ("It\u2019s fine", 10 * 1 / (2 + 5)),
+             ("good ' ' ' ' bad good", 10 * 1 / (3 + 5))]
+    for text, want in cases:
+        assert sentiment_reward({}, text) == pytest.approx(want, rel=1e-12, abs=0), text
+    # the lists: lowercase letters only (the words are matched lowercased), no word in both, none lost or added
+    assert all(re.fullmatch("[a-z]+", w) for w in POSITIVE | NEGATIVE) and not POSITIVE & NEGATIVE
+    assert (len(POSITIVE), len(NEGATIVE)) == (88, 69)
+
+
+def test_reward_caller_accepts_one_real_number():
+    # a bool is a 0/1 score (a verifier's `return answer == expected`): numpy's and torch's as Python's; a 0-dim
+    # array or tensor is one number, one of shape (1,) is refused as a list of one is
+    import fractions
+
+    import numpy as np
+
+    from reward import FLOAT32_MAX, RewardCaller, real_number
+
+    good = [True, False, np.bool_(True), np.bool_(False), torch.tensor(True), np.array(False), np.float16(0.5), np.int8(-3),
+            np.uint64(7), np.array(2.5), torch.tensor(-4, dtype=torch.int16), torch.tensor(0.75, dtype=torch.bfloat16),
+            fractions.Fraction(1, 4)]
+    values = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.5, -3.0, 7.0, 2.5, -4.0, 0.75, 0.25]
+    texts = [str(i) for i in range(len(good))]
+    assert RewardCaller(lambda r, t: good[int(t)], on_error=0.0)([{}] * len(good), texts) == (values, 0)
+    scores, _ = RewardCaller(lambda r, t: good[int(t)], on_error=0.0)([{}] * len(good), texts)
+    assert all(type(s) is float for s in scores)  # floats, not the function's numpy or torch scalars
+    for bad in [np.array([1.0]), torch.tensor([1.0]), np.array([[True]]), Decimal("0.5"), np.datetime64(1, "s"),
+                np.array(1.0, dtype=object), np.str_("1"), np.complex64(1), np.array(2j)]:
+        assert not real_number(bad)
+        with pytest.raises(TypeError, match=re.escape(f"returned {bad!r} ({type(bad).__name__}) for response 0 ('x'); "
+                                                      "it must return a float")):
+            RewardCaller(lambda r, t: bad, on_error=0.0)([{}], ["x"])
+    # the largest float32 is a score; the next double is beyond float32, a failed call (named, the error its cause)
+    big = [FLOAT32_MAX, -FLOAT32_MAX, math.nextafter(FLOAT32_MAX, math.inf), -math.nextafter(FLOAT32_MAX, math.inf)]
+    assert RewardCaller(lambda r, t: big[int(t)], on_error=0.0)([{}] * 4, "0123") == ([FLOAT32_MAX, -FLOAT32_MAX, 0.0, 0.0], 2)
+    with pytest.raises(RuntimeError, match=r"failed on response 1 \('3'\): FloatingPointError") as e:
+        RewardCaller(lambda r, t: big[int(t)])([{}] * 2, "03")
+    assert isinstance(e.value.__cause__, FloatingPointError)
+    # the settings: a callable, an int >= 1 of workers (not a bool), a timeout >= 0 (not NaN)
+    assert RewardCaller(lambda r, t: 1.0, workers=np.int64(2)).workers == 2
+    assert RewardCaller(lambda r, t: t / 0, on_error=np.float32(-1.5))([{}], [1.0]) == ([-1.5], 1)  # (printed)
+    assert not real_number(types.SimpleNamespace(ndim=0, dtype="float32"))  # a dtype neither numpy's nor torch's
+    for bad, match in [(dict(fn="sentiment"), "the reward function must be callable as fn\\(record, response\\), got 'sentiment'"),
+                       (dict(workers=True), "reward_workers must be an int >= 1, not True"),
+                       (dict(workers=2.0), "reward_workers must be an int >= 1, not 2.0"),
+                       (dict(timeout=math.nan), "reward_timeout must be >= 0 seconds \\(0: none\\), not nan")] + [
+                       (dict(on_error=v), f"reward_on_error must be None or a score finite in float32, not {re.escape(repr(v)[:40])}")
+                       for v in ("0", math.nan, -math.inf, 1e39, 10**400, [0.0])]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            RewardCaller(**{"fn": lambda r, t: 1.0, **bad})
+
+
+def test_reward_caller_runs_its_workers_at_once():
+    # a judge that answers only when `workers` calls wait on it at once: in series, or in fewer threads, the barrier
+    # breaks (after 5 s, so that no test hangs); and no more than `workers` calls run at once
+    import threading
+
+    from reward import RewardCaller
+
+    for workers, timeout in ((3, 0.0), (3, 30.0), (2, 30.0)):
+        barrier, lock, running, most = threading.Barrier(workers, timeout=5), threading.Lock(), [0], [0]
+
+        def judge(record, response):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            barrier.wait()
+            with lock:
+                running[0] -= 1
+            return float(len(response))
+
+        texts = ["a" * k for k in range(1, 2 * workers + 1)]
+        assert RewardCaller(judge, workers, timeout)([{}] * len(texts), texts) == ([float(len(t)) for t in texts], 0)
+        assert most[0] == workers, (workers, timeout, most)
+
+
+def test_reward_caller_tracks_the_calls_in_flight():
+    # running: key -> (its start on time.monotonic, its response), for each call from its start to its end, however
+    # it ended (the watcher names a call in there that runs past SLOW_S: one left there would be named long after)
+    import threading
+
+    from reward import RewardCaller
+
+    seen = []
+    for workers, timeout in ((1, 0.0), (3, 0.0), (3, 30.0)):
+        barrier = threading.Barrier(workers, timeout=5)
+
+        def judge(record, response):
+            barrier.wait()  # every call of the round is in flight
+            seen.append((sorted(r for _, r in caller.running.values()), [t0 for t0, _ in caller.running.values()],
+                         time.monotonic()))
+            barrier.wait()
+            if response.startswith("bad"):
+                raise ValueError(response)
+            return 1.0
+
+        caller = RewardCaller(judge, workers, timeout, on_error=-1.0)
+        texts = ["ok0", "bad1", "ok0", "ok3", "bad1", "ok0"]  # the same response twice in flight (two samples)
+        seen.clear()
+        t0, out = time.monotonic(), []
+        done = threading.Thread(target=lambda: out.append(caller([{}] * 6, texts)), daemon=True)
+        done.start()
+        done.join(15)  # (a batch that never ends fails)
+        assert out == [([1.0, -1.0, 1.0, 1.0, -1.0, 1.0], 2)], (workers, timeout)
+        assert caller.running == {}, (workers, timeout)
+        rounds = [sorted(texts[i:i + workers]) for i in range(0, 6, workers) for _ in range(workers)]
+        assert sorted(r for r, _, _ in seen) == sorted(rounds), (workers, seen)
+        assert all(t0 <= start <= now for _, starts, now in seen for start in starts), (t0, seen)
+    # a given-up call stays in flight until it ends
+    release = threading.Event()
+    caller = RewardCaller(lambda r, t: release.wait(10) and 2.0, 1, timeout=0.05, on_error=-1.0)
+    assert caller([{}], ["late"]) == ([-1.0], 1)
+    assert [r for _, r in caller.running.values()] == ["late"]
+    release.set()
+    for _ in range(2500):  # its thread ends soon after
+        if not caller.running:
+            break
+        time.sleep(0.002)
+    assert caller.running == {}
+
+
+def test_reward_caller_drops_a_given_up_calls_late_result():
+    # a call given up (timed out) that returns while its batch still runs: its result is dropped (the batch keeps
+    # the TimeoutError, scored on_error), it lands on no other call, and its thread leaves (the fresh one took its
+    # place: no more than `workers` calls at once)
+    import threading
+
+    from reward import RewardCaller
+
+    release, late, lock, running, most = threading.Event(), [], threading.Lock(), [0], [0]
+
+    def judge(record, response):
+        if response == "late":
+            late.append(threading.current_thread())
+            release.wait(10)
+            return 5.0
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if response == "gate":
+            release.set()  # the given-up call returns now, while this batch waits for this call
+            late[0].join(5)  # and its thread has dealt with its result
+        with lock:
+            running[0] -= 1
+        return 1.0
+
+    out = []  # in a thread of the test's: a batch that never ends (no thread took the given-up one's place) fails
+    done = threading.Thread(target=lambda: out.append(RewardCaller(judge, 1, timeout=0.5, on_error=-1.0)(
+        [{}] * 4, ["late", "gate", "ok", "ok"])), daemon=True)
+    done.start()
+    done.join(15)
+    assert len(out) == 1, "the batch did not end"
+    (scores, errors), = out
+    assert not late[0].is_alive() and scores[0] == -1.0
+    # ("gate" waits for the late thread: on a machine so loaded that this took 0.5 s, "gate" timed out too)
+    assert (scores, errors) in (([-1.0, 1.0, 1.0, 1.0], 1), ([-1.0, -1.0, 1.0, 1.0], 2)), (scores, errors)
+    assert most[0] == 1
+
+
+def test_reward_caller_gives_up_each_call_at_its_own_deadline():
+    # a call is given up `timeout` after it started, not sooner (whatever the load), and not at the deadline of a
+    # call that started after it: "A" runs until given up, "B" starts 0.3 s after it (when "Q" ends) and returns
+    # once "C", which takes A's place, has started: B is not given up (its own deadline is 0.3 s later)
+    import threading
+
+    from reward import RewardCaller
+
+    timeout, at, c_started, release = 0.6, {}, threading.Event(), threading.Event()
+
+    def judge(record, response):
+        at[response] = time.monotonic()
+        if response == "A":
+            release.wait(10)
+        elif response == "Q":
+            time.sleep(0.3)
+        elif response == "B":
+            c_started.wait(5)
+        else:
+            c_started.set()
+            release.set()
+        return 1.0
+
+    t0 = time.monotonic()
+    assert RewardCaller(judge, 2, timeout, on_error=-1.0)([{}] * 4, ["A", "Q", "B", "C"]) == ([-1.0, 1.0, 1.0, 1.0], 1)
+    assert at["C"] >= t0 + timeout, (at, t0)  # A's place was taken only once it had run its timeout
+
+def test_reward_caller_starts_one_watcher(monkeypatch):
+    # the watcher of slow calls (no timeout) is started once, by the calling thread: started by the workers, two
+    # could each find none and start one (each naming every slow call: the lines twice)
+    import threading
+
+    import reward
+
+    made, second = [], threading.Event()
+
+    class Thread(threading.Thread):
+        def __init__(self, *args, name="", **kwargs):
+            if name.startswith("reward-watch-"):
+                made.append(name)
+                if len(made) > 1:
+                    second.set()
+                second.wait(0.5)  # a worker starting one waits here: would another start its own?
+            super().__init__(*args, name=name, **kwargs)
+
+    monkeypatch.setattr(reward, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    barrier = threading.Barrier(3, timeout=5)
+    caller = reward.RewardCaller(lambda r, t: barrier.wait() * 0 + 1.0, workers=3)
+    for _ in range(2):
+        assert caller([{}] * 3, ["a", "b", "c"]) == ([1.0] * 3, 0)
+    assert made == ["reward-watch-test_reward_caller_starts_one_watcher.<locals>.<lambda>"] and caller.watcher.is_alive()
+    assert reward.RewardCaller(lambda r, t: 1.0, workers=3, timeout=1.0)([{}], ["a"]) == ([1.0], 0) and len(made) == 1
+
+
+def test_reward_caller_names_slow_calls_once(monkeypatch, capsys):
+    # the watcher (no timeout), scan by scan on a clock of the test's: the calls past SLOW_S found at once in one line
+    # naming the oldest and counting the others, each call named once however long it runs, the rank when there is one
+    import gc
+    import weakref
+
+    import reward
+
+    caller = reward.RewardCaller(lambda r, t: 1.0)
+    clock, steps = [1000.0], []
+
+    def sleep(s):
+        assert 0 < s <= caller.SLOW_S / 4  # a slow call is named within 1.25 SLOW_S
+        if not steps:
+            raise StopIteration  # the watcher's loop ends with the test's scans
+        steps.pop(0)()
+
+    a, b, c, d, e = (object() for _ in range(5))
+    run = caller.running
+
+    def scan1():
+        run.update({b: (1000 - 60.0, "mid"), a: (1000 - 61.4, "old"), c: (1000 - 59.9, "new")})
+
+    def scan2():
+        clock[0] += 0.5  # "new" is past too, "old" and "mid" were named
+
+    def scan3():
+        del run[b]
+        run[d] = (clock[0] - 100, "dd")
+
+    def scan4():
+        monkeypatch.setenv("RANK", "3")
+        run[e] = (clock[0] - 90, "x" * 100)
+        del run[a], run[c], run[d]
+
+    steps += [scan1, scan2, scan3, scan4, lambda: None]
+    monkeypatch.delenv("RANK", raising=False)
+    watch = types.FunctionType(reward.RewardCaller._watch.__code__,
+                               {**vars(reward), "time": types.SimpleNamespace(sleep=sleep, monotonic=lambda: clock[0])})
+    with pytest.raises(StopIteration):
+        watch(weakref.ref(caller))
+    said = capsys.readouterr().out.splitlines()
+    name, tail = "reward function test_reward_caller_names_slow_calls_once.<locals>.<lambda> has run", (
+        "and is waited for; --reward_timeout gives up such calls")
+    assert said == [f"{name} 61 s on a response ('old') (and 1 more calls past 60 s) {tail}",
+                    f"{name} 60 s on a response ('new') {tail}", f"{name} 100 s on a response ('dd') {tail}",
+                    f"rank 3: {name} 90 s on a response ('{'x' * 79}) {tail}"], said
+    # it holds its caller by a weak reference, and ends with it: it kept the function alive as long as the process
+    other = reward.RewardCaller(lambda r, t: 1.0)
+    other.SLOW_S = 0.04
+    assert other([{}], ["a"]) == ([1.0], 0)
+    watcher, gone = other.watcher, weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None
+    watcher.join(10)
+    assert not watcher.is_alive()
 
 
 # ==================================================================================================
