@@ -367,6 +367,7 @@ def test_config_json_values_transformers_refuses_are_named(tmp_path):
             with pytest.raises(UsageError, match=want):
                 f()
 
+
 def rewrite_safetensors_header(path, edit):
     """path's safetensors file with edit(header) applied to its JSON header; the data untouched (its data_offsets are
     relative to the data's start, so the header may change length)."""
@@ -420,6 +421,7 @@ def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
         with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'swapped' / 'old.safetensors'}: tensor ")
                            + f".* is in {re.escape(str(tmp_path / 'swapped' / 'model.safetensors'))} too"):
             f()
+
 
 def write_gguf(path, alignment=None, arch="llama"):
     """A small GGUF file written by the gguf package: metadata of every value type (strings, arrays of strings and
@@ -895,6 +897,7 @@ def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
                                                    "end: give the ids that end one with --stop_token_ids")):
         data.load_inputs(cfg)
     assert data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[3]))[1:3] == ([3], 3)
+
 
 def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
     # the metadata is the source, whichever transformers reads it (5.17 builds the EOS from bos_token_id and
@@ -5152,6 +5155,7 @@ def test_compiled_decode_micro_batches_equal_eager(rollout_tiny, monkeypatch):
 # gae.py
 # ==================================================================================================
 
+
 def _lengths_mask(lengths, T):
     return torch.arange(T) < torch.tensor(lengths)[:, None]
 
@@ -5992,20 +5996,20 @@ def test_reward_caller_drops_a_given_up_calls_late_result():
 
 def test_reward_caller_gives_up_each_call_at_its_own_deadline():
     # a call is given up `timeout` after it started, not sooner (whatever the load), and not at the deadline of a
-    # call that started after it: "A" runs until given up, "B" starts 0.3 s after it (when "Q" ends) and returns
-    # once "C", which takes A's place, has started: B is not given up (its own deadline is 0.3 s later)
+    # call that started after it: "A" runs until given up, "B" starts 0.6 s after it (when "Q" ends) and returns
+    # once "C", which takes A's place, has started: B is not given up (its own deadline is 0.6 s later)
     import threading
 
     from reward import RewardCaller
 
-    timeout, at, c_started, release = 0.6, {}, threading.Event(), threading.Event()
+    timeout, at, c_started, release = 1.2, {}, threading.Event(), threading.Event()
 
     def judge(record, response):
         at[response] = time.monotonic()
         if response == "A":
             release.wait(10)
         elif response == "Q":
-            time.sleep(0.3)
+            time.sleep(0.6)
         elif response == "B":
             c_started.wait(5)
         else:
@@ -6016,6 +6020,7 @@ def test_reward_caller_gives_up_each_call_at_its_own_deadline():
     t0 = time.monotonic()
     assert RewardCaller(judge, 2, timeout, on_error=-1.0)([{}] * 4, ["A", "Q", "B", "C"]) == ([-1.0, 1.0, 1.0, 1.0], 1)
     assert at["C"] >= t0 + timeout, (at, t0)  # A's place was taken only once it had run its timeout
+
 
 def test_reward_caller_starts_one_watcher(monkeypatch):
     # the watcher of slow calls (no timeout) is started once, by the calling thread: started by the workers, two
@@ -6917,6 +6922,7 @@ from torch.distributed.tensor import DTensor
 import ppo
 record, score_batch = [], ppo.score_batch
 
+
 def recorded(actor, ref, critic, reward_model, batch, cfg, run, *rest):  # step k: theta_k, and the batch it scores
     theta = {{k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in actor.state_dict().items()}}
     record.append((theta, {{k: batch[k].clone() for k in ("tokens", "response_mask", "sampler_logp")}}))
@@ -6992,11 +6998,13 @@ import threading, time
 due, generate, calls = ppo.due, ppo.generate, []
 events = [threading.Event() for _ in range(8)]
 
+
 def due_and_told(step, cfg):  # the main thread reaches the evaluation after `step`
     if due(step, cfg):
         events[step].set()
         return True
     return False
+
 
 def held(*args, **kw):  # the worker's draw of step k = 2, 3 waits for the evaluation after step k - 1 to be due
     if threading.current_thread().name.startswith("rollout"):  # (an evaluation generates on the main thread on a CPU)
@@ -7035,6 +7043,7 @@ import weakref
 import torch
 held = []
 
+
 def failing(*args, **kw):  # the worker's calls in FAIL_CALLS raise (call k draws step k's batch)
     calls.append(1)
     if held:  # the retry: what the failed attempt held (its KV cache, say) is freed
@@ -7072,6 +7081,7 @@ import time
 import reward
 generate, calls = ppo.generate, []
 
+
 def slow_third(*args, **kw):  # step 3's batch, drawn during step 2, takes 8 s more
     calls.append(1)
     out = generate(*args, **kw)
@@ -7079,6 +7089,7 @@ def slow_third(*args, **kw):  # step 3's batch, drawn during step 2, takes 8 s m
         time.sleep(8)
         print("GENERATED", time.time(), flush=True)
     return out
+
 
 def fails_in_step_2(record, response):
     if len(calls) == 3:
@@ -7111,9 +7122,11 @@ import reward
 generate, calls, met = ppo.generate, [], []
 tracing, called = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
 
+
 @torch.compile(backend="eager", fullgraph=True)
 def plus_one(x):
     return x + 1
+
 
 def holds_a_trace(i):  # traced as AOTAutograd traces what it compiles (make_fx), until the other thread has called
     def traced(x):      # plus_one
@@ -7122,10 +7135,12 @@ def holds_a_trace(i):  # traced as AOTAutograd traces what it compiles (make_fx)
         return x * 2
     make_fx(traced)(torch.ones(1))
 
+
 def calls_compiled(i):  # once the other thread's trace is open
     if tracing[i].wait(60):
         met.append(plus_one(torch.ones(1)).item())
     called[i].set()
+
 
 def worker_generate(*args, **kw):  # call 2 (step 2's batch, drawn beside step 1's scoring): compiled code;
     calls.append(1)                # call 3 (beside step 2's): an open trace
@@ -7134,6 +7149,7 @@ def worker_generate(*args, **kw):  # call 2 (step 2's batch, drawn beside step 1
     elif len(calls) == 3:
         holds_a_trace(1)
     return generate(*args, **kw)
+
 
 def scored(record, response):  # the main thread, while the worker draws the next batch
     if len(calls) == 2 and not tracing[0].is_set():
@@ -7347,6 +7363,7 @@ import threading
 import torch._inductor.cudagraph_trees as trees
 made, init = [], trees.CUDAGraphTreeManager.__init__
 
+
 def counted(self, *args, **kwargs):
     made.append(threading.current_thread().name)
     init(self, *args, **kwargs)
@@ -7429,6 +7446,7 @@ def test_a_new_advantage_estimator_is_one_function(tiny_run, tmp_path):
 import torch
 import gae
 calls = []
+
 
 @gae.advantage_estimator("sign")
 def sign_advantages(score, kl_reward, values, mask, cfg):
@@ -7886,12 +7904,14 @@ def test_an_export_killed_while_it_replaces_the_last_one_is_completed(tiny_run, 
 import os, shutil
 replace, rmtree, seen = os.replace, shutil.rmtree, []
 
+
 def killed_after_replace(src, dst):  # the final export's rename to `name` (the first export has its own)
     replace(src, dst)
     if {call!r} == "replace" and str(dst).endswith("/" + {name!r}) and "checkpoints" not in str(src):
         seen.append(dst)
         if len(seen) == (1 if {name!r} == "actor.old" else 2):
             os._exit(137)
+
 
 def killed_before_rmtree(path, *a, **kw):
     if {call!r} == "rmtree" and str(path).endswith("/" + {name!r}) and os.path.exists(path):
@@ -8575,6 +8595,7 @@ def test_a_skipped_update_leaves_the_step_metrics_finite(tiny_run, tmp_path):
     setup = """
 update, calls = ppo.update, [0]
 
+
 def second_is_nan(*args, **kw):  # the step's 2nd update reports a NaN loss and gradient, as a skipped one does
     out = update(*args, **kw)
     calls[0] += 1
@@ -8658,6 +8679,7 @@ def test_a_nan_loss_with_a_finite_gradient_skips_its_update(tiny_run, tmp_path):
 import torch
 forward, calls = ppo.policy_forward, [0]
 
+
 def nan_in_update_2(*args, **kw):  # one micro-batch of the second update: logp NaN, in the training forward only
     out = forward(*args, **kw)
     if torch.is_grad_enabled():
@@ -8688,6 +8710,7 @@ def test_bad_updates_in_a_row_span_a_resume_and_a_lower_lr_resumes(tiny_run, tmp
 import os
 update, calls = ppo.update, [0]
 bad = {int(k) for k in os.environ["BAD_UPDATES"].split(",") if k}
+
 
 def marked(*args, **kw):  # the updates counted in BAD_UPDATES (4 a step) count as skipped
     out = update(*args, **kw)
@@ -8748,6 +8771,7 @@ def hangs_in_step_2(record, response):
     p = run_script(ppo_script({**args, "total_steps": 2, "resume": "auto"}, setup, reward_fn="hangs_in_step_2"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
 
 def test_stop_signal_flags_once_ignores_the_same_request_and_stops_on_a_second(monkeypatch, capfd):
     # in process, with a clock of the test's own: the first SIGTERM only sets the flag; a signal less than
@@ -9802,6 +9826,7 @@ import importlib.machinery, json, sys, types
 sys.path.insert(0, {REPO!r})
 server = {{}}  # run id -> [(wandb step, the row's keys)], and each run's defined metrics
 
+
 class Run:
     def __init__(self, id):
         self.id, self.rows = id, server.setdefault(id, [])
@@ -9826,6 +9851,7 @@ wandb.Table = lambda columns, data: None
 sys.modules["wandb"] = wandb
 import ppo, reward
 calls, fail = [], [True]
+
 
 def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, evaluation 1, step 2, evaluation 2
     calls.append(1)
@@ -10542,6 +10568,7 @@ import hashlib, os, sys
 sys.path.insert(0, {REPO!r})
 import torch.nn.functional as F
 drop, seen = F.dropout, []
+
 
 def recorded(x, p=0.5, training=True, inplace=False):
     y = drop(x, p, training, inplace)
