@@ -169,19 +169,19 @@ class RewardCaller:
         the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
         function, and whatever it holds, lived as long as the process: a thread for each caller)."""
         reported = set()
-        while (self := caller()) is not None:
+        while (rc := caller()) is not None:
             now, rank = time.monotonic(), os.environ.get("RANK")
-            slow = sorted(((t0, response, key) for key, (t0, response) in list(self.running.items())
-                           if now - t0 >= self.SLOW_S and key not in reported), key=lambda c: c[0])
+            slow = sorted(((t0, response, key) for key, (t0, response) in list(rc.running.items())
+                           if now - t0 >= rc.SLOW_S and key not in reported), key=lambda c: c[0])
             if slow:  # one line for those found at once (a pool of workers)
                 t0, response, _ = slow[0]
-                more = f" (and {len(slow) - 1} more calls past {self.SLOW_S:g} s)" if len(slow) > 1 else ""
-                print(f"{f'rank {rank}: ' if rank else ''}reward function {self.name} has run {now - t0:.0f} s on "
+                more = f" (and {len(slow) - 1} more calls past {rc.SLOW_S:g} s)" if len(slow) > 1 else ""
+                print(f"{f'rank {rank}: ' if rank else ''}reward function {rc.name} has run {now - t0:.0f} s on "
                       f"a response ({response!r:.80}){more} and is waited for; --reward_timeout gives up such calls",
                       flush=True)
                 reported |= {key for _, _, key in slow}
-            reported &= set(self.running)  # the calls that ended
-            wait, self = self.SLOW_S / 4, None  # no reference while it sleeps
+            reported &= set(rc.running)  # the calls that ended
+            wait, rc = rc.SLOW_S / 4, None  # no reference while it sleeps
             time.sleep(wait)
 
     def _threads(self, calls):
