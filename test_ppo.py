@@ -2571,6 +2571,44 @@ def test_custom_keys_apply_to_sft_data(tmp_path):
             tmp_path / "q.jsonl", [{"prompt": "a good day"}] * 8)))
 
 
+def test_load_inputs_limits_at_their_boundaries_and_the_reward_models_tokenizer(tmp_path):
+    # a prompt and its response filling the context, or the sliding window, exactly is a run; one token more is
+    # refused; a reward model whose tokenizer gives the policy's ids other tokens is refused, naming --reward_model
+    import dataclasses
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol", max_position_embeddings=40)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8, max_prompt_len=16,
+                     max_new_tokens=24, out_dir=str(tmp_path / "out"))
+    assert len(data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[63]))[3]) == 8  # the last id
+    with pytest.raises(UsageError, match=re.escape(f"--stop_token_ids: [64] are no token ids of {policy}")):
+        data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[64]))
+    sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi", "response": "a good"}] * 2 + [{"prompt": "hi", "response":
+                                                                                            "yes " * 40}])
+    assert len(data.load_inputs(dataclasses.replace(cfg, sft_data=sft, ptx_coef=0.1, ptx_batch_size=2))[4]) == 2
+    with pytest.raises(UsageError, match=re.escape(f"--sft_data: {sft} has 2 pairs of at most 40 tokens (1 longer ones "
+                                                   "dropped), fewer than --ptx_batch_size=3")):
+        data.load_inputs(dataclasses.replace(cfg, sft_data=sft, ptx_coef=0.1, ptx_batch_size=3))
+    with pytest.raises(UsageError, match=re.escape("--max_prompt_len 16 + --max_new_tokens 25 does not fit the context")):
+        data.load_inputs(dataclasses.replace(cfg, max_new_tokens=25))
+    window = make_policy(tmp_path / "window", sliding_window=30)
+    assert len(data.load_inputs(dataclasses.replace(cfg, model=window, max_new_tokens=14))[3]) == 8
+    with pytest.raises(UsageError, match=re.escape("--max_new_tokens 15 exceeds the sliding attention window")):
+        data.load_inputs(dataclasses.replace(cfg, model=window, max_new_tokens=15))
+    rm = make_reward_model(tmp_path / "rm")
+    assert len(data.load_inputs(dataclasses.replace(cfg, reward_model=rm))[3]) == 8
+    tok = json.loads((tmp_path / "rm" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["good"], vocab["bad"] = vocab["bad"], vocab["good"]
+    (tmp_path / "rm" / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UsageError, match=re.escape(f"--reward_model: the policy {policy} and the reward model {rm} use "
+                                                   "different tokenizers (2 of the policy's 64 token ids are other")):
+        data.load_inputs(dataclasses.replace(cfg, reward_model=rm))
+
+
 def test_bos_not_doubled(tmp_path):
     """A template that writes BOS itself must not get a second one from the tokenizer; without a
     template the tokenizer's own BOS is kept."""
@@ -2648,8 +2686,9 @@ def test_check_jsonl_refuses_what_loading_refuses(tmp_path, case):
     with pytest.raises(UsageError) as e:
         check_jsonl(path)
     assert f"{path}:3:" in str(e.value) and fragment in str(e.value), str(e.value)
-    good = ['{"prompt": "hi"}', "", '{"messages": [{"role": "user", "content": "x"}]}']
-    assert check_jsonl(write_jsonl(tmp_path / "good.jsonl", good)) == 2
+    good = ['{"prompt": "hi"}', "", '{"messages": [{"role": "user", "content": "x"}]}',
+            '{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "x"}]}']  # one empty turn
+    assert check_jsonl(write_jsonl(tmp_path / "good.jsonl", good)) == 3
     sft = write_jsonl(tmp_path / "sft.jsonl", ['{"prompt": "hi", "response": "yes"}', '{"prompt": "hi"}'])
     with pytest.raises(UsageError, match=re.escape(f"{sft}:2: 'response' must be a non-empty string")):
         check_jsonl(sft, extra_key="response")
@@ -2789,6 +2828,68 @@ def test_sampler_world_size_shards_concatenate():
         PromptSampler(n=17, batch_size=5, world_size=2)
 
 
+def test_sampler_resumes_at_every_batch_and_on_another_rank_count():
+    # a state saved after any number of batches, epochs past the first and a position at n included, resumes the
+    # same sequence of global batches, read by one rank or split over two
+    for n, b in ((12, 4), (14, 4)):  # no tail (the position reaches n) and a 2-row tail
+        ref = take(PromptSampler(n=n, batch_size=b, seed=5), 10)  # 3 batches per epoch: past epoch 3
+        for k in range(10):
+            s = PromptSampler(n=n, batch_size=b, seed=5)
+            take(s, k)
+            state = json.loads(json.dumps(s.state_dict()))
+            for world in (1, 2):
+                shares = []
+                for rank in range(world):
+                    fresh = PromptSampler(n=n, batch_size=b, rank=rank, world_size=world, seed=5)
+                    fresh.load_state_dict(state)
+                    assert fresh.passes() == s.passes()
+                    shares.append(take(fresh, 10 - k))
+                assert [sum(parts, []) for parts in zip(*shares)] == ref[k:], (n, k, world)
+    with pytest.raises(ValueError, match="position 13 out of range for n=12"):
+        PromptSampler(n=12, batch_size=4).load_state_dict(dict(seed=0, epoch=0, position=13, n=12, batch_size=4))
+
+
+def test_sampler_passes_counts_the_batches_read():
+    # n=10, batch 4: 2 batches a pass, its 2-row tail dropped; back=1: as it was one batch before
+    s = PromptSampler(n=10, batch_size=4, seed=0)
+    got = [x for _ in range(5) for x in (s.next_batch(), s.passes(), s.passes(back=1))[1:]]
+    assert got == pytest.approx([0.4, 0.0, 1.0, 0.4, 1.4, 1.0, 2.0, 1.4, 2.4, 2.0])
+
+
+def test_sft_rank_shares_cover_the_global_batch_and_count_all_its_tokens():
+    # every rank's ptx loss is normalized by the response tokens of the whole global batch, and the ranks' shares
+    # are that batch, each pair once, whatever the number of ranks
+    from data import SFTSet
+
+    pairs = [([1] * (i + 1), [2] * (3 + 2 * i)) for i in range(7)]
+    sft, idx = SFTSet(pairs, 0, "s.jsonl"), [5, 0, 3, 6, 2, 1]
+    for world in (1, 2, 3):
+        shares = [sft.rank_share(idx, rank, world) for rank in range(world)]
+        assert [n for _, n in shares] == [sum(3 + 2 * i for i in idx)] * world
+        mine = [p for share, _ in shares for p in share]
+        assert sorted(mine) == sorted(pairs[i] for i in idx) and all(len(s) == 6 // world for s, _ in shares)
+
+
+@pytest.mark.parametrize("B, M", [(12, 4), (12, 12), (24, 6)])
+def test_minibatch_rows_are_a_stratified_partition_the_same_on_any_rank_count(B, M):
+    from data import minibatch_rows
+
+    K = B // M  # minibatches; the batch is M blocks of K consecutive rows
+    one = minibatch_rows(B, M, 0, 1, seed=3, step=5, epoch=1)
+    assert one.shape == (K, M) and one.dtype == torch.long
+    assert sorted(one.flatten().tolist()) == list(range(B))  # the epoch's minibatches cover the batch once
+    assert all((one[k] // K).tolist() == list(range(M)) for k in range(K))  # one row of each block, in block order
+    g = torch.Generator().manual_seed((3 * 1_000_003 + 5) * 1009 + 1)  # the documented keying
+    assert one.T.tolist() == [(j * K + torch.randperm(K, generator=g)).tolist() for j in range(M)]
+    for W in (w for w in (2, 3, 4) if M % w == 0):
+        ranks = [minibatch_rows(B, M, r, W, 3, 5, 1) for r in range(W)]
+        assert all(x.shape == (K, M // W) and 0 <= x.min() and x.max() < B // W for x in ranks)  # its own rows
+        # rank r holds the rollout rows [r B/W, (r+1) B/W): in global rows, the one-rank minibatches
+        assert torch.equal(torch.cat([x + r * (B // W) for r, x in enumerate(ranks)], dim=1), one), W
+    if K > 1:  # keyed by (seed, step, epoch)
+        assert all(not torch.equal(minibatch_rows(B, M, 0, 1, *key), one) for key in ((4, 5, 1), (3, 6, 1), (3, 5, 2)))
+
+
 # -----------------------------------------------------------------------------
 # the shipped prompt set with the real SmolLM2 tokenizer
 
@@ -2813,7 +2914,7 @@ def test_shipped_prompts_fit_smollm2():
     assert held_out.n_dropped == 0 and len(held_out) >= 24
 
 
-def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
+def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok, tmp_path, monkeypatch):
     # the default run evaluates eval_prompts.jsonl, none of whose prompts it trains on; a run on other prompts
     # evaluates nothing unless told what to evaluate
     from data import load_eval_prompts
@@ -2828,6 +2929,10 @@ def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
                                                    eval_prompts="auto", max_prompt_len=64, prompt_key="prompt",
                                                    messages_key="messages"), **kw})
     assert load_eval_prompts(cfg(), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
+    monkeypatch.chdir(REPO)  # the shipped prompts named otherwise: relative, through a link
+    os.symlink(os.path.join(REPO, "prompts.jsonl"), tmp_path / "link.jsonl")
+    for other in ("prompts.jsonl", str(tmp_path / "link.jsonl")):
+        assert load_eval_prompts(cfg(prompts=other), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
     assert load_eval_prompts(cfg(prompts="mine.jsonl"), tok) is None
     assert load_eval_prompts(cfg(eval_prompts=""), tok) is None
     mine = load_eval_prompts(cfg(prompts="mine.jsonl", eval_prompts=os.path.join(REPO, "eval_prompts.jsonl")), tok)
