@@ -2653,6 +2653,9 @@ BAD_LINES = {
     "message_role_empty": ('{"messages": [{"role": " ", "content": "hi"}]}', "'messages'[0]"),
     "message_content_empty": ('{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": " "}]}',
                               "every 'content' of 'messages' is empty"),
+    "messages_no_user": ('{"messages": [{"role": "system", "content": "be brief."}]}',
+                         "'messages' has no 'user' turn (roles ['system']): nothing for the model to answer"),
+    "messages_prefill_alone": ('{"messages": [{"role": "assistant", "content": "once"}]}', "has no 'user' turn"),
     "huge_int": ('{"prompt": "hi", "n": ' + "9" * 5000 + "}", "not valid JSON (ValueError"),
     "deep_nesting": ('{"prompt": "hi", "n": ' + "[" * 100000 + "]" * 100000 + "}", "not valid JSON (RecursionError"),
 }
