@@ -317,6 +317,15 @@ def check_safetensors(path):
     if 8 + n + end > size:
         raise UsageError(f"{path}: truncated: its header puts tensor data up to byte {8 + n + end}, the file has "
                          f"{size}")
+    start = 0  # the reader wants the tensors' data back to back, from the header's end to the file's
+    for b, e, k in sorted((*header[k]["data_offsets"], k) for k in sizes):
+        if b != start:
+            raise UsageError(f"{path}: damaged header: tensor {k}'s data starts at byte {b} of the data, the tensor "
+                             f"before it ends at {start} (a gap or an overlap), which the reader refuses")
+        start = e
+    if 8 + n + end < size:
+        raise UsageError(f"{path}: {size - 8 - n - end} bytes past its last tensor's data (the file has {size}, its "
+                         f"header accounts for {8 + n + end}), which the reader refuses: damaged or appended to")
     return {k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"}
 
 

@@ -388,6 +388,36 @@ def test_safetensors_header_shape_must_fill_its_byte_range(tmp_path):
         H.check_model(str(tmp_path / "m"))
 
 
+
+def test_safetensors_data_must_fill_the_file_back_to_back(tmp_path):
+    # bytes past the last tensor's data, or a gap between two tensors' data, passed the header check and then failed
+    # in safetensors' reader ("incomplete metadata, file not fully covered", "invalid offset"), naming no file
+    make_checkpoint(tmp_path / "m", "llama2")
+    path = str(tmp_path / "m" / "model.safetensors")
+    data = open(path, "rb").read()
+    n = 8 + int.from_bytes(data[:8], "little")
+    H.check_model(str(tmp_path / "m"))
+    open(path, "ab").write(b"\0" * 8)
+    with pytest.raises(safetensors.SafetensorError, match="not fully covered"):
+        safetensors.torch.load_file(path)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: 8 bytes past its last tensor's data (the file has "
+                                                   f"{len(data) + 8}, its header accounts for {len(data)})")):
+        H.check_model(str(tmp_path / "m"))
+    header = json.loads(data[8:n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    b, e = header[last]["data_offsets"]
+    open(path, "wb").write(data + b"\0" * 4)  # the last tensor moved 4 bytes on: a gap before it
+    rewrite_safetensors_header(path, lambda h: h[last].update(data_offsets=[b + 4, e + 4]))
+    with pytest.raises(safetensors.SafetensorError, match="invalid offset"):
+        safetensors.torch.load_file(path)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: damaged header: tensor {last}'s data starts at byte "
+                                                   f"{b + 4} of the data, the tensor before it ends at {b}")):
+        H.check_model(str(tmp_path / "m"))
+    open(path, "wb").write(data[: n // 2])  # cut inside the header
+    with pytest.raises(UsageError, match=re.escape(f"{path}: truncated or not a safetensors file ({n // 2} bytes; its "
+                                                   f"first 8 bytes give a header of {n - 8} bytes)")):
+        H.check_model(str(tmp_path / "m"))
+
 def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
     # a tensor missing, of another shape, or in two files (no index: the later one replaced the earlier silently) was
     # refused only by build_models, after the out_dir was claimed and every weight read; now by load_inputs, from the
@@ -405,13 +435,14 @@ def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
     data.load_inputs(dataclasses.replace(cfg, reward_model=policy, reward_model_random_head=True))  # critic: no lm_head
     key = "model.layers.0.mlp.gate_proj.weight"
     for name, edit, match in (
-            ("swapped", lambda h: h[key].update(shape=h[key]["shape"][::-1]),
+            ("swapped", lambda f: rewrite_safetensors_header(f, lambda h: h[key].update(shape=h[key]["shape"][::-1])),
              lambda p, s: f"--model: {s}: shape mismatch for {key}: checkpoint (32, 64), config expects (64, 32)"),
-            ("missing", lambda h: h.pop(key), lambda p, s: f"--model: {p}: checkpoint does not match LlamaForCausalLM: "
-                                                           f"missing ['{key}']")):
+            ("missing", lambda f: safetensors.torch.save_file({k: v for k, v in safetensors.torch.load_file(f).items()
+                                                               if k != key}, f, metadata={"format": "pt"}),
+             lambda p, s: f"--model: {p}: checkpoint does not match LlamaForCausalLM: missing ['{key}']")):
         bad = str(tmp_path / name)
         shutil.copytree(policy, bad)
-        rewrite_safetensors_header(os.path.join(bad, "model.safetensors"), edit)
+        edit(os.path.join(bad, "model.safetensors"))
         with pytest.raises(UsageError, match=re.escape(match(bad, os.path.join(bad, "model.safetensors")))):
             data.load_inputs(dataclasses.replace(cfg, model=bad))
         assert not os.path.exists(cfg.out_dir)
