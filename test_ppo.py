@@ -276,6 +276,9 @@ def test_loading_errors_name_the_problem(tmp_path):
     for missing in ("/nonexistent", str(tmp_path / "nowhere"), "./rel/path/model", str(tmp_path / "m.gguf")):
         with pytest.raises(UsageError, match=re.escape(repr(missing))):
             H.load_tokenizer(missing)  # the first thing ppo.py reads: a wrong path is named, not sent to the Hub
+    for not_an_id in ("mymodel", "org/name/extra"):  # no "org/name": no Hub id, named without asking the Hub
+        with pytest.raises(UsageError, match=re.escape(f"no model folder, .gguf file or Hub id at {not_an_id!r}")):
+            H.load_tokenizer(not_an_id)
     gpt2 = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50)
     AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(UsageError, match="unsupported architecture 'gpt2'"):
@@ -528,6 +531,10 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         bad.write_bytes(data[:cut])
         with pytest.raises(UsageError, match=re.escape(str(bad))):
             H.check_model(str(bad))
+    (tmp_path / "v1.gguf").write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])  # version 1: 32-bit counts
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'v1.gguf'}: truncated or damaged GGUF file: its header "
+                                                   "does not read (version 1, expected 2 or 3)")):
+        H.check_model(str(tmp_path / "v1.gguf"))
     (tmp_path / "not.gguf").write_bytes(b"GGML" + data[4:])
     with pytest.raises(UsageError, match="not a GGUF file"):
         H.check_model(str(tmp_path / "not.gguf"))
@@ -842,6 +849,10 @@ def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
     tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 64])
     with pytest.raises(UsageError, match=r"generation_config\.json gives 64, not a token id in \[0, 64\)"):
         stop_and_pad_ids(str(tmp_path), tok)
+    tiny_checkpoint_with_tokenizer(str(tmp_path / "big"), [3, 60])  # an id the tokenizer has, the model may not
+    assert stop_and_pad_ids(str(tmp_path / "big"), tok, vocab_size=61) == ([3, 60], 0)
+    with pytest.raises(UsageError, match=r"generation_config\.json gives 60, not a token id in \[0, 60\)"):
+        stop_and_pad_ids(str(tmp_path / "big"), tok, vocab_size=60)
     tiny_checkpoint_with_tokenizer(str(tmp_path / "ok"), [3])
     for bad in (-1, 64, 2.0, "5", True):
         with pytest.raises(UsageError, match=r"extra gives .*not a token id"):
@@ -1896,6 +1907,12 @@ def test_export_in_several_shards_with_index(tmp_path):
         a = model(idx, attention_mask=mask, position_ids=pos)
         b = back(input_ids=idx, attention_mask=mask, position_ids=pos).logits
         assert (a - b).abs()[mask.bool()].max() < 1e-5
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o777 & ~umask  # readable as any saved folder, not mkdtemp's
+    model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="10KB")  # 2 bytes a parameter
+    with open(tmp_path / "bf16" / "model.safetensors.index.json") as f:
+        assert json.load(f)["metadata"]["total_size"] == sum(t.numel() * 2 for t in state.values())
     # a new export with fewer files replaces the old one whole
     model.save_pretrained(tmp_path / "out")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -1920,9 +1937,9 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     assert all(getattr(gen, k) == v for k, v in defaults.items())
     # a source file transformers loads with a warning but would refuse to save (temperature without do_sample)
     (tmp_path / "src" / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6, "eos_token_id": 2}')
-    H.write_pretrained(model, tmp_path / "lax", None, stop_ids=stop, pad_id=pad)
+    H.write_pretrained(model, tmp_path / "lax", None, stop_ids=stop, pad_id=5)  # the run's pad, not the config's 0
     lax = json.loads((tmp_path / "lax" / "generation_config.json").read_text())
-    assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": pad}
+    assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": 5}
     (tmp_path / "src" / "generation_config.json").unlink()
     model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
@@ -8658,9 +8675,17 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     assert "note: the reward model's tokenizer adds other special tokens around a text than the policy's ([" \
         in capsys.readouterr().out
     split = variant("split", lambda t: t.update(pre_tokenizer={"type": "WhitespaceSplit"}))
+
+    def plain(t):  # "<s>" (4) is a plain word "zzz" for the reward model: special for one of them only, no rename
+        t["model"]["vocab"]["zzz"] = t["model"]["vocab"].pop("<s>")
+        t["added_tokens"] = [a for a in t["added_tokens"] if a["content"] != "<s>"]
+
+    plain = variant("plain", plain, config=lambda c: c.get("added_tokens_decoder", {}).pop("4", None))
     for folder, what in ((variant("swapped", swap), "2 of the policy's 64 token ids are other tokens, or none, for the "
                           f"reward model: {TINY_VOCAB.index('good')} is 'good' against 'bad', "
                           f"{TINY_VOCAB.index('bad')} is 'bad' against 'good'"),
+                         (plain, "1 of the policy's 64 token ids are other tokens, or none, for the reward model: 4 is "
+                          "'<s>' against 'zzz'"),
                          (variant("eos", config=lambda c: c.update(eos_token="<pad>")),
                           "EOS '<|im_end|>' (3) against '<pad>' (0)"),
                          (split, f"they split the same text differently: {TOKENIZER_PROBE!r} is ")):
