@@ -402,6 +402,8 @@ def _gguf_walk(buf):
         if kind in GGUF_SCALARS or kind == 8:
             scalars[key.decode("utf-8", "replace")] = v.decode("utf-8", "replace") if kind == 8 else v
     alignment = scalars.get("general.alignment", 32)
+    if not (type(alignment) is int and alignment > 0 and alignment & (alignment - 1) == 0):  # as llama.cpp refuses
+        raise ValueError(f"general.alignment {alignment!r}, not a power of 2")
     end = 0
     names = []
     for _ in range(n_tensors):

@@ -295,6 +295,11 @@ def test_loading_errors_name_the_problem(tmp_path):
     os.remove(tmp_path / "sh" / shards[0])
     with pytest.raises(UsageError, match="shards listed in the index are missing"):
         Transformer.from_pretrained(str(tmp_path / "sh"))
+    for text in ('{"weight_map": ', '["model.safetensors"]', '{"weight_map": ["model.safetensors"]}'):
+        (tmp_path / "sh" / "model.safetensors.index.json").write_text(text)  # cut, or no weight_map object
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'sh' / 'model.safetensors.index.json'}: not a "
+                                                       "safetensors index (expected JSON with a weight_map)")):
+            Transformer.from_pretrained(str(tmp_path / "sh"))
     make_checkpoint(tmp_path / "miss", "llama2")
     os.remove(tmp_path / "miss" / "model.safetensors")
     with pytest.raises(UsageError, match="no .safetensors"):
@@ -531,6 +536,12 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         bad.write_bytes(data[:cut])
         with pytest.raises(UsageError, match=re.escape(str(bad))):
             H.check_model(str(bad))
+    if alignment:  # an alignment of 0 divided by zero, one of 48 is no power of 2: llama.cpp refuses both
+        at = data.index(b"general.alignment") + len("general.alignment") + 4  # the uint32 after the key and its type
+        for bad in (0, 48):
+            (tmp_path / "align.gguf").write_bytes(data[:at] + bad.to_bytes(4, "little") + data[at + 4:])
+            with pytest.raises(UsageError, match=re.escape(f"does not read (general.alignment {bad}, not a power of 2)")):
+                H.check_model(str(tmp_path / "align.gguf"))
     (tmp_path / "v1.gguf").write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])  # version 1: 32-bit counts
     with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'v1.gguf'}: truncated or damaged GGUF file: its header "
                                                    "does not read (version 1, expected 2 or 3)")):
@@ -1963,7 +1974,8 @@ def test_export_of_value_heads(tmp_path):
     rm.save_pretrained(tmp_path / "out", max_shard_size="30KB")
     assert os.path.isfile(tmp_path / "out" / "model.safetensors.index.json")
     back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert back.config.num_labels == 1
+    assert back.config.num_labels == 1 and back.config.architectures == ["LlamaForSequenceClassification"]
+    check_reward_head(types.SimpleNamespace(reward_model=str(tmp_path / "out"), reward_model_random_head=False))
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         ref = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits.squeeze(-1)
