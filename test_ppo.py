@@ -2810,6 +2810,10 @@ def test_load_sft(tok, tmp_path):
         load_sft(bad, tok, 100)
     with pytest.raises(UsageError, match="all 2 prompt/response pairs are longer than 3 tokens"):
         load_sft(path, tok, 3)
+    no_eos = make_tiny_tokenizer(tmp_path / "no_eos")
+    no_eos.eos_token = None
+    with pytest.raises(UsageError, match="load_sft: the tokenizer has no eos_token"):  # a response would never end
+        load_sft(path, no_eos, 100)
     assert len(load_sft(path, tok, max_len=10)) == 1  # 6 prompt + 3 response + EOS: exactly max_len is kept
     blank = write_jsonl(tmp_path / "blank.jsonl", [rows[0], {"prompt": "hi", "response": " \t "}])
     for f in (lambda: load_sft(blank, tok, 100), lambda: check_jsonl(blank, extra_key="response")):
@@ -2833,6 +2837,29 @@ def test_left_pad_exact():
     assert input_ids.dtype == mask.dtype == pos.dtype == torch.long
     with pytest.raises(ValueError):
         left_pad([[1], []], pad_id=0)
+
+
+def test_micro_batches_group_the_same_rows_alike_in_any_order():
+    # rows sorted by (prompt + response length, row): ties go by row id, so the same rows given in another order
+    # make the same micro-batches, each cropped to its rows' extent; hand-computed groups, crops and padding
+    from data import micro_batches
+
+    P, B = 5, 7
+    prompt, resp = [5, 3, 5, 2, 5, 3, 4], [2, 4, 2, 1, 2, 4, 3]  # totals 7 7 7 3 7 7 7: row 3, then ties
+    mask = torch.zeros(B, P + 4, dtype=torch.long)
+    for i in range(B):
+        mask[i, P - prompt[i] : P + resp[i]] = 1
+    batch = dict(tokens=torch.arange(B * (P + 4)).view(B, -1), attention_mask=mask, P=P,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logp=torch.randn(B, 4))
+    rows = torch.tensor([6, 0, 3, 2, 5, 1, 4])
+    got = [[(r.tolist(), mb["P"], mb["slots"], mb["pad"], mb["tokens"].tolist(), mb["logp"].tolist())
+            for r, mb in micro_batches(batch, order, 3)] for order in (rows, rows.flip(0), torch.arange(B))]
+    assert got[0] == got[1] == got[2]
+    groups = [([3, 0, 1], 0, 9), ([2, 4, 5], 0, 9), ([6], 1, 8)]  # (rows, first column, last column + 1)
+    assert [(r, p, s, pad) for r, p, s, pad, _, _ in got[0]] == [
+        (g, P - lo, len(g) * (hi - lo), len(g) * (hi - lo) - sum(prompt[i] + resp[i] for i in g)) for g, lo, hi in groups]
+    assert all(tk == batch["tokens"][g, lo:hi].tolist() and lp == batch["logp"][g, : hi - P].tolist()
+               for (_, _, _, _, tk, lp), (g, lo, hi) in zip(got[0], groups))
 
 
 # -----------------------------------------------------------------------------
