@@ -260,7 +260,9 @@ def check_model(name_or_path, architectures=None):
                         obj = json.load(f)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
                     raise UsageError(f"{file}: not valid JSON ({e})") from None
-                if name == "config.json" and not (isinstance(obj, dict) and isinstance(obj.get("model_type"), str)):
+                if not isinstance(obj, dict):  # each is read as one: a list's error (AttributeError) names no file
+                    raise UsageError(f"{file}: not a JSON object (a {type(obj).__name__})")
+                if name == "config.json" and not isinstance(obj.get("model_type"), str):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
                 if name == "config.json":
                     known(obj["model_type"], file, "model_type")

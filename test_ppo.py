@@ -346,6 +346,11 @@ def test_model_files_checked_by_their_headers(tmp_path):
     (tmp_path / "cut0" / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'cut0' / 'config.json'}: not valid JSON")):
         H.check_model(str(tmp_path / "cut0"))
+    for name in ("generation_config.json", "tokenizer_config.json", "config.json"):  # JSON, but no object: the
+        shutil.copytree(tmp_path / "ok", tmp_path / name)  # stop ids' and the tokenizer's AttributeError named no file
+        (tmp_path / name / name).write_text("[3]")
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / name / name}: not a JSON object (a list)")):
+            H.check_model(str(tmp_path / name))
     os.remove(tmp_path / "cut0" / "config.json")
     with pytest.raises(UsageError, match="no config.json: expected a model folder"):
         H.check_model(str(tmp_path / "cut0"))
