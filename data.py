@@ -3,7 +3,8 @@ layout allows, a resumable sharded sampler over the prompts, and the minibatch o
 (seed, step, epoch), the same rows on any number of ranks). Reward functions live in reward.py, the sampling
 noise's keys in rollout.py.
 
-File format, one JSON object a line (blank lines are skipped; field names are configurable):
+File format, one JSON object a line (blank lines are skipped; field names are configurable; a chat list needs a
+user turn):
     {"prompt": "Describe your favourite breakfast."}
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]}
 and for the optional supervised (ptx) loss, `load_sft`:
@@ -95,7 +96,7 @@ def _utf8(text, where, what):
 
 
 def _messages_from(obj, where, prompt_key, messages_key):
-    """The line as a chat list, checking types; a `prompt` string becomes one user message."""
+    """The line as a chat list, checking types, with a user turn; a `prompt` string becomes one user message."""
     if prompt_key in obj and messages_key in obj:
         raise UsageError(f"{where}: has both '{prompt_key}' and '{messages_key}'; keep one")
     if prompt_key in obj:
@@ -116,6 +117,9 @@ def _messages_from(obj, where, prompt_key, messages_key):
             _utf8(m["content"], where, f"'{messages_key}'[{i}]")
         if not any(m["content"].strip() for m in msgs):  # as an empty 'prompt' is refused: nothing to answer
             raise UsageError(f"{where}: every 'content' of '{messages_key}' is empty or whitespace: an empty prompt")
+        if not any(m["role"] == "user" for m in msgs):  # a system prompt or a prefill alone: no question asked
+            raise UsageError(f"{where}: '{messages_key}' has no 'user' turn (roles {[m['role'] for m in msgs]}): "
+                             "nothing for the model to answer")
         return msgs
     raise UsageError(f"{where}: missing field: expected '{prompt_key}' or '{messages_key}', found keys {sorted(obj)}")
 

@@ -260,7 +260,9 @@ def check_model(name_or_path, architectures=None):
                         obj = json.load(f)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
                     raise UsageError(f"{file}: not valid JSON ({e})") from None
-                if name == "config.json" and not (isinstance(obj, dict) and isinstance(obj.get("model_type"), str)):
+                if not isinstance(obj, dict):  # each is read as one: a list's error (AttributeError) names no file
+                    raise UsageError(f"{file}: not a JSON object (a {type(obj).__name__})")
+                if name == "config.json" and not isinstance(obj.get("model_type"), str):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
                 if name == "config.json":
                     known(obj["model_type"], file, "model_type")
@@ -317,6 +319,15 @@ def check_safetensors(path):
     if 8 + n + end > size:
         raise UsageError(f"{path}: truncated: its header puts tensor data up to byte {8 + n + end}, the file has "
                          f"{size}")
+    start = 0  # the reader wants the tensors' data back to back, from the header's end to the file's
+    for b, e, k in sorted((*header[k]["data_offsets"], k) for k in sizes):
+        if b != start:
+            raise UsageError(f"{path}: damaged header: tensor {k}'s data starts at byte {b} of the data, the tensor "
+                             f"before it ends at {start} (a gap or an overlap), which the reader refuses")
+        start = e
+    if 8 + n + end < size:
+        raise UsageError(f"{path}: {size - 8 - n - end} bytes past its last tensor's data (the file has {size}, its "
+                         f"header accounts for {8 + n + end}), which the reader refuses: damaged or appended to")
     return {k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"}
 
 
@@ -393,6 +404,8 @@ def _gguf_walk(buf):
         if kind in GGUF_SCALARS or kind == 8:
             scalars[key.decode("utf-8", "replace")] = v.decode("utf-8", "replace") if kind == 8 else v
     alignment = scalars.get("general.alignment", 32)
+    if not (type(alignment) is int and alignment > 0 and alignment & (alignment - 1) == 0):  # as llama.cpp refuses
+        raise ValueError(f"general.alignment {alignment!r}, not a power of 2")
     end = 0
     names = []
     for _ in range(n_tensors):

@@ -276,6 +276,9 @@ def test_loading_errors_name_the_problem(tmp_path):
     for missing in ("/nonexistent", str(tmp_path / "nowhere"), "./rel/path/model", str(tmp_path / "m.gguf")):
         with pytest.raises(UsageError, match=re.escape(repr(missing))):
             H.load_tokenizer(missing)  # the first thing ppo.py reads: a wrong path is named, not sent to the Hub
+    for not_an_id in ("mymodel", "org/name/extra"):  # no "org/name": no Hub id, named without asking the Hub
+        with pytest.raises(UsageError, match=re.escape(f"no model folder, .gguf file or Hub id at {not_an_id!r}")):
+            H.load_tokenizer(not_an_id)
     gpt2 = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50)
     AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(UsageError, match="unsupported architecture 'gpt2'"):
@@ -292,6 +295,11 @@ def test_loading_errors_name_the_problem(tmp_path):
     os.remove(tmp_path / "sh" / shards[0])
     with pytest.raises(UsageError, match="shards listed in the index are missing"):
         Transformer.from_pretrained(str(tmp_path / "sh"))
+    for text in ('{"weight_map": ', '["model.safetensors"]', '{"weight_map": ["model.safetensors"]}'):
+        (tmp_path / "sh" / "model.safetensors.index.json").write_text(text)  # cut, or no weight_map object
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'sh' / 'model.safetensors.index.json'}: not a "
+                                                       "safetensors index (expected JSON with a weight_map)")):
+            Transformer.from_pretrained(str(tmp_path / "sh"))
     make_checkpoint(tmp_path / "miss", "llama2")
     os.remove(tmp_path / "miss" / "model.safetensors")
     with pytest.raises(UsageError, match="no .safetensors"):
@@ -338,6 +346,11 @@ def test_model_files_checked_by_their_headers(tmp_path):
     (tmp_path / "cut0" / "config.json").write_text('{"model_type": "llama",')
     with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'cut0' / 'config.json'}: not valid JSON")):
         H.check_model(str(tmp_path / "cut0"))
+    for name in ("generation_config.json", "tokenizer_config.json", "config.json"):  # JSON, but no object: the
+        shutil.copytree(tmp_path / "ok", tmp_path / name)  # stop ids' and the tokenizer's AttributeError named no file
+        (tmp_path / name / name).write_text("[3]")
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / name / name}: not a JSON object (a list)")):
+            H.check_model(str(tmp_path / name))
     os.remove(tmp_path / "cut0" / "config.json")
     with pytest.raises(UsageError, match="no config.json: expected a model folder"):
         H.check_model(str(tmp_path / "cut0"))
@@ -389,6 +402,36 @@ def test_safetensors_header_shape_must_fill_its_byte_range(tmp_path):
         H.check_model(str(tmp_path / "m"))
 
 
+
+def test_safetensors_data_must_fill_the_file_back_to_back(tmp_path):
+    # bytes past the last tensor's data, or a gap between two tensors' data, passed the header check and then failed
+    # in safetensors' reader ("incomplete metadata, file not fully covered", "invalid offset"), naming no file
+    make_checkpoint(tmp_path / "m", "llama2")
+    path = str(tmp_path / "m" / "model.safetensors")
+    data = open(path, "rb").read()
+    n = 8 + int.from_bytes(data[:8], "little")
+    H.check_model(str(tmp_path / "m"))
+    open(path, "ab").write(b"\0" * 8)
+    with pytest.raises(safetensors.SafetensorError, match="not fully covered"):
+        safetensors.torch.load_file(path)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: 8 bytes past its last tensor's data (the file has "
+                                                   f"{len(data) + 8}, its header accounts for {len(data)})")):
+        H.check_model(str(tmp_path / "m"))
+    header = json.loads(data[8:n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    b, e = header[last]["data_offsets"]
+    open(path, "wb").write(data + b"\0" * 4)  # the last tensor moved 4 bytes on: a gap before it
+    rewrite_safetensors_header(path, lambda h: h[last].update(data_offsets=[b + 4, e + 4]))
+    with pytest.raises(safetensors.SafetensorError, match="invalid offset"):
+        safetensors.torch.load_file(path)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: damaged header: tensor {last}'s data starts at byte "
+                                                   f"{b + 4} of the data, the tensor before it ends at {b}")):
+        H.check_model(str(tmp_path / "m"))
+    open(path, "wb").write(data[: n // 2])  # cut inside the header
+    with pytest.raises(UsageError, match=re.escape(f"{path}: truncated or not a safetensors file ({n // 2} bytes; its "
+                                                   f"first 8 bytes give a header of {n - 8} bytes)")):
+        H.check_model(str(tmp_path / "m"))
+
 def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
     # a tensor missing, of another shape, or in two files (no index: the later one replaced the earlier silently) was
     # refused only by build_models, after the out_dir was claimed and every weight read; now by load_inputs, from the
@@ -406,13 +449,14 @@ def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
     data.load_inputs(dataclasses.replace(cfg, reward_model=policy, reward_model_random_head=True))  # critic: no lm_head
     key = "model.layers.0.mlp.gate_proj.weight"
     for name, edit, match in (
-            ("swapped", lambda h: h[key].update(shape=h[key]["shape"][::-1]),
+            ("swapped", lambda f: rewrite_safetensors_header(f, lambda h: h[key].update(shape=h[key]["shape"][::-1])),
              lambda p, s: f"--model: {s}: shape mismatch for {key}: checkpoint (32, 64), config expects (64, 32)"),
-            ("missing", lambda h: h.pop(key), lambda p, s: f"--model: {p}: checkpoint does not match LlamaForCausalLM: "
-                                                           f"missing ['{key}']")):
+            ("missing", lambda f: safetensors.torch.save_file({k: v for k, v in safetensors.torch.load_file(f).items()
+                                                               if k != key}, f, metadata={"format": "pt"}),
+             lambda p, s: f"--model: {p}: checkpoint does not match LlamaForCausalLM: missing ['{key}']")):
         bad = str(tmp_path / name)
         shutil.copytree(policy, bad)
-        rewrite_safetensors_header(os.path.join(bad, "model.safetensors"), edit)
+        edit(os.path.join(bad, "model.safetensors"))
         with pytest.raises(UsageError, match=re.escape(match(bad, os.path.join(bad, "model.safetensors")))):
             data.load_inputs(dataclasses.replace(cfg, model=bad))
         assert not os.path.exists(cfg.out_dir)
@@ -499,6 +543,16 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         bad.write_bytes(data[:cut])
         with pytest.raises(UsageError, match=re.escape(str(bad))):
             H.check_model(str(bad))
+    if alignment:  # an alignment of 0 divided by zero, one of 48 is no power of 2: llama.cpp refuses both
+        at = data.index(b"general.alignment") + len("general.alignment") + 4  # the uint32 after the key and its type
+        for bad in (0, 48):
+            (tmp_path / "align.gguf").write_bytes(data[:at] + bad.to_bytes(4, "little") + data[at + 4:])
+            with pytest.raises(UsageError, match=re.escape(f"does not read (general.alignment {bad}, not a power of 2)")):
+                H.check_model(str(tmp_path / "align.gguf"))
+    (tmp_path / "v1.gguf").write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])  # version 1: 32-bit counts
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'v1.gguf'}: truncated or damaged GGUF file: its header "
+                                                   "does not read (version 1, expected 2 or 3)")):
+        H.check_model(str(tmp_path / "v1.gguf"))
     (tmp_path / "not.gguf").write_bytes(b"GGML" + data[4:])
     with pytest.raises(UsageError, match="not a GGUF file"):
         H.check_model(str(tmp_path / "not.gguf"))
@@ -813,6 +867,10 @@ def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
     tok = tiny_checkpoint_with_tokenizer(str(tmp_path), [3, 64])
     with pytest.raises(UsageError, match=r"generation_config\.json gives 64, not a token id in \[0, 64\)"):
         stop_and_pad_ids(str(tmp_path), tok)
+    tiny_checkpoint_with_tokenizer(str(tmp_path / "big"), [3, 60])  # an id the tokenizer has, the model may not
+    assert stop_and_pad_ids(str(tmp_path / "big"), tok, vocab_size=61) == ([3, 60], 0)
+    with pytest.raises(UsageError, match=r"generation_config\.json gives 60, not a token id in \[0, 60\)"):
+        stop_and_pad_ids(str(tmp_path / "big"), tok, vocab_size=60)
     tiny_checkpoint_with_tokenizer(str(tmp_path / "ok"), [3])
     for bad in (-1, 64, 2.0, "5", True):
         with pytest.raises(UsageError, match=r"extra gives .*not a token id"):
@@ -1868,6 +1926,12 @@ def test_export_in_several_shards_with_index(tmp_path):
         a = model(idx, attention_mask=mask, position_ids=pos)
         b = back(input_ids=idx, attention_mask=mask, position_ids=pos).logits
         assert (a - b).abs()[mask.bool()].max() < 1e-5
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o777 & ~umask  # readable as any saved folder, not mkdtemp's
+    model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="10KB")  # 2 bytes a parameter
+    with open(tmp_path / "bf16" / "model.safetensors.index.json") as f:
+        assert json.load(f)["metadata"]["total_size"] == sum(t.numel() * 2 for t in state.values())
     # a new export with fewer files replaces the old one whole
     model.save_pretrained(tmp_path / "out")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -1892,9 +1956,9 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     assert all(getattr(gen, k) == v for k, v in defaults.items())
     # a source file transformers loads with a warning but would refuse to save (temperature without do_sample)
     (tmp_path / "src" / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6, "eos_token_id": 2}')
-    H.write_pretrained(model, tmp_path / "lax", None, stop_ids=stop, pad_id=pad)
+    H.write_pretrained(model, tmp_path / "lax", None, stop_ids=stop, pad_id=5)  # the run's pad, not the config's 0
     lax = json.loads((tmp_path / "lax" / "generation_config.json").read_text())
-    assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": pad}
+    assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": 5}
     (tmp_path / "src" / "generation_config.json").unlink()
     model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
@@ -1918,7 +1982,8 @@ def test_export_of_value_heads(tmp_path):
     rm.save_pretrained(tmp_path / "out", max_shard_size="30KB")
     assert os.path.isfile(tmp_path / "out" / "model.safetensors.index.json")
     back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert back.config.num_labels == 1
+    assert back.config.num_labels == 1 and back.config.architectures == ["LlamaForSequenceClassification"]
+    check_reward_head(types.SimpleNamespace(reward_model=str(tmp_path / "out"), reward_model_random_head=False))
     idx, mask, pos = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         ref = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits.squeeze(-1)
@@ -2574,6 +2639,44 @@ def test_custom_keys_apply_to_sft_data(tmp_path):
             tmp_path / "q.jsonl", [{"prompt": "a good day"}] * 8)))
 
 
+def test_load_inputs_limits_at_their_boundaries_and_the_reward_models_tokenizer(tmp_path):
+    # a prompt and its response filling the context, or the sliding window, exactly is a run; one token more is
+    # refused; a reward model whose tokenizer gives the policy's ids other tokens is refused, naming --reward_model
+    import dataclasses
+
+    import data
+    import ppo
+
+    policy = make_policy(tmp_path / "pol", max_position_embeddings=40)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, rollout_batch_size=8, mini_batch_size=8, max_prompt_len=16,
+                     max_new_tokens=24, out_dir=str(tmp_path / "out"))
+    assert len(data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[63]))[3]) == 8  # the last id
+    with pytest.raises(UsageError, match=re.escape(f"--stop_token_ids: [64] are no token ids of {policy}")):
+        data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[64]))
+    sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi", "response": "a good"}] * 2 + [{"prompt": "hi", "response":
+                                                                                            "yes " * 40}])
+    assert len(data.load_inputs(dataclasses.replace(cfg, sft_data=sft, ptx_coef=0.1, ptx_batch_size=2))[4]) == 2
+    with pytest.raises(UsageError, match=re.escape(f"--sft_data: {sft} has 2 pairs of at most 40 tokens (1 longer ones "
+                                                   "dropped), fewer than --ptx_batch_size=3")):
+        data.load_inputs(dataclasses.replace(cfg, sft_data=sft, ptx_coef=0.1, ptx_batch_size=3))
+    with pytest.raises(UsageError, match=re.escape("--max_prompt_len 16 + --max_new_tokens 25 does not fit the context")):
+        data.load_inputs(dataclasses.replace(cfg, max_new_tokens=25))
+    window = make_policy(tmp_path / "window", sliding_window=30)
+    assert len(data.load_inputs(dataclasses.replace(cfg, model=window, max_new_tokens=14))[3]) == 8
+    with pytest.raises(UsageError, match=re.escape("--max_new_tokens 15 exceeds the sliding attention window")):
+        data.load_inputs(dataclasses.replace(cfg, model=window, max_new_tokens=15))
+    rm = make_reward_model(tmp_path / "rm")
+    assert len(data.load_inputs(dataclasses.replace(cfg, reward_model=rm))[3]) == 8
+    tok = json.loads((tmp_path / "rm" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["good"], vocab["bad"] = vocab["bad"], vocab["good"]
+    (tmp_path / "rm" / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UsageError, match=re.escape(f"--reward_model: the policy {policy} and the reward model {rm} use "
+                                                   "different tokenizers (2 of the policy's 64 token ids are other")):
+        data.load_inputs(dataclasses.replace(cfg, reward_model=rm))
+
+
 def test_bos_not_doubled(tmp_path):
     """A template that writes BOS itself must not get a second one from the tokenizer; without a
     template the tokenizer's own BOS is kept."""
@@ -2618,6 +2721,9 @@ BAD_LINES = {
     "message_role_empty": ('{"messages": [{"role": " ", "content": "hi"}]}', "'messages'[0]"),
     "message_content_empty": ('{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": " "}]}',
                               "every 'content' of 'messages' is empty"),
+    "messages_no_user": ('{"messages": [{"role": "system", "content": "be brief."}]}',
+                         "'messages' has no 'user' turn (roles ['system']): nothing for the model to answer"),
+    "messages_prefill_alone": ('{"messages": [{"role": "assistant", "content": "once"}]}', "has no 'user' turn"),
     "huge_int": ('{"prompt": "hi", "n": ' + "9" * 5000 + "}", "not valid JSON (ValueError"),
     "deep_nesting": ('{"prompt": "hi", "n": ' + "[" * 100000 + "]" * 100000 + "}", "not valid JSON (RecursionError"),
 }
@@ -2651,8 +2757,9 @@ def test_check_jsonl_refuses_what_loading_refuses(tmp_path, case):
     with pytest.raises(UsageError) as e:
         check_jsonl(path)
     assert f"{path}:3:" in str(e.value) and fragment in str(e.value), str(e.value)
-    good = ['{"prompt": "hi"}', "", '{"messages": [{"role": "user", "content": "x"}]}']
-    assert check_jsonl(write_jsonl(tmp_path / "good.jsonl", good)) == 2
+    good = ['{"prompt": "hi"}', "", '{"messages": [{"role": "user", "content": "x"}]}',
+            '{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "x"}]}']  # one empty turn
+    assert check_jsonl(write_jsonl(tmp_path / "good.jsonl", good)) == 3
     sft = write_jsonl(tmp_path / "sft.jsonl", ['{"prompt": "hi", "response": "yes"}', '{"prompt": "hi"}'])
     with pytest.raises(UsageError, match=re.escape(f"{sft}:2: 'response' must be a non-empty string")):
         check_jsonl(sft, extra_key="response")
@@ -2711,6 +2818,10 @@ def test_load_sft(tok, tmp_path):
         load_sft(bad, tok, 100)
     with pytest.raises(UsageError, match="all 2 prompt/response pairs are longer than 3 tokens"):
         load_sft(path, tok, 3)
+    no_eos = make_tiny_tokenizer(tmp_path / "no_eos")
+    no_eos.eos_token = None
+    with pytest.raises(UsageError, match="load_sft: the tokenizer has no eos_token"):  # a response would never end
+        load_sft(path, no_eos, 100)
     assert len(load_sft(path, tok, max_len=10)) == 1  # 6 prompt + 3 response + EOS: exactly max_len is kept
     blank = write_jsonl(tmp_path / "blank.jsonl", [rows[0], {"prompt": "hi", "response": " \t "}])
     for f in (lambda: load_sft(blank, tok, 100), lambda: check_jsonl(blank, extra_key="response")):
@@ -2734,6 +2845,29 @@ def test_left_pad_exact():
     assert input_ids.dtype == mask.dtype == pos.dtype == torch.long
     with pytest.raises(ValueError):
         left_pad([[1], []], pad_id=0)
+
+
+def test_micro_batches_group_the_same_rows_alike_in_any_order():
+    # rows sorted by (prompt + response length, row): ties go by row id, so the same rows given in another order
+    # make the same micro-batches, each cropped to its rows' extent; hand-computed groups, crops and padding
+    from data import micro_batches
+
+    P, B = 5, 7
+    prompt, resp = [5, 3, 5, 2, 5, 3, 4], [2, 4, 2, 1, 2, 4, 3]  # totals 7 7 7 3 7 7 7: row 3, then ties
+    mask = torch.zeros(B, P + 4, dtype=torch.long)
+    for i in range(B):
+        mask[i, P - prompt[i] : P + resp[i]] = 1
+    batch = dict(tokens=torch.arange(B * (P + 4)).view(B, -1), attention_mask=mask, P=P,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logp=torch.randn(B, 4))
+    rows = torch.tensor([6, 0, 3, 2, 5, 1, 4])
+    got = [[(r.tolist(), mb["P"], mb["slots"], mb["pad"], mb["tokens"].tolist(), mb["logp"].tolist())
+            for r, mb in micro_batches(batch, order, 3)] for order in (rows, rows.flip(0), torch.arange(B))]
+    assert got[0] == got[1] == got[2]
+    groups = [([3, 0, 1], 0, 9), ([2, 4, 5], 0, 9), ([6], 1, 8)]  # (rows, first column, last column + 1)
+    assert [(r, p, s, pad) for r, p, s, pad, _, _ in got[0]] == [
+        (g, P - lo, len(g) * (hi - lo), len(g) * (hi - lo) - sum(prompt[i] + resp[i] for i in g)) for g, lo, hi in groups]
+    assert all(tk == batch["tokens"][g, lo:hi].tolist() and lp == batch["logp"][g, : hi - P].tolist()
+               for (_, _, _, _, tk, lp), (g, lo, hi) in zip(got[0], groups))
 
 
 # -----------------------------------------------------------------------------
@@ -2792,6 +2926,68 @@ def test_sampler_world_size_shards_concatenate():
         PromptSampler(n=17, batch_size=5, world_size=2)
 
 
+def test_sampler_resumes_at_every_batch_and_on_another_rank_count():
+    # a state saved after any number of batches, epochs past the first and a position at n included, resumes the
+    # same sequence of global batches, read by one rank or split over two
+    for n, b in ((12, 4), (14, 4)):  # no tail (the position reaches n) and a 2-row tail
+        ref = take(PromptSampler(n=n, batch_size=b, seed=5), 10)  # 3 batches per epoch: past epoch 3
+        for k in range(10):
+            s = PromptSampler(n=n, batch_size=b, seed=5)
+            take(s, k)
+            state = json.loads(json.dumps(s.state_dict()))
+            for world in (1, 2):
+                shares = []
+                for rank in range(world):
+                    fresh = PromptSampler(n=n, batch_size=b, rank=rank, world_size=world, seed=5)
+                    fresh.load_state_dict(state)
+                    assert fresh.passes() == s.passes()
+                    shares.append(take(fresh, 10 - k))
+                assert [sum(parts, []) for parts in zip(*shares)] == ref[k:], (n, k, world)
+    with pytest.raises(ValueError, match="position 13 out of range for n=12"):
+        PromptSampler(n=12, batch_size=4).load_state_dict(dict(seed=0, epoch=0, position=13, n=12, batch_size=4))
+
+
+def test_sampler_passes_counts_the_batches_read():
+    # n=10, batch 4: 2 batches a pass, its 2-row tail dropped; back=1: as it was one batch before
+    s = PromptSampler(n=10, batch_size=4, seed=0)
+    got = [x for _ in range(5) for x in (s.next_batch(), s.passes(), s.passes(back=1))[1:]]
+    assert got == pytest.approx([0.4, 0.0, 1.0, 0.4, 1.4, 1.0, 2.0, 1.4, 2.4, 2.0])
+
+
+def test_sft_rank_shares_cover_the_global_batch_and_count_all_its_tokens():
+    # every rank's ptx loss is normalized by the response tokens of the whole global batch, and the ranks' shares
+    # are that batch, each pair once, whatever the number of ranks
+    from data import SFTSet
+
+    pairs = [([1] * (i + 1), [2] * (3 + 2 * i)) for i in range(7)]
+    sft, idx = SFTSet(pairs, 0, "s.jsonl"), [5, 0, 3, 6, 2, 1]
+    for world in (1, 2, 3):
+        shares = [sft.rank_share(idx, rank, world) for rank in range(world)]
+        assert [n for _, n in shares] == [sum(3 + 2 * i for i in idx)] * world
+        mine = [p for share, _ in shares for p in share]
+        assert sorted(mine) == sorted(pairs[i] for i in idx) and all(len(s) == 6 // world for s, _ in shares)
+
+
+@pytest.mark.parametrize("B, M", [(12, 4), (12, 12), (24, 6)])
+def test_minibatch_rows_are_a_stratified_partition_the_same_on_any_rank_count(B, M):
+    from data import minibatch_rows
+
+    K = B // M  # minibatches; the batch is M blocks of K consecutive rows
+    one = minibatch_rows(B, M, 0, 1, seed=3, step=5, epoch=1)
+    assert one.shape == (K, M) and one.dtype == torch.long
+    assert sorted(one.flatten().tolist()) == list(range(B))  # the epoch's minibatches cover the batch once
+    assert all((one[k] // K).tolist() == list(range(M)) for k in range(K))  # one row of each block, in block order
+    g = torch.Generator().manual_seed((3 * 1_000_003 + 5) * 1009 + 1)  # the documented keying
+    assert one.T.tolist() == [(j * K + torch.randperm(K, generator=g)).tolist() for j in range(M)]
+    for W in (w for w in (2, 3, 4) if M % w == 0):
+        ranks = [minibatch_rows(B, M, r, W, 3, 5, 1) for r in range(W)]
+        assert all(x.shape == (K, M // W) and 0 <= x.min() and x.max() < B // W for x in ranks)  # its own rows
+        # rank r holds the rollout rows [r B/W, (r+1) B/W): in global rows, the one-rank minibatches
+        assert torch.equal(torch.cat([x + r * (B // W) for r, x in enumerate(ranks)], dim=1), one), W
+    if K > 1:  # keyed by (seed, step, epoch)
+        assert all(not torch.equal(minibatch_rows(B, M, 0, 1, *key), one) for key in ((4, 5, 1), (3, 6, 1), (3, 5, 2)))
+
+
 # -----------------------------------------------------------------------------
 # the shipped prompt set with the real SmolLM2 tokenizer
 
@@ -2816,7 +3012,7 @@ def test_shipped_prompts_fit_smollm2():
     assert held_out.n_dropped == 0 and len(held_out) >= 24
 
 
-def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
+def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok, tmp_path, monkeypatch):
     # the default run evaluates eval_prompts.jsonl, none of whose prompts it trains on; a run on other prompts
     # evaluates nothing unless told what to evaluate
     from data import load_eval_prompts
@@ -2831,6 +3027,10 @@ def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok):
                                                    eval_prompts="auto", max_prompt_len=64, prompt_key="prompt",
                                                    messages_key="messages"), **kw})
     assert load_eval_prompts(cfg(), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
+    monkeypatch.chdir(REPO)  # the shipped prompts named otherwise: relative, through a link
+    os.symlink(os.path.join(REPO, "prompts.jsonl"), tmp_path / "link.jsonl")
+    for other in ("prompts.jsonl", str(tmp_path / "link.jsonl")):
+        assert load_eval_prompts(cfg(prompts=other), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
     assert load_eval_prompts(cfg(prompts="mine.jsonl"), tok) is None
     assert load_eval_prompts(cfg(eval_prompts=""), tok) is None
     mine = load_eval_prompts(cfg(prompts="mine.jsonl", eval_prompts=os.path.join(REPO, "eval_prompts.jsonl")), tok)
@@ -9093,9 +9293,17 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     assert "note: the reward model's tokenizer adds other special tokens around a text than the policy's ([" \
         in capsys.readouterr().out
     split = variant("split", lambda t: t.update(pre_tokenizer={"type": "WhitespaceSplit"}))
+
+    def plain(t):  # "<s>" (4) is a plain word "zzz" for the reward model: special for one of them only, no rename
+        t["model"]["vocab"]["zzz"] = t["model"]["vocab"].pop("<s>")
+        t["added_tokens"] = [a for a in t["added_tokens"] if a["content"] != "<s>"]
+
+    plain = variant("plain", plain, config=lambda c: c.get("added_tokens_decoder", {}).pop("4", None))
     for folder, what in ((variant("swapped", swap), "2 of the policy's 64 token ids are other tokens, or none, for the "
                           f"reward model: {TINY_VOCAB.index('good')} is 'good' against 'bad', "
                           f"{TINY_VOCAB.index('bad')} is 'bad' against 'good'"),
+                         (plain, "1 of the policy's 64 token ids are other tokens, or none, for the reward model: 4 is "
+                          "'<s>' against 'zzz'"),
                          (variant("eos", config=lambda c: c.update(eos_token="<pad>")),
                           "EOS '<|im_end|>' (3) against '<pad>' (0)"),
                          (split, f"they split the same text differently: {TOKENIZER_PROBE!r} is ")):
