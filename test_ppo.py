@@ -432,6 +432,7 @@ def test_safetensors_data_must_fill_the_file_back_to_back(tmp_path):
                                                    f"first 8 bytes give a header of {n - 8} bytes)")):
         H.check_model(str(tmp_path / "m"))
 
+
 def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
     # a tensor missing, of another shape, or in two files (no index: the later one replaced the earlier silently) was
     # refused only by build_models, after the out_dir was claimed and every weight read; now by load_inputs, from the
