@@ -9436,6 +9436,10 @@ F32_MAX = float(torch.finfo(torch.float32).max)
      "--kl_horizon must be over a step's 40 rows / 5"),  # 1 - 0.2 x 40 / 8 = 0: beta would become 0
     (dict(target_kl=1.0, kl_horizon=9, rollout_batch_size=20, samples_per_prompt=2), 1, None),
     (dict(resume=__file__), 1, f"--resume={__file__}: no such folder"),  # a file, not a checkpoint folder
+    (dict(wandb_project="mine"), 1, "--wandb_project set without --wandb, so it would do nothing"),
+    (dict(wandb_project="mine", wandb=True), 1, None),
+    (dict(gpu_memory_gb=40.0), 1, "--gpu_memory_gb set without --dry_run, so it would do nothing"),
+    (dict(gpu_memory_gb=40.0, dry_run=2), 1, None),
 ])
 def test_derive_checks_each_flag_at_its_boundary(kw, world, match):
     import ppo
