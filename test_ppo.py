@@ -3034,6 +3034,16 @@ def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok, tmp_path, mon
         assert load_eval_prompts(cfg(prompts=other), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
     assert load_eval_prompts(cfg(prompts="mine.jsonl"), tok) is None
     assert load_eval_prompts(cfg(eval_prompts=""), tok) is None
+    # with no held-out set, the evaluation's flags were taken and did nothing: refused by name
+    import ppo
+
+    assert load_eval_prompts(ppo.Config(prompts="mine.jsonl"), tok) is None
+    for kw, match in ((dict(prompts="mine.jsonl", eval_every=2), "--eval_every set without held-out prompts "
+                       "(--eval_prompts=auto, which finds a set beside the shipped prompts.jsonl only), so it would"),
+                      (dict(eval_prompts="", eval_every=0, eval_temperature=1.0), "--eval_every, --eval_temperature set "
+                       "without held-out prompts (--eval_prompts=), so they would do nothing")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            load_eval_prompts(ppo.Config(**kw), tok)
     mine = load_eval_prompts(cfg(prompts="mine.jsonl", eval_prompts=os.path.join(REPO, "eval_prompts.jsonl")), tok)
     assert len(mine) == len(held_out)
 
