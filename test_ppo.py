@@ -9470,12 +9470,14 @@ def test_derive_sizes_each_rank_and_reads_the_device(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = ppo.Config(rollout_batch_size=6, samples_per_prompt=3, mini_batch_size=6, micro_batch_size=4,
                      inference_micro_batch_size=100, rollout_micro_batch_size=100, offload_frozen=True,
-                     offload_optimizer=True, advantage_estimator="grpo", lora_rank=4)
+                     offload_optimizer=True, advantage_estimator="grpo", lora_rank=4, lora_alpha=8.0,
+                     lora_dropout=0.25, lora_targets=("v_proj", "q_proj"))
     # 18 rows, 9 on each of 2 ranks: minibatch 3 a rank, micro-batches capped at 3, scoring and generation at 9
     assert ppo.derive(cfg, 1, 2, cuda) == ppo.Run(1, 2, cuda, torch.bfloat16, 3, 9, 3, 3, 9, 9, True, True, True,
-                                                   lora.LoRAConfig(4, 16.0, 0.0, lora.TARGETS), False, 18)
+                                                   lora.LoRAConfig(4, 8.0, 0.25, ("v_proj", "q_proj")), False, 18)
     small = dataclasses.replace(cfg, inference_micro_batch_size=4, rollout_micro_batch_size=5, dtype="fp32",
-                                activation_checkpointing="off", advantage_estimator="gae", lora_rank=0)
+                                activation_checkpointing="off", advantage_estimator="gae", lora_rank=0,
+                                lora_alpha=16.0, lora_dropout=0.0, lora_targets=lora.TARGETS)
     assert ppo.derive(small, 0, 2, cuda) == ppo.Run(0, 2, cuda, torch.float32, 3, 9, 3, 3, 4, 5, False, True, True,
                                                      None, True, 18)
     for bf16 in (True, False):  # on the CPU: no offload, no checkpointing unless asked, bf16 only where it is fast
