@@ -245,8 +245,8 @@ def derive(cfg, rank, W, device):
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
                            (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
-                            "with --reward_model, which scores in place of a reward function"),
-                           (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
+                            "with --reward_model, which scores in place of a reward function"), (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
+                           (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"), (cfg.wandb, ("wandb_project",), "without --wandb"),
                            (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
                            (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}")):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]

@@ -3034,6 +3034,16 @@ def test_shipped_eval_prompts_are_held_out_and_chosen_by_auto(tok, tmp_path, mon
         assert load_eval_prompts(cfg(prompts=other), tok).path == os.path.join(REPO, "eval_prompts.jsonl")
     assert load_eval_prompts(cfg(prompts="mine.jsonl"), tok) is None
     assert load_eval_prompts(cfg(eval_prompts=""), tok) is None
+    # with no held-out set, the evaluation's flags were taken and did nothing: refused by name
+    import ppo
+
+    assert load_eval_prompts(ppo.Config(prompts="mine.jsonl"), tok) is None
+    for kw, match in ((dict(prompts="mine.jsonl", eval_every=2), "--eval_every set without held-out prompts "
+                       "(--eval_prompts=auto, which finds a set beside the shipped prompts.jsonl only), so it would"),
+                      (dict(eval_prompts="", eval_every=0, eval_temperature=1.0), "--eval_every, --eval_temperature set "
+                       "without held-out prompts (--eval_prompts=), so they would do nothing")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            load_eval_prompts(ppo.Config(**kw), tok)
     mine = load_eval_prompts(cfg(prompts="mine.jsonl", eval_prompts=os.path.join(REPO, "eval_prompts.jsonl")), tok)
     assert len(mine) == len(held_out)
 
@@ -9404,6 +9414,78 @@ def test_every_number_is_checked_against_its_range():
         ppo.derive(async_dropout, 0, 1, torch.device("cuda"))
     ppo.derive(async_dropout, 0, 1, cpu)  # a CPU worker compiles nothing (rollout.generate compiles on CUDA only)
     ppo.derive(dataclasses.replace(async_dropout, async_rollout=False), 0, 1, torch.device("cuda"))
+
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@pytest.mark.parametrize("kw, world, match", [
+    # each check of derive at its boundary: the bad value refused by name, the edge value beside it taken
+    (dict(rollout_batch_size=6, mini_batch_size=3), 2, "--mini_batch_size 3 must divide by 2 ranks"),
+    (dict(rollout_batch_size=6, mini_batch_size=6, micro_batch_size=3), 2, None),
+    (dict(mini_batch_size=8, micro_batch_size=3), 1, "per-rank minibatch 8 must be a multiple of --micro_batch_size 3"),
+    (dict(mini_batch_size=8, micro_batch_size=3), 2, "per-rank minibatch 4 must be a multiple of --micro_batch_size 3"),
+    (dict(reward_fn="pythonic.fn"), 1, "(or give --reward_model), not 'pythonic.fn'"),
+    (dict(reward_fn="python:mod.fn"), 1, None),
+    (dict(ptx_coef=0.1), 1, "--ptx_coef > 0 needs --sft_data"),
+    (dict(advantage_estimator="reinforce_pp"), 1, None),  # no group baseline: one sample a prompt is enough
+    (dict(dual_clip=1.0), 1, "--dual_clip must be > 1 (or 0 to disable)"),
+    (dict(dual_clip=-2.0), 1, "--dual_clip must be > 1 (or 0 to disable)"),
+    (dict(dual_clip=1.001), 1, None),
+    (dict(is_correction="icepop", is_band=(0.5, math.inf)), 1, "--is_band must be lo,hi with 0 <= lo <= hi, not 0.5,inf"),
+    (dict(is_correction="icepop", is_band=(-0.5, 2)), 1, "--is_band must be lo,hi with 0 <= lo <= hi, not -0.5,2.0"),
+    (dict(is_correction="seq_mask", is_seq_band=(math.nan, 1)), 1, "--is_seq_band must be lo,hi with 0 <= lo <= hi, not nan"),
+    (dict(is_correction="icepop", is_band=(2, 2)), 1, None),
+    (dict(is_correction="seq_mask", is_seq_band=(0, 1)), 1, None),
+    (dict(entropy_coef=-F32_MAX, non_stop_penalty=F32_MAX, dual_clip=F32_MAX), 1, None),
+    (dict(temperature=1e-6, eval_temperature=1e-6), 1, None),
+    (dict(lora_alpha=8.0), 1, "--lora_alpha set without --lora_rank: LoRA is off, so it would do nothing"),
+    (dict(lora_rank=2, lora_alpha=8.0, lora_dropout=0.5, lora_targets=("up_proj",)), 1, None),
+    (dict(reward_model="rm", reward_timeout=5.0), 1, "--reward_timeout set with --reward_model"),
+    (dict(target_kl=1.0, kl_horizon=8, rollout_batch_size=20, samples_per_prompt=2), 1,
+     "--kl_horizon must be over a step's 40 rows / 5"),  # 1 - 0.2 x 40 / 8 = 0: beta would become 0
+    (dict(target_kl=1.0, kl_horizon=9, rollout_batch_size=20, samples_per_prompt=2), 1, None),
+    (dict(resume=__file__), 1, f"--resume={__file__}: no such folder"),  # a file, not a checkpoint folder
+    (dict(wandb_project="mine"), 1, "--wandb_project set without --wandb, so it would do nothing"),
+    (dict(wandb_project="mine", wandb=True), 1, None),
+    (dict(gpu_memory_gb=40.0), 1, "--gpu_memory_gb set without --dry_run, so it would do nothing"),
+    (dict(gpu_memory_gb=40.0, dry_run=2), 1, None),
+])
+def test_derive_checks_each_flag_at_its_boundary(kw, world, match):
+    import ppo
+
+    if match is None:
+        ppo.derive(ppo.Config(**kw), 0, world, torch.device("cpu"))
+    else:
+        with pytest.raises(UsageError, match=re.escape(match)):
+            ppo.derive(ppo.Config(**kw), 0, world, torch.device("cpu"))
+
+
+def test_derive_sizes_each_rank_and_reads_the_device(monkeypatch):
+    # the per-rank shares (capped at the rank's rows, not its prompts), and what only a GPU turns on
+    import dataclasses
+
+    import ppo
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = ppo.Config(rollout_batch_size=6, samples_per_prompt=3, mini_batch_size=6, micro_batch_size=4,
+                     inference_micro_batch_size=100, rollout_micro_batch_size=100, offload_frozen=True,
+                     offload_optimizer=True, advantage_estimator="grpo", lora_rank=4, lora_alpha=8.0,
+                     lora_dropout=0.25, lora_targets=("v_proj", "q_proj"))
+    # 18 rows, 9 on each of 2 ranks: minibatch 3 a rank, micro-batches capped at 3, scoring and generation at 9
+    assert ppo.derive(cfg, 1, 2, cuda) == ppo.Run(1, 2, cuda, torch.bfloat16, 3, 9, 3, 3, 9, 9, True, True, True,
+                                                   lora.LoRAConfig(4, 8.0, 0.25, ("v_proj", "q_proj")), False, 18)
+    small = dataclasses.replace(cfg, inference_micro_batch_size=4, rollout_micro_batch_size=5, dtype="fp32",
+                                activation_checkpointing="off", advantage_estimator="gae", lora_rank=0,
+                                lora_alpha=16.0, lora_dropout=0.0, lora_targets=lora.TARGETS)
+    assert ppo.derive(small, 0, 2, cuda) == ppo.Run(0, 2, cuda, torch.float32, 3, 9, 3, 3, 4, 5, False, True, True,
+                                                     None, True, 18)
+    for bf16 in (True, False):  # on the CPU: no offload, no checkpointing unless asked, bf16 only where it is fast
+        monkeypatch.setattr(ppo, "cpu_has_bf16", lambda: bf16)
+        run = ppo.derive(cfg, 0, 2, cpu)
+        assert (run.dtype, run.activation_checkpointing, run.offload_frozen, run.offload_optimizer) == (
+            torch.bfloat16 if bf16 else torch.float32, False, False, False)
+    assert ppo.derive(dataclasses.replace(cfg, activation_checkpointing="on"), 0, 2, cpu).activation_checkpointing
 
 
 def test_reward_model_without_a_score_head_is_refused(tiny_run, group, tmp_path):
