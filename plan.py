@@ -41,9 +41,9 @@ FSDP2 does not reshard a root after its forward (the backward needs it at once),
 critic's roots count as gathered from their first scoring forward until a training backward ends, and the
 reference's and the reward model's through the scoring phase (ppo.py reshards them at its end and after training).
 
-Counted: what the CUDA caching allocator hands out, so a phase's peak compares with
-torch.cuda.max_memory_allocated() over that phase. In the reserve instead: the CUDA context, NCCL's and
-cuBLAS's buffers (RESERVE_GIB), and what the allocator holds without handing out (FRAGMENTATION of the peak).
+Counted: what the CUDA caching allocator hands out (cuBLAS's workspaces too), so a phase's peak compares with
+torch.cuda.max_memory_allocated() over that phase. In the reserve instead: the CUDA context, NCCL's buffers
+(RESERVE_GIB), and what the allocator holds without handing out (FRAGMENTATION of the peak).
 The run fits when peak x (1 + FRAGMENTATION) + RESERVE_GIB <= --gpu_memory_gb.
 Not counted, each under 0.1 GiB at the sizes of the README or live only while nothing larger is: the rollout's
 tensors (tokens, masks, per-token values), rope tables, attention block masks (built from a dense boolean grid
@@ -68,9 +68,9 @@ from rollout import CACHE_MULTIPLE
 
 GiB = 2**30
 # Outside the caching allocator, so missing from max_memory_allocated: what the driver keeps of the card (an
-# "80 GB" H100 shows CUDA 79.2 GiB), the CUDA context and loaded kernels (~0.5-1 GiB), NCCL's buffers (~0.5 GiB)
-# and cuBLAS's workspaces.
+# "80 GB" H100 shows CUDA 79.2 GiB), the CUDA context and loaded kernels (~0.5-1 GiB), NCCL's buffers (~0.5 GiB).
 RESERVE_GIB = 3.0
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's on Hopper, from the caching allocator: one per GEMM-running thread, kept
 # Freed blocks of one size that a request of another cannot use (micro-batches are cropped to their rows' real
 # lengths, so shapes vary from step to step); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it.
 FRAGMENTATION = 0.10
@@ -384,7 +384,8 @@ def build(cfg, run):
          f"kv heads x {c.head_dim}", kv_cache_bytes(c, rows_r, S, cb)),
         (f"decode step's CUDA graphs: one pool, the {rows_r}-row graph's inputs and working set",
          decode_graph_bytes(c, rows_r, S, cb)),
-    ]
+        ("cuBLAS workspaces: this thread's, autograd's backward's" + (", the async generation's" if
+         cfg.async_rollout else ""), (3 if cfg.async_rollout else 2) * CUBLAS_WORKSPACE)]
 
     # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less
     P = cfg.max_prompt_len
@@ -439,8 +440,7 @@ def build(cfg, run):
              N_i * cb * H),
             ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)), *fetched("actor", actor),
             (f"actor block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(c, cb)),
-            ("fused logprob/entropy + KL forward scratch", fwd_i)]),
-    ]
+            ("fused logprob/entropy + KL forward scratch", fwd_i)])]
     if critic is not None:
         scoring.append(("critic forward", [
             ("critic blocks gathered", units_fwd(critic)), *fetched("critic", critic),
@@ -594,7 +594,7 @@ def report(cfg, run):
                      f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: "
                      f"{'actor and critic' if f['critic'] else 'actor'} shards, grads, AdamW states)")
     lines.append(f"reserve {_gib(reserve):.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
-                 f"context, NCCL, cuBLAS)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
+                 f"context, NCCL)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
                  f"{cfg.gpu_memory_gb - _gib(reserve):.1f} GiB usable")
     lines.append(f"peak {_gib(peak):.1f} GiB per GPU of {cfg.gpu_memory_gb:g}: {'fits' if fits else 'does not fit'}")
     return "\n".join(lines), fits
