@@ -421,14 +421,27 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_ranks=True):
 ADVANTAGE_ESTIMATORS = {}  # name -> estimator function (its .critic says whether it needs a critic)
 
 
-def advantage_estimator(name, critic=False, groups=False):
+def advantage_estimator(name, critic=False, groups=False, reads=None):
     """Decorator: registers an estimator under `name`, for --advantage_estimator=name. critic: it needs the critic's
-    values; groups: it compares a prompt's samples, so the run needs --samples_per_prompt >= 2 (ppo.derive)."""
+    values; groups: it compares a prompt's samples, so the run needs --samples_per_prompt >= 2 (ppo.derive); reads:
+    which of ESTIMATOR_FLAGS it reads (None, a fork's default: it may read any; see estimator_unread)."""
     def register(fn):
-        fn.critic, fn.groups = critic, groups
+        fn.critic, fn.groups, fn.reads = critic, groups, reads
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
     return register
+
+
+ESTIMATOR_FLAGS = ("lam", "whiten_advantages")  # Config fields that only some estimators read
+
+
+def estimator_unread(name):
+    """The Config fields --advantage_estimator=name leaves unread, which ppo.derive refuses set (as doing nothing):
+    the critic's learning rate and value clip without a critic, and the ESTIMATOR_FLAGS outside its reads."""
+    est = ADVANTAGE_ESTIMATORS[name]
+    reads = ESTIMATOR_FLAGS if est.reads is None else est.reads
+    critic = [] if est.critic else ["critic_lr", "loss_clip_val"]
+    return critic + [k for k in ESTIMATOR_FLAGS if k not in reads]
 
 
 def returns_to_go(rewards, mask, gamma):
@@ -458,25 +471,25 @@ def rloo_scores(score, n):
     return (s - (s.sum(1, keepdim=True) - s) / (n - 1)).flatten().to(score.dtype)
 
 
-@advantage_estimator("gae", critic=True)
+@advantage_estimator("gae", critic=True, reads=("lam", "whiten_advantages"))
 def gae_advantages(score, kl_reward, values, mask, cfg):
     adv, ret = compute_gae(kl_reward + score_on_last_token(score, mask), values, mask, cfg.gamma, cfg.lam)
     return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), ret
 
 
-@advantage_estimator("grpo", groups=True)
+@advantage_estimator("grpo", groups=True, reads=())
 def grpo_advantages(score, kl_reward, values, mask, cfg):
     s = grpo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
     return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
 
 
-@advantage_estimator("rloo", groups=True)
+@advantage_estimator("rloo", groups=True, reads=())
 def rloo_advantages(score, kl_reward, values, mask, cfg):
     s = rloo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
     return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
 
 
-@advantage_estimator("reinforce_pp")
+@advantage_estimator("reinforce_pp", reads=())
 def reinforce_pp_advantages(score, kl_reward, values, mask, cfg):
     ret = returns_to_go(kl_reward + score_on_last_token(score.to(kl_reward.dtype), mask), mask, cfg.gamma)
     return masked_whiten(ret, mask), None

@@ -16,8 +16,7 @@ Each step:
                  actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
-    4. advantage GAE with the critic's values, whitened over all ranks; or critic-free: grpo, rloo, reinforce_pp
-                 (one function each in gae.ADVANTAGE_ESTIMATORS)
+    4. advantage GAE with the critic's values (whitened), or critic-free: grpo, rloo, reinforce_pp (gae.py)
     5. optimise  ppo_epochs x minibatches x micro-batches:
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
@@ -64,7 +63,7 @@ from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
+                 estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import step_metrics
@@ -248,7 +247,8 @@ def derive(cfg, rank, W, device):
                             "with --reward_model, which scores in place of a reward function"), (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
                            (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"), (cfg.wandb, ("wandb_project",), "without --wandb"),
                            (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
-                           (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}")):
+                           (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
+                           (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}")):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
@@ -538,7 +538,7 @@ def main(cfg: Config, reward_fn=None):
                         raise FloatingPointError(
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
-                            "is untouched: resume with a lower --lr (and --critic_lr)")
+                            "is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
             checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, is not kept into the rollout
             t3 = phase_end(device, peaks, "train")
 

@@ -6388,6 +6388,7 @@ def tiny_run(tmp_path_factory):
 
 TINY_ARGS = dict(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, max_new_tokens=6, ppo_epochs=2,
                  dtype="fp32", lr=3e-3, critic_lr=3e-3, sample_every=0, seed=3)
+NO_CRITIC = dict(critic_lr=2.5e-4)  # TINY_ARGS' critic_lr back at Config's default: without a critic it is refused
 
 
 def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, terminal=False, **kw):
@@ -7640,7 +7641,8 @@ CRITIC_METRICS = ("loss/value_avg", "val/clipfrac_avg", "val/explained_var", "va
 def test_critic_free_run_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path):
     # grpo over 2 samples per prompt: no critic is built, optimised, checkpointed or logged; 2 ranks repeat 1 rank
     # (a group lives on one rank), and a resumed run repeats the uninterrupted one bitwise
-    kw = dict(advantage_estimator="grpo", samples_per_prompt=2, rollout_batch_size=4, save_every=2, temperature=1.0)
+    kw = dict(advantage_estimator="grpo", samples_per_prompt=2, rollout_batch_size=4, save_every=2, temperature=1.0,
+              **NO_CRITIC)
     p, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
     assert all(k not in r for r in one for k in CRITIC_METRICS) and "vloss" not in p.stdout
     assert all(r["policy/approxkl_avg"] > 0 for r in one)  # the actor trains
@@ -7686,7 +7688,7 @@ def recorded(record, response):
 def test_a_new_advantage_estimator_is_one_function(tiny_run, tmp_path):
     # a fork registers an estimator (here: the sign of the group-centred score, no critic) and runs it by name
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "fork"),
-            "total_steps": 1, "advantage_estimator": "sign", "samples_per_prompt": 2, "rollout_batch_size": 4}
+            "total_steps": 1, "advantage_estimator": "sign", "samples_per_prompt": 2, "rollout_batch_size": 4, **NO_CRITIC}
     p = run_script(ppo_script(args, """
 import torch
 import gae
@@ -7719,6 +7721,12 @@ def test_a_group_estimator_of_a_fork_is_refused_without_groups():
         with pytest.raises(UsageError, match="--advantage_estimator=median_of_group baselines a sample by its group"):
             ppo.derive(ppo.Config(advantage_estimator="median_of_group"), 0, 1, torch.device("cpu"))
         ppo.derive(ppo.Config(advantage_estimator="median_of_group", samples_per_prompt=2), 0, 1, torch.device("cpu"))
+        # declaring no reads, it may read --lam and --whiten_advantages; without a critic, --critic_lr does nothing
+        ppo.derive(ppo.Config(advantage_estimator="median_of_group", samples_per_prompt=2, lam=0.5,
+                              whiten_advantages=False), 0, 1, torch.device("cpu"))
+        with pytest.raises(UsageError, match="--critic_lr set with --advantage_estimator=median_of_group"):
+            ppo.derive(ppo.Config(advantage_estimator="median_of_group", samples_per_prompt=2, critic_lr=1.0), 0, 1,
+                       torch.device("cpu"))
     finally:
         del gae.ADVANTAGE_ESTIMATORS["median_of_group"]
     assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "rloo"]
@@ -9484,6 +9492,15 @@ F32_MAX = float(torch.finfo(torch.float32).max)
     (dict(wandb_project="mine", wandb=True), 1, None),
     (dict(gpu_memory_gb=40.0), 1, "--gpu_memory_gb set without --dry_run, so it would do nothing"),
     (dict(gpu_memory_gb=40.0, dry_run=2), 1, None),
+    # the critic's flags without a critic, and the flags only GAE reads (gae.estimator_unread)
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, critic_lr=1e-3), 1,
+     "--critic_lr set with --advantage_estimator=grpo, so it would do nothing"),
+    (dict(advantage_estimator="rloo", samples_per_prompt=2, loss_clip_val=0.0, lam=0.9), 1,
+     "--loss_clip_val, --lam set with --advantage_estimator=rloo, so they would do nothing"),
+    (dict(advantage_estimator="reinforce_pp", whiten_advantages=False), 1,
+     "--whiten_advantages set with --advantage_estimator=reinforce_pp, so it would do nothing"),
+    (dict(advantage_estimator="reinforce_pp", gamma=0.9), 1, None),  # every built-in estimator discounts by gamma
+    (dict(critic_lr=1e-3, loss_clip_val=0.0, lam=0.9, whiten_advantages=False), 1, None),  # gae reads them all
 ])
 def test_derive_checks_each_flag_at_its_boundary(kw, world, match):
     import ppo
@@ -10908,7 +10925,7 @@ with open(os.path.join({str(tmp_path)!r}, "masks-" + os.environ.get("RANK", "0")
     f.write("\\n".join(seen))
 sys.exit(status)
 """)
-    kw = dict(lora_rank=4, lora_dropout=0.3, advantage_estimator="grpo", samples_per_prompt=2, total_steps=2)
+    kw = dict(lora_rank=4, lora_dropout=0.3, advantage_estimator="grpo", samples_per_prompt=2, total_steps=2, **NO_CRITIC)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
     p = run_torchrun([str(hooked), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "two"}.items())])
     assert p.returncode == 0, p.stderr[-3000:]
