@@ -7863,6 +7863,9 @@ def test_ratio_variance_is_each_minibatchs_own_averaged():
     out = step_metrics(mask, sc, torch.zeros(B), zeros, zeros, None, torch.ones(B, dtype=torch.bool), zeros,
                        [update(100, [1.0]), update(2, [1.0, 3.0])], 0.05, B, ("actor",), cfg)
     assert out["val/ratio"] == pytest.approx(1.5) and out["val/ratio_var"] == pytest.approx(0.5)
+    # without a critic, importance weights or a ptx loss, none of their metrics (an is_weight_mean of 1 was logged)
+    assert out.keys() == STEP_METRICS - {"loss/value_avg", "val/clipfrac_avg", "val/explained_var", "val/is_weight_mean",
+                                         "val/is_clipfrac", "loss/ptx_avg"}
 
 
 def test_finite_mean_drops_nan_and_inf():
@@ -7875,11 +7878,22 @@ def test_finite_mean_drops_nan_and_inf():
     assert math.isnan(finite_mean(torch.tensor([nan, inf])).item())
 
 
-def hand_step(plant=False, same_returns=False):
+# the keys of hand_step's metrics: README's table for a run with a critic, --is_correction=tis and --ptx_coef
+STEP_METRICS = {
+    "objective/scores", "objective/score_used", "objective/kl", "objective/kl_k1", "objective/kl_k2", "objective/kl_k3",
+    "objective/kl_exact", "objective/kl_coef", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg", "loss/value_avg", "loss/ptx_avg",
+    "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_var", "val/response_length", "val/stop_rate",
+    "val/sampler_logprob_diff", "val/mismatch_k3", "val/is_weight_mean", "val/is_clipfrac", "val/grad_norm_actor",
+    "val/skipped_updates", "perf/padding_frac"}
+
+
+def hand_step(plant=False, same_returns=False, rank=None):
     """step_metrics of a step whose metrics are worked out by hand (test_step_metrics_hand_computed): responses of 3,
     1 and 2 tokens (6 in all), rows 0 and 2 ended (row 1's score replaced by a non-stop penalty of -1); three updates
     of 3 tokens, the second skipped, whose per-token means are 1, 2 and 3 times the key's place in `sums` (1 to 9);
-    plant: NaN and inf in every tensor's slots off the mask."""
+    plant: NaN, inf and a finite 7 in every tensor's slots off the mask. rank 0 or 1: that rank's part of the step on
+    two ranks (row 0 and a third of each sum and slot count; rows 1 and 2 and the rest)."""
     from metrics import step_metrics
 
     nan, inf = float("nan"), float("inf")
@@ -7899,18 +7913,27 @@ def hand_step(plant=False, same_returns=False):
     if plant:
         for x in (sc["old_logp"], sc["ref_logp"], sc["kl_exact"], sc["entropy"], sc["values"], sampler, kl, ret):
             x[~mask] = nan
+            x[1, 1] = 7.0  # and finite junk (a padded slot's entropy is a number)
         sc["entropy"][1, 2] = inf
+
+    part = {None: 1, 0: 1 / 3, 1: 2 / 3}[rank]  # of each update's sums and slots (the norms are the whole model's)
 
     def update(norm, times):
         keys = ("policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac", "ptx")
-        sums = {k: torch.tensor(3.0 * times * (i + 1), dtype=torch.float64) for i, k in enumerate(keys)}
+        sums = {k: torch.tensor(3.0 * times * (i + 1) * part, dtype=torch.float64) for i, k in enumerate(keys)}
         return dict(sums=sums, n_tokens=3, norms=torch.tensor([norm], dtype=torch.float64),
-                    skipped=not math.isfinite(norm), slots=[6, 3])
+                    skipped=not math.isfinite(norm), slots=[round(6 * part), round(3 * part)])
 
     cfg = types.SimpleNamespace(is_correction="tis", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
     used = torch.tensor([1.0, -1.0, 3.0])
     rewards = torch.where(mask, -0.1 * kl, 0.0) + gae.score_on_last_token(used, mask)
-    return step_metrics(mask, sc, used, kl, rewards, ret, torch.tensor([True, False, True]), sampler,
+    ended = torch.tensor([True, False, True])
+    if rank is not None:  # this rank's rows
+        rows = slice(0, 1) if rank == 0 else slice(1, 3)
+        sc = {k: v[rows] if torch.is_tensor(v) else v for k, v in sc.items()}
+        sc.update(slots=(5, 3)[rank], pad=(1, 1)[rank])
+        mask, used, kl, rewards, ret, ended, sampler = (x[rows] for x in (mask, used, kl, rewards, ret, ended, sampler))
+    return step_metrics(mask, sc, used, kl, rewards, ret, ended, sampler,
                         [update(1.0, 1), update(inf, 2), update(3.0, 3)], 0.1, 3, ("actor",), cfg)
 
 
@@ -7938,9 +7961,32 @@ def test_step_metrics_hand_computed():
     assert out["perf/padding_frac"] == pytest.approx((2 + 3 * 3) / (8 + 3 * 6))  # scoring's slots and 3 updates'
     assert out["objective/kl"] == pytest.approx(0.4) and out["objective/non_score_reward"] == pytest.approx(-0.04)
     assert out["val/grad_norm_actor"] == 2.0  # the inf update's norm left out
+    assert out["objective/kl_coef"] == 0.1
+    assert out.keys() == STEP_METRICS  # nothing else: not the token count, ratio_sq nor another per-minibatch sum
     assert math.isnan(hand_step(same_returns=True)["val/explained_var"])  # every return the same: nothing to explain
     planted = hand_step(plant=True)  # off the mask, nothing reaches a metric (select, don't multiply)
     assert planted.keys() == out.keys() and all(planted[k] == pytest.approx(out[k]) for k in out)
+
+
+def _step_metrics_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(hand_step(plant=True, rank=rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_step_metrics_two_ranks_log_the_one_rank_numbers(tmp_path):
+    # hand_step's rows and sums split unevenly over 2 gloo ranks (row 0 on one, rows 1 and 2 on the other): each
+    # rank's metrics are the one-process step's. A sum left to this rank (the per-token metrics, the response count)
+    # passed every other test
+    mp.spawn(_step_metrics_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    want = hand_step()
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want), r
 
 
 def test_run_comparisons_skip_only_the_measured_metrics():
