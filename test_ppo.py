@@ -1803,6 +1803,7 @@ def test_lora_dropout_drops_the_adapters_input_in_graph_building_forwards(dtype)
     g = torch.Generator().manual_seed(0)
     base = torch.nn.Linear(13, 7).to(dtype)
     mod = lora.LoRALinear(base, lora.LoRAConfig(3, 6.0, dropout=0.4))
+    assert mod.lora_A.weight.dtype == mod.lora_B.weight.dtype == torch.float32  # on a base in any dtype
     A, B = torch.randn(3, 13, generator=g), torch.randn(7, 3, generator=g)
     mod.lora_A.weight.data.copy_(A), mod.lora_B.weight.data.copy_(B)
     x = torch.randn(2, 5, 13, generator=g).to(dtype)
