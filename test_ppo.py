@@ -1818,6 +1818,25 @@ def test_lora_dropout_drops_the_adapters_input_in_graph_building_forwards(dtype)
         assert torch.equal(mod(x), base(x) + adapter(x))
 
 
+def test_lora_dropout_masks_are_the_forwards_in_the_recompute(tmp_path):
+    # activation checkpointing recomputes each block in the backward, drawing the adapters' dropout masks again:
+    # torch.utils.checkpoint restores the forward's RNG, so they are the forward's and the gradients are those
+    # without recomputation (fresh masks there would give gradients of masks the loss never saw)
+    import lora
+
+    _, model = lora_model(tmp_path, "qwen2", dropout=0.3)
+    idx, mask, pos = left_padded_batch(TINY["vocab_size"])
+    w = torch.randn(3, 13, TINY["vocab_size"], generator=torch.Generator().manual_seed(2)) * mask[..., None]
+    grads = []
+    for recompute, key in ((False, 5), (True, 5), (False, 6)):
+        model.activation_checkpointing = recompute
+        model.zero_grad()
+        lora.seed_dropout(key)
+        (model(idx, mask, pos) * w).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if ".lora_" in n]))
+    assert torch.equal(grads[0], grads[1]) and not torch.allclose(grads[0], grads[2])
+
+
 def test_seed_dropout_keys_the_masks_by_every_entry_of_the_key():
     # after lora.seed_dropout(*key) a micro-batch's masks are a function of key alone (whatever drew before: a
     # resume, another rank's work), and a different (seed, step, update, micro-batch, rank) seeds differently: one
