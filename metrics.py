@@ -1,6 +1,6 @@
 """
 The step's metrics from its tensors: the names of README's metrics table (objective/*, policy/*, loss/*, val/*,
-perf/*), each a sum over this rank's rows, summed over ranks in one all_sum, so 1 and N ranks log the same numbers.
+perf/*), each a sum over this rank's rows, summed over ranks (runtime.all_sum), so 1 and N ranks log the same numbers.
 Per-minibatch statistics (the losses, clip fractions, ratios) are token means over each minibatch, then averaged
 over every minibatch of the step, not the last one's (CleanRL logs the last minibatch's and calls it the mean).
 """
@@ -21,9 +21,10 @@ def finite_mean(x, dim=None):
 
 
 def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates, beta, B_all, trained, cfg):
-    """The step's metrics from its tensors: sums over this rank's rows, summed over ranks in one all_sum
-    (masked_var adds its own), per-minibatch means averaged over every minibatch of the step. Without a critic
-    (ret None) no value metric is logged; with --is_correction=none no importance-weight metric."""
+    """The step's metrics from its tensors: sums over this rank's rows, summed over ranks (an all_sum each for the
+    per-response sums, the per-token sums, the minibatches' sums and the token slots; masked_var adds its own),
+    per-minibatch means averaged over every minibatch of the step. Without a critic (ret None) no value metric is
+    logged; with --is_correction=none no importance-weight metric."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
     w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg)
 
