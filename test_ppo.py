@@ -9170,18 +9170,29 @@ def test_resume_compares_models_by_their_files(tmp_path, monkeypatch):
         C.check_config(str(folder), cfg)
     assert C.model_fingerprint("org/not-here") is None  # a Hub id: compared by name
     assert C.model_hashes(ppo.Config(model="org/not-here")) == {"model": None}
-    # files over HASH_BELOW are read at their start, middle and end only
-    monkeypatch.setattr(C, "HASH_BELOW", 1)
-    monkeypatch.setattr(C, "SAMPLE_BYTES", 16)
+    hub = dataclasses.replace(cfg, model="org/not-here", reward_model="org/not-here")
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(hub), model_sha256=C.model_hashes(hub))))
+    C.check_config(str(folder), hub)
+    with pytest.raises(UsageError, match=r"'model': \('org/not-here', 'org/other'\)"):  # another Hub id
+        C.check_config(str(folder), dataclasses.replace(hub, model="org/other"))
+    monkeypatch.setattr(C, "resolve", lambda name: a if name == "embedded" else name)  # hf.resolve's short names
+    assert C.model_fingerprint("embedded") == C.model_fingerprint(a) is not None
     before = C.model_fingerprint(a)
+    (tmp_path / "a" / ".gitattributes").write_text("*.safetensors filter=lfs")  # hidden files are not the model's
+    assert C.model_fingerprint(a) == before
+    # a file under HASH_BELOW is read whole (a block at a time); from HASH_BELOW up at its start, middle and end only
     size = os.path.getsize(weights)
-    for at, seen in ((size // 2 + 3, True), (size // 2 - 100, False)):
+    monkeypatch.setattr(C, "SAMPLE_BYTES", 16)
+    for below, at, seen in ((size + 1, size // 2 - 100, True), (size, size // 2 - 100, False), (1, size // 2 + 3, True),
+                            (1, 5, True), (1, size - 5, True), (1, size - 17, False)):
+        monkeypatch.setattr(C, "HASH_BELOW", below)
+        before = C.model_fingerprint(a)
         with open(os.path.join(a, "model.safetensors"), "r+b") as f:
             f.seek(at)
             byte = f.read(1)
             f.seek(at)
             f.write(bytes([byte[0] ^ 1]))
-        assert (C.model_fingerprint(a) != before) == seen
+        assert (C.model_fingerprint(a) != before) == seen, (below, at)
         before = C.model_fingerprint(a)
     os.rename(os.path.join(a, "config.json"), os.path.join(a, "config.jsoN"))  # the same bytes under another name
     assert C.model_fingerprint(a) != before
