@@ -8563,9 +8563,11 @@ def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
     stale = json.dumps(dict(pid=dead.pid, host=socket.gethostname(), since="then"))
     other = json.dumps(dict(pid=os.getppid(), host=socket.gethostname(), since="now"))
 
-    def taken_meanwhile(pid):  # while this run judges the lock, the other run replaces it with its own
-        os.remove(out / ".lock")
-        (out / ".lock").write_text(other)
+    def taken_meanwhile(pid):  # while this run judges the lock, the other run replaces it with its own, made within
+        stale_ns = os.stat(out / ".lock").st_mtime_ns  # the clock's tick (the same mtime: only the inode differs)
+        (out / "other").write_text(other)
+        os.utime(out / "other", ns=(stale_ns, stale_ns))
+        os.replace(out / "other", out / ".lock")
         return False
 
     (out / ".lock").write_text(stale)
@@ -8584,6 +8586,42 @@ def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
     release = C._claim(str(out), "", False, None)
     assert json.loads((out / ".lock").read_text())["pid"] == os.getpid() and os.listdir(out) == [".lock"]
     release()
+
+
+def test_a_lock_is_stale_only_when_its_run_is_gone_from_this_host(tmp_path, monkeypatch):
+    # a lock from another host is in use whatever PID it names (that PID is not this host's to look up); one of this
+    # process (an earlier ppo.main in a notebook that failed before releasing it) is stale; a PID that os.kill may
+    # not signal (another user's process) is alive. A lock another run makes after the checks is not overwritten
+    import socket
+
+    out = tmp_path / "out"
+    os.makedirs(out)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / ".lock").write_text(json.dumps(dict(pid=dead.pid, host="elsewhere", since="then")))
+    with pytest.raises(C.FolderInUse, match=f"in use by another run: PID {dead.pid} on host elsewhere"):
+        C._claim(str(out), "", False, None)
+    (out / ".lock").write_text(json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since="then")))
+    C._claim(str(out), "", False, None)()
+    assert os.listdir(out) == []
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(C.os, "kill", kill)
+    assert C._alive(dead.pid)
+    monkeypatch.undo()
+    other = json.dumps(dict(pid=os.getppid(), host=socket.gethostname(), since="now"))
+    holds = C._holds_a_run
+
+    def taken_meanwhile(out_dir):  # the other run creates its lock between this run's checks and its own create
+        (out / ".lock").write_text(other)
+        return holds(out_dir)
+
+    monkeypatch.setattr(C, "_holds_a_run", taken_meanwhile)
+    with pytest.raises(C.FolderInUse, match="was just taken by another run"):
+        C._claim(str(out), "", False, None)
+    assert (out / ".lock").read_text() == other
 
 
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
