@@ -8624,6 +8624,41 @@ def test_a_lock_is_stale_only_when_its_run_is_gone_from_this_host(tmp_path, monk
     assert (out / ".lock").read_text() == other
 
 
+def test_claim_of_an_earlier_checkpoint_completes_writes_then_sets_the_later_ones_aside(tmp_path, monkeypatch):
+    # in process (the end-to-end test is slow): --resume=PATH to out_dir's step 2, named through a link to out_dir,
+    # is its own checkpoint; the export's interrupted replacement is completed, and the completed export, step 4,
+    # step 4's evaluation rows and a copy of metrics.jsonl go aside. A checkpoint of a sibling folder whose name
+    # starts with out_dir's is not inside out_dir; an empty metrics.jsonl (killed before its first line) holds no run
+    out, sibling = tmp_path / "out", tmp_path / "out-b"
+    two = fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
+    fake_checkpoint(out / "checkpoints" / "step-000004", step=4)
+    forked = fake_checkpoint(sibling / "checkpoints" / "step-000001")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for name in ("actor", "actor.new", "samples", ".tmp-export"):
+        os.makedirs(out / name)
+    (out / "actor" / "config.json").write_text("old")
+    (out / "actor.new" / "config.json").write_text("new")
+    (out / "samples" / "step-000004.jsonl").write_text("{}\n")
+    with pytest.raises(C.FolderInUse, match=re.escape(f"holds an earlier run (metrics.jsonl with 1 steps; checkpoints "
+                                                      f"step-000002, step-000004; an exported actor/): --resume={forked} "
+                                                      "is not one of its checkpoints")):
+        C._claim(str(out), forked, False, forked)
+    os.symlink(out, tmp_path / "link")
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "T")
+    through_link = str(tmp_path / "link" / "checkpoints" / "step-000002")
+    C._claim(str(out), through_link, False, through_link)()
+    aside = out / "after-step-2.old-T"
+    assert sorted(os.listdir(out)) == ["after-step-2.old-T", "checkpoints", "metrics.jsonl", "samples"]
+    assert os.listdir(out / "checkpoints") == ["step-000002"] and C.verify(two) is None
+    assert os.listdir(aside / "checkpoints") == ["step-000004"] and C.verify(str(aside / "checkpoints" / "step-000004")) is None
+    assert (aside / "actor" / "config.json").read_text() == "new" and os.listdir(aside / "samples") == ["step-000004.jsonl"]
+    assert (aside / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    os.makedirs(tmp_path / "empty")
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    C._claim(str(tmp_path / "empty"), "", False, None)()
+    assert os.listdir(tmp_path / "empty") == ["metrics.jsonl"]
+
+
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
     # --resume=out_dir/after-step-2.old-T/checkpoints/step-000004 (set aside by going back) with --overwrite moved
     # out_dir, and the checkpoint with it, aside, then crashed reading it; --resume=.../step-N.tmp (a write cut short)
