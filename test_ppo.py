@@ -8328,6 +8328,9 @@ def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
     assert sorted(os.listdir(root)) == ["step-000001", "step-000002", "step-000003", "step-000004", "step-000005"]
     C.rotate(str(root / "step-000004"), "r", 2)  # the one just written is kept whatever its state
     assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]
+    fake_checkpoint(root / "step-000006", step=6)  # a later one of this run that verifies: not among the newest
+    C.rotate(str(root / "step-000004"), "r", 1)
+    assert sorted(os.listdir(root)) == ["step-000004", "step-000005", "step-000006"]
 
 
 def test_lr_schedule_by_hand():
@@ -8476,6 +8479,9 @@ def test_find_takes_the_newest_that_verifies_and_checks_its_config(tmp_path, cap
         C.find(dataclasses.replace(cfg, seed=2))
     with pytest.raises(UsageError, match="written by a run of total_steps=4, and the linear LR schedule"):
         C.find(dataclasses.replace(cfg, total_steps=5))
+    os.remove(config_checkpoint(root / "step-000004", cfg, step=4) + "/manifest.json")
+    assert C.find(cfg) == str(root / "step-000002")  # a step-N without its manifest: --resume=auto skips it
+    assert f"resume: skipping {root / 'step-000004'}: no manifest.json" in capsys.readouterr().out
     os.remove(root / "step-000001" / "manifest.json")  # before manifests: --resume=PATH only
     assert C.find(dataclasses.replace(cfg, resume=str(root / "step-000001"))) == str(root / "step-000001")
     assert C.find(dataclasses.replace(cfg, resume="")) is None
