@@ -9277,19 +9277,29 @@ def test_resume_compares_models_by_their_files(tmp_path, monkeypatch):
     assert C.model_fingerprint(a) != before
 
 
-def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
+def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path, capsys):
     # a run written before --is_correction existed put no weight on the policy gradient: it resumes with
-    # --is_correction=none, and the default (tis) is refused by name
+    # --is_correction=none, and the default (tis) is refused by name. A field added since that may change on resume
+    # (MAY_CHANGE_ON_RESUME) may be set away from its default. --lora_dropout with another --micro_batch_size is
+    # taken with a note (other dropout masks); without dropout nothing is said
     import dataclasses
 
     import ppo
 
     saved = json.loads(json.dumps(dataclasses.asdict(ppo.Config())))
-    del saved["is_correction"]
+    del saved["is_correction"], saved["reward_workers"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
         C.check_config(str(tmp_path), ppo.Config())
     C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", reward_workers=4))
+    capsys.readouterr()
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", micro_batch_size=3))
+    assert capsys.readouterr().out == ""
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, lora_dropout=0.1)))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", micro_batch_size=3, lora_dropout=0.1))
+    assert capsys.readouterr().out.startswith("note: --lora_dropout with --micro_batch_size=3, where "
+                                              f"{tmp_path}'s run had 8: the dropout masks are drawn per micro-batch")
 
 
 def test_a_checkpoint_from_before_python_rewards_were_recorded_resumes_with_one(tmp_path):
