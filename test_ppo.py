@@ -8410,6 +8410,12 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(a), cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001"] and C.verify(folder) is None
+    with open(os.path.join(folder, "config.json")) as f:  # what check_config compares a resume's inputs with
+        written = json.load(f)
+    with open(cfg.prompts, "rb") as f:
+        assert written["input_sha256"] == {"prompts": hashlib.sha256(f.read()).hexdigest()}
+    assert written["model_sha256"] == {"model": C.model_fingerprint(tiny_run["policy"])} != {"model": None}
+    assert written["python_reward_recorded"] is True and written["lr"] == cfg.lr
     draws = (random.random(), np.random.rand(), torch.rand(2))
     saved = state(a)
 
@@ -8435,11 +8441,24 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     assert [g["lr"] for g in c["actor_opt"].param_groups] == [4e-3 * f(6)]
     assert [g["lr"] for g in c["critic_opt"].param_groups] == [1e-3 * f(6)]
 
+    C.save(folder.replace("000001", "000002"), {n: (a[n], a[n + "_opt"]) for n in run.trained},
+           dict(trainer(a), step=2), cfg)  # --keep_checkpoints=2: both kept
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001", "step-000002"]
     os.remove(os.path.join(folder, "rng-rank0.pt"))  # as rank 0 of a run with more ranks than the saving run had
     C.load(folder, {n: (c[n], c[n + "_opt"]) for n in run.trained}, cfg, None)
     seed = 5 * 1_000_003 + 1 * 1009 + 0
     assert random.random() == random.Random(seed).random() and np.random.rand() == np.random.RandomState(seed).rand()
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_local_bytes_counts_nested_state_dicts():
+    # the bytes check_space asks for before a checkpoint: every tensor of the nested model and optimizer states, at
+    # its element size; what is not a tensor (param_groups' lists, floats) holds none
+    state = {"actor": {"w": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)},
+             "actor_optim": {"state": {"w": {"step": torch.tensor(3.0, dtype=torch.float64),
+                                             "exp_avg": torch.zeros(3, 5)}}, "param_groups": [{"lr": 0.1}]},
+             "n": 5}
+    assert C._local_bytes(state) == 60 + 14 + 8 + 60
 
 
 def config_checkpoint(folder, cfg, run_id="r", step=1):
@@ -10193,6 +10212,10 @@ def test_rng_state_holds_this_ranks_gpu_alone(monkeypatch):
     restored.clear()
     checkpoint.set_rng_state(dict(state, cuda=[mine + i for i in range(8)]))
     assert len(restored) == 1 and torch.equal(restored[0][1], mine + 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 8)  # a device the saving rank did not see: left as is
+    restored.clear()
+    checkpoint.set_rng_state(dict(state, cuda=[mine + i for i in range(8)]))
+    assert restored == []
 
 
 def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
