@@ -8451,6 +8451,77 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
 
 
+def _checkpoint_worker(rank, world, init_file, out_dir, policy):
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import ppo
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        lock = os.path.join(out_dir, ".lock")
+        if rank == 0:
+            with open(lock, "w") as f:
+                json.dump(dict(pid=1, host="elsewhere", since="then"), f)
+        dist.barrier()
+        try:  # rank 0 judges the lock; every rank raises its reason
+            C.claim(out_dir, "", False, None)
+        except C.FolderInUse as e:
+            out["claim"] = str(e)
+        dist.barrier()
+        if rank == 0:
+            os.remove(lock)
+        cfg = ppo.Config(model=policy, seed=5, out_dir=out_dir)
+        torch.manual_seed(0)  # the same weights on both ranks
+        m = C.add_optimizers(dict(actor=Transformer.from_pretrained(policy)), cfg, types.SimpleNamespace(trained=("actor",)))
+        modules, folder = {"actor": (m["actor"], m["actor_opt"])}, os.path.join(out_dir, "checkpoints", "step-000001")
+        if rank == 0:
+            os.makedirs(os.path.dirname(folder))
+        random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
+        C.save(folder, modules, dict(step=1, run_id="r"), cfg)
+        draw = lambda: (random.random(), float(np.random.rand()), torch.rand(2).tolist())  # noqa: E731
+        out["saved"] = draw()
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        C.load(folder, modules, cfg)
+        out["loaded"] = draw()
+        dist.barrier()
+        if rank == 0:  # as if rank 1 were a rank the saving run did not have
+            os.remove(os.path.join(folder, "rng-rank1.pt"))
+        dist.barrier()
+        C.load(folder, modules, cfg)
+        out["without_file"] = draw()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_each_rank_saves_and_restores_its_own_rng_state(tiny_run, tmp_path):
+    # on two gloo ranks in process (the end-to-end runs are slow): each rank's global RNGs go to rng-rank{r}.pt and
+    # come back to that rank; a rank without a file is seeded from (seed, step, rank). claim raises rank 0's reason
+    # on every rank
+    import random
+
+    import numpy as np
+
+    out_dir = tmp_path / "out"
+    os.makedirs(out_dir)
+    mp.spawn(_checkpoint_worker, args=(2, str(tmp_path / "init"), str(out_dir), tiny_run["policy"]), nprocs=2, join=True)
+    outs = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    assert sorted(n for n in os.listdir(out_dir / "checkpoints" / "step-000001") if n.startswith("rng")) == ["rng-rank0.pt"]
+    for r, o in enumerate(outs):
+        assert o["claim"].startswith(f"--out_dir={out_dir} is in use by another run: PID 1 on host elsewhere"), (r, o)
+        assert o["loaded"] == o["saved"], r
+        seed = 5 * 1_000_003 + 1009 + r
+        mine = (random.Random(seed).random(), float(np.random.RandomState(seed).rand()),
+                torch.rand(2, generator=torch.Generator().manual_seed(seed)).tolist())
+        assert o["without_file"] == (o["saved"] if r == 0 else mine), r
+    assert outs[0]["saved"] != outs[1]["saved"]
+
+
 def test_local_bytes_counts_nested_state_dicts():
     # the bytes check_space asks for before a checkpoint: every tensor of the nested model and optimizer states, at
     # its element size; what is not a tensor (param_groups' lists, floats) holds none
