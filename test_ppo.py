@@ -8451,6 +8451,45 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
 
 
+def test_a_lora_checkpoint_holds_the_trained_parameters_alone(tiny_run, group, tmp_path):
+    # under LoRA (trained_only) a checkpoint holds the adapters, the critic's head and their AdamW states, not the
+    # frozen bases (the HF checkpoint read again on resume), and load fills those into models whose bases it leaves
+    import lora
+    import ppo
+
+    cfg = ppo.Config(model=tiny_run["policy"], lora_rank=2, lora_alpha=4.0)
+    run = types.SimpleNamespace(trained=("actor", "critic"))
+
+    def models(seed):
+        torch.manual_seed(seed)
+        m = {name: lora.add_adapters(Transformer.from_pretrained(tiny_run["policy"], head=head), lora.LoRAConfig(2, 4.0))
+             for name, head in (("actor", "lm"), ("critic", "value"))}
+        for p in (p for name in run.trained for p in m[name].parameters() if p.requires_grad):
+            p.data.normal_()  # B is drawn 0; each seed another state
+        m = C.add_optimizers(m, cfg, run)
+        for name in run.trained:
+            for p in m[name].parameters():
+                p.grad = torch.randn_like(p) if p.requires_grad else None
+            m[name + "_opt"].step()
+        return m
+
+    a, b = models(0), models(1)
+    folder = str(tmp_path / "checkpoints" / "step-000001")
+    os.makedirs(tmp_path / "checkpoints")
+    C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, dict(step=1, run_id="r"), cfg)
+    keys = dcp_keys(folder)
+    trained = {n: {k for k, p in a[n].named_parameters() if p.requires_grad} for n in run.trained}
+    assert trained["critic"] >= {"score.weight"} and trained["actor"] and all(".lora_" in k for k in trained["actor"])
+    assert {k.split(".", 1)[1] for k in keys if k.startswith(("actor.", "critic."))} == trained["actor"] | trained["critic"]
+    base = {n: {k: v.clone() for k, v in b[n].state_dict().items() if k not in trained[n]} for n in run.trained}
+    C.load(folder, {n: (b[n], b[n + "_opt"]) for n in run.trained}, cfg)
+    for n in run.trained:
+        got, want = b[n].state_dict(), a[n].state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in trained[n]) and all(torch.equal(got[k], v) for k, v in base[n].items())
+        for (p, s), (q, t) in zip(a[n + "_opt"].state.items(), b[n + "_opt"].state.items(), strict=True):
+            assert all(torch.equal(s[k], t[k]) for k in s)
+
+
 def _checkpoint_worker(rank, world, init_file, out_dir, policy):
     import random
 
