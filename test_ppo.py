@@ -8331,6 +8331,17 @@ def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
     fake_checkpoint(root / "step-000006", step=6)  # a later one of this run that verifies: not among the newest
     C.rotate(str(root / "step-000004"), "r", 1)
     assert sorted(os.listdir(root)) == ["step-000004", "step-000005", "step-000006"]
+    fake_checkpoint(root / "step-000007", step=7)
+
+    def killed(path):  # a removal cut short leaves step-N.tmp (claim removes it), never a partial step-N
+        os.remove(os.path.join(path, "trainer.pt"))
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(C.shutil, "rmtree", killed)
+        with pytest.raises(KeyboardInterrupt):
+            C.rotate(str(root / "step-000007"), "r", 1)
+    assert sorted(os.listdir(root)) == ["step-000004.tmp", "step-000005", "step-000006", "step-000007"]
 
 
 def test_lr_schedule_by_hand():
@@ -8406,7 +8417,10 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     os.makedirs(tmp_path / "checkpoints")
     trainer = lambda m: dict(step=1, run_id="r", extra=[1, 2.5],  # noqa: E731
                              **{f"{n}_sched": m[n + "_sched"].state_dict() for n in run.trained})
+    os.makedirs(folder + ".tmp")
+    open(os.path.join(folder + ".tmp", "junk"), "w").close()  # left by a run that died while writing: not kept
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(models(9)), cfg)  # replaced below
+    assert not os.path.exists(os.path.join(folder, "junk"))
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(a), cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001"] and C.verify(folder) is None
@@ -8637,7 +8651,7 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     # the lock: a live holder refused by PID, a dead one's taken over, release removes this run's lock alone; a new run
     # into a folder with metrics only is refused, the folder as it was; --resume=auto continuing out_dir's own
     # checkpoint moves nothing (not the run, not a later damaged checkpoint it will replace) and removes step-N.tmp;
-    # --resume=auto that found no checkpoint moves the earlier run aside
+    # --resume=auto that found no checkpoint moves the earlier run aside, as --overwrite does
     import socket
 
     out = tmp_path / "out"
@@ -8684,6 +8698,11 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     C._claim(str(out), "auto", False, None)()
     assert sorted(os.listdir(tmp_path)) == ["out", "out.old-T"] and os.listdir(out) == []
     assert (tmp_path / "out.old-T" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (out / "metrics.jsonl").write_text('{"step": 2}\n')  # a new run with --overwrite: moved aside too
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "U")
+    C._claim(str(out), "", True, None)()
+    assert sorted(os.listdir(tmp_path)) == ["out", "out.old-T", "out.old-U"] and os.listdir(out) == []
+    assert (tmp_path / "out.old-U" / "metrics.jsonl").read_text() == '{"step": 2}\n'
 
 
 def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
@@ -8769,13 +8788,14 @@ def test_claim_of_an_earlier_checkpoint_completes_writes_then_sets_the_later_one
     fake_checkpoint(out / "checkpoints" / "step-000004", step=4)
     forked = fake_checkpoint(sibling / "checkpoints" / "step-000001")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    for name in ("actor", "actor.new", "samples", ".tmp-export"):
+    for name in ("actor", "actor.new", "actor-lora", "samples", ".tmp-export"):
         os.makedirs(out / name)
     (out / "actor" / "config.json").write_text("old")
     (out / "actor.new" / "config.json").write_text("new")
     (out / "samples" / "step-000004.jsonl").write_text("{}\n")
     with pytest.raises(C.FolderInUse, match=re.escape(f"holds an earlier run (metrics.jsonl with 1 steps; checkpoints "
-                                                      f"step-000002, step-000004; an exported actor/): --resume={forked} "
+                                                      f"step-000002, step-000004; an exported actor/; an exported "
+                                                      f"actor-lora/): --resume={forked} "
                                                       "is not one of its checkpoints")):
         C._claim(str(out), forked, False, forked)
     os.symlink(out, tmp_path / "link")
@@ -8787,6 +8807,7 @@ def test_claim_of_an_earlier_checkpoint_completes_writes_then_sets_the_later_one
     assert os.listdir(out / "checkpoints") == ["step-000002"] and C.verify(two) is None
     assert os.listdir(aside / "checkpoints") == ["step-000004"] and C.verify(str(aside / "checkpoints" / "step-000004")) is None
     assert (aside / "actor" / "config.json").read_text() == "new" and os.listdir(aside / "samples") == ["step-000004.jsonl"]
+    assert os.path.isdir(aside / "actor-lora")
     assert (aside / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     os.makedirs(tmp_path / "empty")
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
@@ -9422,6 +9443,11 @@ def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path, capsys):
         C.check_config(str(tmp_path), ppo.Config())
     C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
     C.check_config(str(tmp_path), ppo.Config(is_correction="none", reward_workers=4))
+    del saved["samples_per_prompt"]  # added since, no BEFORE_FIELD: its default, or refused by name
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+    with pytest.raises(UsageError, match=r"before --samples_per_prompt existed.*\(1, 2\)"):
+        C.check_config(str(tmp_path), ppo.Config(is_correction="none", samples_per_prompt=2))
     capsys.readouterr()
     C.check_config(str(tmp_path), ppo.Config(is_correction="none", micro_batch_size=3))
     assert capsys.readouterr().out == ""
@@ -9442,7 +9468,8 @@ def test_a_checkpoint_from_before_python_rewards_were_recorded_resumes_with_one(
     (tmp_path / "config.json").write_text(json.dumps(saved))
     C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
     (tmp_path / "config.json").write_text(json.dumps(dict(saved, python_reward_recorded=True)))
-    with pytest.raises(UsageError, match=r"'reward_fn': \('sentiment', 'python:__main__.judge'\)"):
+    with pytest.raises(UsageError, match=r"'reward_fn': \('sentiment', 'python:__main__.judge'\)}; a reward function "
+                                         r"from Python is ppo.main\(cfg, reward_fn=f\)'s"):
         C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
 
 
