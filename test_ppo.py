@@ -9910,6 +9910,39 @@ def test_resume_compares_data_files_by_content(tmp_path):
         C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(b)))
 
 
+def test_resume_takes_what_the_readme_says_may_change_and_compares_sft_data_by_content(tmp_path):
+    # the README's list of what a resumed run may set otherwise (where it logs and saves, the micro-batch sizes, memory
+    # trades, the --eval_* flags, --reward_workers, --max_bad_updates, the rates, total_steps under a constant
+    # schedule), each taken; a setting that changes the run refused; --sft_data compared by its contents as --prompts is
+    import dataclasses
+
+    import ppo
+
+    sft = tmp_path / "sft.jsonl"
+    write_jsonl(sft, [{"prompt": "a", "response": "b"}])
+    cfg = ppo.Config(sft_data=str(sft), ptx_coef=0.1)
+    folder = tmp_path / "ckpt"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), input_sha256=C.input_hashes(cfg))))
+    may = dict(total_steps=7, save_every=3, log_every=2, sample_every=5, wandb=True, wandb_project="p",
+               out_dir=str(tmp_path / "elsewhere"), resume="auto", overwrite=True, max_bad_updates=9,
+               keep_checkpoints=4, micro_batch_size=3, inference_micro_batch_size=3, rollout_micro_batch_size=5,
+               lr=1e-7, critic_lr=1e-7, activation_checkpointing=True, offload_frozen=True, offload_optimizer=True,
+               eval_prompts=str(tmp_path / "eval.jsonl"), eval_every=4, eval_temperature=0.5, reward_workers=4,
+               dry_run=8, gpu_memory_gb=40.0)
+    for k, v in may.items():
+        assert getattr(cfg, k) != v, k
+        C.check_config(str(folder), dataclasses.replace(cfg, **{k: v}))
+    for k, v in dict(seed=2, kl_coef=0.5, ptx_coef=0.2, max_new_tokens=9).items():
+        with pytest.raises(UsageError, match=f"differences \\(saved, now\\): {{'{k}'"):
+            C.check_config(str(folder), dataclasses.replace(cfg, **{k: v}))
+    os.rename(sft, tmp_path / "moved.jsonl")
+    C.check_config(str(folder), dataclasses.replace(cfg, sft_data=str(tmp_path / "moved.jsonl")))
+    write_jsonl(sft, [{"prompt": "a", "response": "c"}])
+    with pytest.raises(UsageError, match=r"'sft_data'.*the files of \['sft_data'\] have changed since"):
+        C.check_config(str(folder), cfg)
+
+
 BAD_INPUT_DRIVER = """
 import contextlib, io, json, sys, time, traceback
 t0 = time.time()
