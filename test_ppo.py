@@ -8495,6 +8495,8 @@ def test_a_lora_checkpoint_holds_the_trained_parameters_alone(tiny_run, group, t
     trained = {n: {k for k, p in a[n].named_parameters() if p.requires_grad} for n in run.trained}
     assert trained["critic"] >= {"score.weight"} and trained["actor"] and all(".lora_" in k for k in trained["actor"])
     assert {k.split(".", 1)[1] for k in keys if k.startswith(("actor.", "critic."))} == trained["actor"] | trained["critic"]
+    optim = [k.partition("_optim.state.") for k in keys if "_optim.state." in k]  # AdamW's states, by name
+    assert {(n, rest.rsplit(".", 1)[0]) for n, _, rest in optim} == {(n, k) for n in run.trained for k in trained[n]}
     base = {n: {k: v.clone() for k, v in b[n].state_dict().items() if k not in trained[n]} for n in run.trained}
     C.load(folder, {n: (b[n], b[n + "_opt"]) for n in run.trained}, cfg)
     for n in run.trained:
