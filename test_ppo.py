@@ -8458,6 +8458,20 @@ def test_rotation_keeps_the_newest_checkpoints_that_verify(tmp_path):
     assert sorted(os.listdir(root)) == ["step-000001", "step-000002", "step-000003", "step-000004", "step-000005"]
     C.rotate(str(root / "step-000004"), "r", 2)  # the one just written is kept whatever its state
     assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]
+    fake_checkpoint(root / "step-000006", step=6)  # a later one of this run that verifies: not among the newest
+    C.rotate(str(root / "step-000004"), "r", 1)
+    assert sorted(os.listdir(root)) == ["step-000004", "step-000005", "step-000006"]
+    fake_checkpoint(root / "step-000007", step=7)
+
+    def killed(path):  # a removal cut short leaves step-N.tmp (claim removes it), never a partial step-N
+        os.remove(os.path.join(path, "trainer.pt"))
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(C.shutil, "rmtree", killed)
+        with pytest.raises(KeyboardInterrupt):
+            C.rotate(str(root / "step-000007"), "r", 1)
+    assert sorted(os.listdir(root)) == ["step-000004.tmp", "step-000005", "step-000006", "step-000007"]
 
 
 def test_lr_schedule_by_hand():
@@ -8533,10 +8547,19 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     os.makedirs(tmp_path / "checkpoints")
     trainer = lambda m: dict(step=1, run_id="r", extra=[1, 2.5],  # noqa: E731
                              **{f"{n}_sched": m[n + "_sched"].state_dict() for n in run.trained})
+    os.makedirs(folder + ".tmp")
+    open(os.path.join(folder + ".tmp", "junk"), "w").close()  # left by a run that died while writing: not kept
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(models(9)), cfg)  # replaced below
+    assert not os.path.exists(os.path.join(folder, "junk"))
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(a), cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001"] and C.verify(folder) is None
+    with open(os.path.join(folder, "config.json")) as f:  # what check_config compares a resume's inputs with
+        written = json.load(f)
+    with open(cfg.prompts, "rb") as f:
+        assert written["input_sha256"] == {"prompts": hashlib.sha256(f.read()).hexdigest()}
+    assert written["model_sha256"] == {"model": C.model_fingerprint(tiny_run["policy"])} != {"model": None}
+    assert written["python_reward_recorded"] is True and written["lr"] == cfg.lr
     draws = (random.random(), np.random.rand(), torch.rand(2))
     saved = state(a)
 
@@ -8562,11 +8585,136 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     assert [g["lr"] for g in c["actor_opt"].param_groups] == [4e-3 * f(6)]
     assert [g["lr"] for g in c["critic_opt"].param_groups] == [1e-3 * f(6)]
 
+    C.save(folder.replace("000001", "000002"), {n: (a[n], a[n + "_opt"]) for n in run.trained},
+           dict(trainer(a), step=2), cfg)  # --keep_checkpoints=2: both kept
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001", "step-000002"]
     os.remove(os.path.join(folder, "rng-rank0.pt"))  # as rank 0 of a run with more ranks than the saving run had
     C.load(folder, {n: (c[n], c[n + "_opt"]) for n in run.trained}, cfg, None)
     seed = 5 * 1_000_003 + 1 * 1009 + 0
     assert random.random() == random.Random(seed).random() and np.random.rand() == np.random.RandomState(seed).rand()
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_a_lora_checkpoint_holds_the_trained_parameters_alone(tiny_run, group, tmp_path):
+    # under LoRA (trained_only) a checkpoint holds the adapters, the critic's head and their AdamW states, not the
+    # frozen bases (the HF checkpoint read again on resume), and load fills those into models whose bases it leaves
+    import lora
+    import ppo
+
+    cfg = ppo.Config(model=tiny_run["policy"], lora_rank=2, lora_alpha=4.0)
+    run = types.SimpleNamespace(trained=("actor", "critic"))
+
+    def models(seed):
+        torch.manual_seed(seed)
+        m = {name: lora.add_adapters(Transformer.from_pretrained(tiny_run["policy"], head=head), lora.LoRAConfig(2, 4.0))
+             for name, head in (("actor", "lm"), ("critic", "value"))}
+        for p in (p for name in run.trained for p in m[name].parameters() if p.requires_grad):
+            p.data.normal_()  # B is drawn 0; each seed another state
+        m = C.add_optimizers(m, cfg, run)
+        for name in run.trained:
+            for p in m[name].parameters():
+                p.grad = torch.randn_like(p) if p.requires_grad else None
+            m[name + "_opt"].step()
+        return m
+
+    a, b = models(0), models(1)
+    folder = str(tmp_path / "checkpoints" / "step-000001")
+    os.makedirs(tmp_path / "checkpoints")
+    C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, dict(step=1, run_id="r"), cfg)
+    keys = dcp_keys(folder)
+    trained = {n: {k for k, p in a[n].named_parameters() if p.requires_grad} for n in run.trained}
+    assert trained["critic"] >= {"score.weight"} and trained["actor"] and all(".lora_" in k for k in trained["actor"])
+    assert {k.split(".", 1)[1] for k in keys if k.startswith(("actor.", "critic."))} == trained["actor"] | trained["critic"]
+    optim = [k.partition("_optim.state.") for k in keys if "_optim.state." in k]  # AdamW's states, by name
+    assert {(n, rest.rsplit(".", 1)[0]) for n, _, rest in optim} == {(n, k) for n in run.trained for k in trained[n]}
+    base = {n: {k: v.clone() for k, v in b[n].state_dict().items() if k not in trained[n]} for n in run.trained}
+    C.load(folder, {n: (b[n], b[n + "_opt"]) for n in run.trained}, cfg)
+    for n in run.trained:
+        got, want = b[n].state_dict(), a[n].state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in trained[n]) and all(torch.equal(got[k], v) for k, v in base[n].items())
+        for (p, s), (q, t) in zip(a[n + "_opt"].state.items(), b[n + "_opt"].state.items(), strict=True):
+            assert all(torch.equal(s[k], t[k]) for k in s)
+
+
+def _checkpoint_worker(rank, world, init_file, out_dir, policy):
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import ppo
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        lock = os.path.join(out_dir, ".lock")
+        if rank == 0:
+            with open(lock, "w") as f:
+                json.dump(dict(pid=1, host="elsewhere", since="then"), f)
+        dist.barrier()
+        try:  # rank 0 judges the lock; every rank raises its reason
+            C.claim(out_dir, "", False, None)
+        except C.FolderInUse as e:
+            out["claim"] = str(e)
+        dist.barrier()
+        if rank == 0:
+            os.remove(lock)
+        cfg = ppo.Config(model=policy, seed=5, out_dir=out_dir)
+        torch.manual_seed(0)  # the same weights on both ranks
+        m = C.add_optimizers(dict(actor=Transformer.from_pretrained(policy)), cfg, types.SimpleNamespace(trained=("actor",)))
+        modules, folder = {"actor": (m["actor"], m["actor_opt"])}, os.path.join(out_dir, "checkpoints", "step-000001")
+        if rank == 0:
+            os.makedirs(os.path.dirname(folder))
+        random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
+        C.save(folder, modules, dict(step=1, run_id="r"), cfg)
+        draw = lambda: (random.random(), float(np.random.rand()), torch.rand(2).tolist())  # noqa: E731
+        out["saved"] = draw()
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        C.load(folder, modules, cfg)
+        out["loaded"] = draw()
+        dist.barrier()
+        if rank == 0:  # as if rank 1 were a rank the saving run did not have
+            os.remove(os.path.join(folder, "rng-rank1.pt"))
+        dist.barrier()
+        C.load(folder, modules, cfg)
+        out["without_file"] = draw()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_each_rank_saves_and_restores_its_own_rng_state(tiny_run, tmp_path):
+    # on two gloo ranks in process (the end-to-end runs are slow): each rank's global RNGs go to rng-rank{r}.pt and
+    # come back to that rank; a rank without a file is seeded from (seed, step, rank). claim raises rank 0's reason
+    # on every rank
+    import random
+
+    import numpy as np
+
+    out_dir = tmp_path / "out"
+    os.makedirs(out_dir)
+    mp.spawn(_checkpoint_worker, args=(2, str(tmp_path / "init"), str(out_dir), tiny_run["policy"]), nprocs=2, join=True)
+    outs = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    assert sorted(n for n in os.listdir(out_dir / "checkpoints" / "step-000001") if n.startswith("rng")) == ["rng-rank0.pt"]
+    for r, o in enumerate(outs):
+        assert o["claim"].startswith(f"--out_dir={out_dir} is in use by another run: PID 1 on host elsewhere"), (r, o)
+        assert o["loaded"] == o["saved"], r
+        seed = 5 * 1_000_003 + 1009 + r
+        mine = (random.Random(seed).random(), float(np.random.RandomState(seed).rand()),
+                torch.rand(2, generator=torch.Generator().manual_seed(seed)).tolist())
+        assert o["without_file"] == (o["saved"] if r == 0 else mine), r
+    assert outs[0]["saved"] != outs[1]["saved"]
+
+
+def test_local_bytes_counts_nested_state_dicts():
+    # the bytes check_space asks for before a checkpoint: every tensor of the nested model and optimizer states, at
+    # its element size; what is not a tensor (param_groups' lists, floats) holds none
+    state = {"actor": {"w": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)},
+             "actor_optim": {"state": {"w": {"step": torch.tensor(3.0, dtype=torch.float64),
+                                             "exp_avg": torch.zeros(3, 5)}}, "param_groups": [{"lr": 0.1}]},
+             "n": 5}
+    assert C._local_bytes(state) == 60 + 14 + 8 + 60
 
 
 def config_checkpoint(folder, cfg, run_id="r", step=1):
@@ -8606,6 +8754,9 @@ def test_find_takes_the_newest_that_verifies_and_checks_its_config(tmp_path, cap
         C.find(dataclasses.replace(cfg, seed=2))
     with pytest.raises(UsageError, match="written by a run of total_steps=4, and the linear LR schedule"):
         C.find(dataclasses.replace(cfg, total_steps=5))
+    os.remove(config_checkpoint(root / "step-000004", cfg, step=4) + "/manifest.json")
+    assert C.find(cfg) == str(root / "step-000002")  # a step-N without its manifest: --resume=auto skips it
+    assert f"resume: skipping {root / 'step-000004'}: no manifest.json" in capsys.readouterr().out
     os.remove(root / "step-000001" / "manifest.json")  # before manifests: --resume=PATH only
     assert C.find(dataclasses.replace(cfg, resume=str(root / "step-000001"))) == str(root / "step-000001")
     assert C.find(dataclasses.replace(cfg, resume="")) is None
@@ -8632,7 +8783,7 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     # the lock: a live holder refused by PID, a dead one's taken over, release removes this run's lock alone; a new run
     # into a folder with metrics only is refused, the folder as it was; --resume=auto continuing out_dir's own
     # checkpoint moves nothing (not the run, not a later damaged checkpoint it will replace) and removes step-N.tmp;
-    # --resume=auto that found no checkpoint moves the earlier run aside
+    # --resume=auto that found no checkpoint moves the earlier run aside, as --overwrite does
     import socket
 
     out = tmp_path / "out"
@@ -8679,6 +8830,11 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     C._claim(str(out), "auto", False, None)()
     assert sorted(os.listdir(tmp_path)) == ["out", "out.old-T"] and os.listdir(out) == []
     assert (tmp_path / "out.old-T" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (out / "metrics.jsonl").write_text('{"step": 2}\n')  # a new run with --overwrite: moved aside too
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "U")
+    C._claim(str(out), "", True, None)()
+    assert sorted(os.listdir(tmp_path)) == ["out", "out.old-T", "out.old-U"] and os.listdir(out) == []
+    assert (tmp_path / "out.old-U" / "metrics.jsonl").read_text() == '{"step": 2}\n'
 
 
 def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
@@ -8693,9 +8849,11 @@ def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
     stale = json.dumps(dict(pid=dead.pid, host=socket.gethostname(), since="then"))
     other = json.dumps(dict(pid=os.getppid(), host=socket.gethostname(), since="now"))
 
-    def taken_meanwhile(pid):  # while this run judges the lock, the other run replaces it with its own
-        os.remove(out / ".lock")
-        (out / ".lock").write_text(other)
+    def taken_meanwhile(pid):  # while this run judges the lock, the other run replaces it with its own, made within
+        stale_ns = os.stat(out / ".lock").st_mtime_ns  # the clock's tick (the same mtime: only the inode differs)
+        (out / "other").write_text(other)
+        os.utime(out / "other", ns=(stale_ns, stale_ns))
+        os.replace(out / "other", out / ".lock")
         return False
 
     (out / ".lock").write_text(stale)
@@ -8714,6 +8872,79 @@ def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
     release = C._claim(str(out), "", False, None)
     assert json.loads((out / ".lock").read_text())["pid"] == os.getpid() and os.listdir(out) == [".lock"]
     release()
+
+
+def test_a_lock_is_stale_only_when_its_run_is_gone_from_this_host(tmp_path, monkeypatch):
+    # a lock from another host is in use whatever PID it names (that PID is not this host's to look up); one of this
+    # process (an earlier ppo.main in a notebook that failed before releasing it) is stale; a PID that os.kill may
+    # not signal (another user's process) is alive. A lock another run makes after the checks is not overwritten
+    import socket
+
+    out = tmp_path / "out"
+    os.makedirs(out)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / ".lock").write_text(json.dumps(dict(pid=dead.pid, host="elsewhere", since="then")))
+    with pytest.raises(C.FolderInUse, match=f"in use by another run: PID {dead.pid} on host elsewhere"):
+        C._claim(str(out), "", False, None)
+    (out / ".lock").write_text(json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since="then")))
+    C._claim(str(out), "", False, None)()
+    assert os.listdir(out) == []
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(C.os, "kill", kill)
+    assert C._alive(dead.pid)
+    monkeypatch.undo()
+    other = json.dumps(dict(pid=os.getppid(), host=socket.gethostname(), since="now"))
+    holds = C._holds_a_run
+
+    def taken_meanwhile(out_dir):  # the other run creates its lock between this run's checks and its own create
+        (out / ".lock").write_text(other)
+        return holds(out_dir)
+
+    monkeypatch.setattr(C, "_holds_a_run", taken_meanwhile)
+    with pytest.raises(C.FolderInUse, match="was just taken by another run"):
+        C._claim(str(out), "", False, None)
+    assert (out / ".lock").read_text() == other
+
+
+def test_claim_of_an_earlier_checkpoint_completes_writes_then_sets_the_later_ones_aside(tmp_path, monkeypatch):
+    # in process (the end-to-end test is slow): --resume=PATH to out_dir's step 2, named through a link to out_dir,
+    # is its own checkpoint; the export's interrupted replacement is completed, and the completed export, step 4,
+    # step 4's evaluation rows and a copy of metrics.jsonl go aside. A checkpoint of a sibling folder whose name
+    # starts with out_dir's is not inside out_dir; an empty metrics.jsonl (killed before its first line) holds no run
+    out, sibling = tmp_path / "out", tmp_path / "out-b"
+    two = fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
+    fake_checkpoint(out / "checkpoints" / "step-000004", step=4)
+    forked = fake_checkpoint(sibling / "checkpoints" / "step-000001")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for name in ("actor", "actor.new", "actor-lora", "samples", ".tmp-export"):
+        os.makedirs(out / name)
+    (out / "actor" / "config.json").write_text("old")
+    (out / "actor.new" / "config.json").write_text("new")
+    (out / "samples" / "step-000004.jsonl").write_text("{}\n")
+    with pytest.raises(C.FolderInUse, match=re.escape(f"holds an earlier run (metrics.jsonl with 1 steps; checkpoints "
+                                                      f"step-000002, step-000004; an exported actor/; an exported "
+                                                      f"actor-lora/): --resume={forked} "
+                                                      "is not one of its checkpoints")):
+        C._claim(str(out), forked, False, forked)
+    os.symlink(out, tmp_path / "link")
+    monkeypatch.setattr(C.time, "strftime", lambda fmt: "T")
+    through_link = str(tmp_path / "link" / "checkpoints" / "step-000002")
+    C._claim(str(out), through_link, False, through_link)()
+    aside = out / "after-step-2.old-T"
+    assert sorted(os.listdir(out)) == ["after-step-2.old-T", "checkpoints", "metrics.jsonl", "samples"]
+    assert os.listdir(out / "checkpoints") == ["step-000002"] and C.verify(two) is None
+    assert os.listdir(aside / "checkpoints") == ["step-000004"] and C.verify(str(aside / "checkpoints" / "step-000004")) is None
+    assert (aside / "actor" / "config.json").read_text() == "new" and os.listdir(aside / "samples") == ["step-000004.jsonl"]
+    assert os.path.isdir(aside / "actor-lora")
+    assert (aside / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    os.makedirs(tmp_path / "empty")
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    C._claim(str(tmp_path / "empty"), "", False, None)()
+    assert os.listdir(tmp_path / "empty") == ["metrics.jsonl"]
 
 
 def test_a_checkpoint_inside_out_dir_or_cut_short_is_refused_whole(tmp_path):
@@ -9300,36 +9531,62 @@ def test_resume_compares_models_by_their_files(tmp_path, monkeypatch):
         C.check_config(str(folder), cfg)
     assert C.model_fingerprint("org/not-here") is None  # a Hub id: compared by name
     assert C.model_hashes(ppo.Config(model="org/not-here")) == {"model": None}
-    # files over HASH_BELOW are read at their start, middle and end only
-    monkeypatch.setattr(C, "HASH_BELOW", 1)
-    monkeypatch.setattr(C, "SAMPLE_BYTES", 16)
+    hub = dataclasses.replace(cfg, model="org/not-here", reward_model="org/not-here")
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(hub), model_sha256=C.model_hashes(hub))))
+    C.check_config(str(folder), hub)
+    with pytest.raises(UsageError, match=r"'model': \('org/not-here', 'org/other'\)"):  # another Hub id
+        C.check_config(str(folder), dataclasses.replace(hub, model="org/other"))
+    monkeypatch.setattr(C, "resolve", lambda name: a if name == "embedded" else name)  # hf.resolve's short names
+    assert C.model_fingerprint("embedded") == C.model_fingerprint(a) is not None
     before = C.model_fingerprint(a)
+    (tmp_path / "a" / ".gitattributes").write_text("*.safetensors filter=lfs")  # hidden files are not the model's
+    assert C.model_fingerprint(a) == before
+    # a file under HASH_BELOW is read whole (a block at a time); from HASH_BELOW up at its start, middle and end only
     size = os.path.getsize(weights)
-    for at, seen in ((size // 2 + 3, True), (size // 2 - 100, False)):
+    monkeypatch.setattr(C, "SAMPLE_BYTES", 16)
+    for below, at, seen in ((size + 1, size // 2 - 100, True), (size, size // 2 - 100, False), (1, size // 2 + 3, True),
+                            (1, 5, True), (1, size - 5, True), (1, size - 17, False)):
+        monkeypatch.setattr(C, "HASH_BELOW", below)
+        before = C.model_fingerprint(a)
         with open(os.path.join(a, "model.safetensors"), "r+b") as f:
             f.seek(at)
             byte = f.read(1)
             f.seek(at)
             f.write(bytes([byte[0] ^ 1]))
-        assert (C.model_fingerprint(a) != before) == seen
+        assert (C.model_fingerprint(a) != before) == seen, (below, at)
         before = C.model_fingerprint(a)
     os.rename(os.path.join(a, "config.json"), os.path.join(a, "config.jsoN"))  # the same bytes under another name
     assert C.model_fingerprint(a) != before
 
 
-def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path):
+def test_checkpoint_from_before_is_correction_resumes_as_none(tmp_path, capsys):
     # a run written before --is_correction existed put no weight on the policy gradient: it resumes with
-    # --is_correction=none, and the default (tis) is refused by name
+    # --is_correction=none, and the default (tis) is refused by name. A field added since that may change on resume
+    # (MAY_CHANGE_ON_RESUME) may be set away from its default. --lora_dropout with another --micro_batch_size is
+    # taken with a note (other dropout masks); without dropout nothing is said
     import dataclasses
 
     import ppo
 
     saved = json.loads(json.dumps(dataclasses.asdict(ppo.Config())))
-    del saved["is_correction"]
+    del saved["is_correction"], saved["reward_workers"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"before --is_correction existed.*\('none', 'tis'\)"):
         C.check_config(str(tmp_path), ppo.Config())
     C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", reward_workers=4))
+    del saved["samples_per_prompt"]  # added since, no BEFORE_FIELD: its default, or refused by name
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none"))
+    with pytest.raises(UsageError, match=r"before --samples_per_prompt existed.*\(1, 2\)"):
+        C.check_config(str(tmp_path), ppo.Config(is_correction="none", samples_per_prompt=2))
+    capsys.readouterr()
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", micro_batch_size=3))
+    assert capsys.readouterr().out == ""
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, lora_dropout=0.1)))
+    C.check_config(str(tmp_path), ppo.Config(is_correction="none", micro_batch_size=3, lora_dropout=0.1))
+    assert capsys.readouterr().out.startswith("note: --lora_dropout with --micro_batch_size=3, where "
+                                              f"{tmp_path}'s run had 8: the dropout masks are drawn per micro-batch")
 
 
 def test_a_checkpoint_from_before_python_rewards_were_recorded_resumes_with_one(tmp_path):
@@ -9343,7 +9600,8 @@ def test_a_checkpoint_from_before_python_rewards_were_recorded_resumes_with_one(
     (tmp_path / "config.json").write_text(json.dumps(saved))
     C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
     (tmp_path / "config.json").write_text(json.dumps(dict(saved, python_reward_recorded=True)))
-    with pytest.raises(UsageError, match=r"'reward_fn': \('sentiment', 'python:__main__.judge'\)"):
+    with pytest.raises(UsageError, match=r"'reward_fn': \('sentiment', 'python:__main__.judge'\)}; a reward function "
+                                         r"from Python is ppo.main\(cfg, reward_fn=f\)'s"):
         C.check_config(str(tmp_path), ppo.Config(reward_fn="python:__main__.judge"))
 
 
@@ -9782,6 +10040,39 @@ def test_resume_compares_data_files_by_content(tmp_path):
     C.check_config(str(folder), cfg)
     with pytest.raises(ValueError, match="is from another config"):
         C.check_config(str(folder), dataclasses.replace(cfg, prompts=str(b)))
+
+
+def test_resume_takes_what_the_readme_says_may_change_and_compares_sft_data_by_content(tmp_path):
+    # the README's list of what a resumed run may set otherwise (where it logs and saves, the micro-batch sizes, memory
+    # trades, the --eval_* flags, --reward_workers, --max_bad_updates, the rates, total_steps under a constant
+    # schedule), each taken; a setting that changes the run refused; --sft_data compared by its contents as --prompts is
+    import dataclasses
+
+    import ppo
+
+    sft = tmp_path / "sft.jsonl"
+    write_jsonl(sft, [{"prompt": "a", "response": "b"}])
+    cfg = ppo.Config(sft_data=str(sft), ptx_coef=0.1)
+    folder = tmp_path / "ckpt"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), input_sha256=C.input_hashes(cfg))))
+    may = dict(total_steps=7, save_every=3, log_every=2, sample_every=5, wandb=True, wandb_project="p",
+               out_dir=str(tmp_path / "elsewhere"), resume="auto", overwrite=True, max_bad_updates=9,
+               keep_checkpoints=4, micro_batch_size=3, inference_micro_batch_size=3, rollout_micro_batch_size=5,
+               lr=1e-7, critic_lr=1e-7, activation_checkpointing=True, offload_frozen=True, offload_optimizer=True,
+               eval_prompts=str(tmp_path / "eval.jsonl"), eval_every=4, eval_temperature=0.5, reward_workers=4,
+               dry_run=8, gpu_memory_gb=40.0)
+    for k, v in may.items():
+        assert getattr(cfg, k) != v, k
+        C.check_config(str(folder), dataclasses.replace(cfg, **{k: v}))
+    for k, v in dict(seed=2, kl_coef=0.5, ptx_coef=0.2, max_new_tokens=9).items():
+        with pytest.raises(UsageError, match=f"differences \\(saved, now\\): {{'{k}'"):
+            C.check_config(str(folder), dataclasses.replace(cfg, **{k: v}))
+    os.rename(sft, tmp_path / "moved.jsonl")
+    C.check_config(str(folder), dataclasses.replace(cfg, sft_data=str(tmp_path / "moved.jsonl")))
+    write_jsonl(sft, [{"prompt": "a", "response": "c"}])
+    with pytest.raises(UsageError, match=r"'sft_data'.*the files of \['sft_data'\] have changed since"):
+        C.check_config(str(folder), cfg)
 
 
 BAD_INPUT_DRIVER = """
@@ -10223,6 +10514,10 @@ def test_rng_state_holds_this_ranks_gpu_alone(monkeypatch):
     restored.clear()
     checkpoint.set_rng_state(dict(state, cuda=[mine + i for i in range(8)]))
     assert len(restored) == 1 and torch.equal(restored[0][1], mine + 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 8)  # a device the saving rank did not see: left as is
+    restored.clear()
+    checkpoint.set_rng_state(dict(state, cuda=[mine + i for i in range(8)]))
+    assert restored == []
 
 
 def test_a_non_finite_score_in_an_evaluation_is_named(tiny_run, tmp_path):
