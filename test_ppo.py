@@ -1197,6 +1197,23 @@ def test_fused_forward_matches_reference(tmp_path, family, gqa):
     assert torch.isfinite(ref).all()  # the padded layout: a padding query sees its own slot, no NaN
 
 
+def test_default_position_ids_count_each_rows_real_tokens(tmp_path):
+    # position_ids left out: cumsum(mask) - 1, each row's real tokens counted from 0 past its padding and its holes
+    # (0..T-1 without a mask), bit for bit the explicit ones. RoPE's angles are relative, so positions that ignored
+    # the padding (0..T-1 for every row) passed the logits tests within their tolerance
+    model = tiny(tmp_path, "llama2")
+    idx, mask, _ = ragged_batch(LENGTHS, WIDTH, seed=1)
+    mask[0, 4] = mask[3, 9] = 0  # holes
+    idx = idx.masked_fill(mask == 0, TINY["pad_token_id"])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        for impl in ("sdpa", "reference"):
+            got, want = (run(model, impl, idx, attention_mask=mask, **kw) for kw in ({}, dict(position_ids=pos)))
+            assert torch.equal(got[mask.bool()], want[mask.bool()]), impl
+        B = len(LENGTHS)
+        assert torch.equal(model(idx), model(idx, position_ids=torch.arange(WIDTH).expand(B, -1)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(tmp_path, monkeypatch, dtype):
     # what PPO's ratio of exactly 1 rests on in the blocks: training regroups scoring's rows into other
@@ -1318,6 +1335,35 @@ def test_cached_prefill_decode_matches_reference(tmp_path, family, whole_cache):
     assert max_diff(ref_cached[real], ref[real]) < 1e-5
     assert max_diff(out[real], ref[real]) < 1e-5
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", ["llama2", "qwen3"])
+def test_a_prefill_in_chunks_at_later_cache_slots_matches_one_pass(tmp_path, family):
+    # cache_pos need not start at slot 0: a prefill fed in chunks (slots 0..3, 4..8, 9..12), each reading the slots
+    # before it, gives the one pass's logits, with a mask over the filled slots or over the whole cache, on ragged
+    # rows and on rows whose chunk holds real tokens only. A chunk's real tokens read from the mask's first columns
+    # (slots 0..T-1) instead of its own slots, or a chunk of real tokens only run as plain causal attention from
+    # slot 0, passed every test: rollout's prefills start at slot 0
+    model = tiny(tmp_path, family)
+    idx, mask, pos = decode_batch()
+    S = 16
+    for rows in ([0, 1, 2, 3, 4], [0, 2, 4]):  # the second's chunk 4..8 holds real tokens only
+        i, m, p = idx[rows], mask[rows], pos[rows]
+        full = F.pad(m, (0, S - m.size(1)))
+        with torch.no_grad():
+            ref = run(model, "reference", i, attention_mask=m, position_ids=p)
+            for impl, whole_cache in ((None, False), (None, True), ("reference", False)):
+                model.setup_kv_cache(len(rows), S)
+                for blk in model.model.layers:  # unfilled slots hold large junk: they must be masked
+                    blk.self_attn.kv_cache.k.normal_(0, 100)
+                    blk.self_attn.kv_cache.v.normal_(0, 100)
+                try:
+                    out = torch.cat([run(model, impl, i[:, a:b], attention_mask=full[:, :S if whole_cache else b],
+                                         position_ids=p[:, a:b], cache_pos=torch.arange(a, b))
+                                     for a, b in ((0, 4), (4, 9), (9, 13))], 1)
+                finally:
+                    model.clear_kv_cache()
+                assert max_diff(out[m.bool()], ref[m.bool()]) < 1e-5, (rows, impl, whole_cache)
 
 
 def param_grads(model, impl, idx, mask, pos, w):
@@ -5193,6 +5239,23 @@ def test_cpu_matmul_picks_onednn_on_x86_cpus_not_made_by_intel(monkeypatch):
     with open("/proc/cpuinfo") as f:
         ids = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
     assert real() in (ids or {None})
+
+
+def test_cpu_has_bf16_reads_either_flag_of_proc_cpuinfo(monkeypatch):
+    # bf16 is the CPU default where /proc/cpuinfo's flags name AVX512-BF16 or AMX-BF16 (either is enough); AVX-512
+    # alone, or no readable file, keeps float32
+    import io
+
+    for text, want in [("flags\t: avx2 avx512f avx512_bf16 avx512_vnni\n", True), ("flags\t: avx2 amx_bf16\n", True),
+                       ("flags\t: avx2 avx512f avx512bw avx512_fp16\n", False), (None, False)]:
+        def fake_open(path, *args, text=text, **kw):
+            assert path == "/proc/cpuinfo"
+            if text is None:
+                raise OSError(path)
+            return io.StringIO(text)
+
+        monkeypatch.setattr(M, "open", fake_open, raising=False)  # the module's open, before the builtin
+        assert M.cpu_has_bf16() is want, text
 
 
 def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_tiny, monkeypatch):
