@@ -238,8 +238,8 @@ def derive(cfg, rank, W, device):
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
          "--ptx_coef > 0, or leave --sft_data out")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
-    bad = [t for t in cfg.lora_targets if t not in TARGETS]
-    need(cfg.lora_targets and not bad, f"--lora_targets must be some of {','.join(TARGETS)}, not {bad or 'none'}")
+    bad = [t for i, t in enumerate(cfg.lora_targets) if t not in TARGETS or t in cfg.lora_targets[:i]] or "none"
+    need(cfg.lora_targets and bad == "none", f"--lora_targets must be some of {','.join(TARGETS)}, each once, not {bad}")
     for k, (lo, hi) in (("is_band", cfg.is_band), ("is_seq_band", cfg.is_seq_band)):
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),

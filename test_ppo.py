@@ -9844,9 +9844,9 @@ def test_lora_targets_are_checked_and_read_from_the_command_line():
     import ppo
 
     cpu = torch.device("cpu")
-    for targets, bad in ((("q_proj", "qkv"), "['qkv']"), ((), "none")):
+    for targets, bad in ((("q_proj", "qkv"), "['qkv']"), ((), "none"), (("v_proj", "q_proj", "v_proj"), "['v_proj']")):
         with pytest.raises(UsageError, match=re.escape("--lora_targets must be some of q_proj,k_proj,v_proj,o_proj,"
-                                                       f"gate_proj,up_proj,down_proj, not {bad}")):
+                                                       f"gate_proj,up_proj,down_proj, each once, not {bad}")):
             ppo.derive(ppo.Config(lora_rank=4, lora_targets=targets), 0, 1, cpu)
     for flag, want in (("q_proj,v_proj", ("q_proj", "v_proj")), ("down_proj", ("down_proj",))):
         cfg = ppo.Config(lora_rank=8, lora_targets=flag)  # as fire hands over a comma list or a single name
