@@ -6658,6 +6658,65 @@ def test_first_minibatch_ratio_is_one_and_kl_is_zero(tiny_run, tmp_path, dtype, 
     assert m["objective/rlhf_reward"] == pytest.approx(m["objective/scores"], abs=1e-6)
 
 
+def test_a_step_feeds_the_estimator_and_the_updates_what_it_scored(tiny_run, tmp_path):
+    # main()'s second step, its parts recorded: the per-token reward's KL part handed to the advantage estimator is
+    # -beta x the kl that shape_rewards put in the reward (so kl_reward + the score on the last token = its rewards),
+    # the estimator gets the score as used (clipped, penalised) and the critic's values, and each update trains on
+    # the scored old logprobs, those values and the estimator's advantages and returns, with its minibatch's token
+    # count; each epoch's minibatches cover the batch once, in another order. A flipped KL sign, the raw score, or
+    # the returns and old values swapped in the update's batch changed no metric the other tests read.
+    out = tmp_path / "record.pt"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
+            "total_steps": 2, "kl_coef": 0.3, "kl_estimator": "k3", "score_clip": 0.25, "non_stop_penalty": -1.0}
+    setup = """
+import functools, torch, gae
+rec = dict(update=[])
+def wrap(name, fn):
+    @functools.wraps(fn)  # keeps an estimator's .critic, .groups and .reads
+    def recorded(*a, **kw):
+        out = fn(*a, **kw)
+        rec[name] = out if name == "score_batch" else (tuple(x for x in a if not isinstance(x, ppo.Config)), kw, out)
+        return out
+    return recorded
+ppo.score_batch, ppo.shape_rewards = wrap("score_batch", ppo.score_batch), wrap("shape_rewards", ppo.shape_rewards)
+gae.ADVANTAGE_ESTIMATORS["gae"] = wrap("estimator", gae.ADVANTAGE_ESTIMATORS["gae"])
+update = ppo.update
+def recorded_update(m, batch, rows, n_tokens, *a, **kw):
+    rec["update"].append(({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}, rows.clone(), n_tokens, kw["key"]))
+    return update(m, batch, rows, n_tokens, *a, **kw)
+ppo.update = recorded_update
+def length(record, response):  # a score that varies: the clip binds on some rows
+    return len(response) / 10 - 0.5
+"""
+    p = run_script(ppo_script(args, setup, reward_fn="length", after=f"torch.save(rec, {str(out)!r})"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = torch.load(out)
+    sc = rec["score_batch"]  # step 2's dict, with the reward function's scores main put in
+    (score, old_logp, ref_logp, mask, beta, estimator, absolute), kw, (rewards, kl) = rec["shape_rewards"]
+    assert (beta, estimator, absolute) == (0.3, "k3", False) and torch.equal(kw["kl_exact"], sc["kl_exact"])
+    assert torch.equal(old_logp, sc["old_logp"]) and torch.equal(ref_logp, sc["ref_logp"])
+    penalised = score == -1.0
+    assert penalised.any() and (~penalised).any()  # some responses ended within 6 tokens, some did not
+    assert torch.equal(score[~penalised], sc["score"][~penalised].clamp(-0.25, 0.25))
+    assert (sc["score"][~penalised].abs() > 0.25).any()  # the clip binds somewhere
+    (e_score, kl_reward, values, e_mask), _, (adv, ret) = rec["estimator"]
+    assert torch.equal(e_score, score) and torch.equal(values, sc["values"]) and torch.equal(e_mask, mask)
+    assert (kl[mask] > 1e-6).sum() > 10  # the actor has moved from the reference: k3 > 0 on most tokens
+    torch.testing.assert_close(kl_reward, torch.where(mask, -0.3 * kl, 0.0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(kl_reward + gae.score_on_last_token(score, mask), rewards, rtol=1e-6, atol=1e-7)
+    want_adv, want_ret = gae.compute_gae(rewards, values, mask, 1.0, 0.95)
+    torch.testing.assert_close(ret, want_ret, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(adv, gae.masked_whiten(want_adv, mask), rtol=1e-4, atol=1e-5)
+    updates = [u for u in rec["update"] if u[3][0] == 2]
+    assert [u[3] for u in updates] == [(2, i) for i in range(4)]  # 2 epochs x 2 minibatches of 4 rows
+    for batch, rows, n_tokens, _ in updates:
+        for k, want in dict(old_logp=old_logp, old_values=values, adv=adv, ret=ret, response_mask=mask).items():
+            assert torch.equal(batch[k], want), k
+        assert n_tokens == mask[rows].sum().item()
+    orders = [torch.cat([u[1] for u in updates[e * 2 : e * 2 + 2]]) for e in range(2)]
+    assert all(sorted(o.tolist()) == list(range(8)) for o in orders) and not torch.equal(orders[0], orders[1])
+
+
 @slow
 def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     # the sentiment lexicon includes words of the tiny vocabulary ("good", "happy", "love", ...)
