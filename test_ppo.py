@@ -7047,6 +7047,34 @@ def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(ti
     assert all(w.grad is None for _, mod in models for w in mod.parameters())
 
 
+def test_update_clips_each_models_gradient_before_its_step(tiny_run):
+    # --max_grad_norm: each trained model's gradient is clipped on its own to norm c before its optimizer steps (SGD at
+    # lr 1 moves each weight by minus the gradient times min(1, c / its model's norm)), and update returns the norms
+    # before clipping. The other update tests never clipped (a clip dropped, or done after the step, passed them).
+    import ppo
+
+    actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+    batch = fake_batch(64)
+    n, models = batch["response_mask"].sum().item(), (("actor.", actor), ("critic.", critic))
+    _, grads = loss_and_grads(actor, critic, batch, ppo.Config(**LOSS_CFG), micro=2, ref=ref)
+    norms = [math.sqrt(sum(g.double().square().sum().item() for k, g in grads.items() if k.startswith(p)))
+             for p, _ in models]
+    c = 0.5 * min(norms)  # both clipped, by other factors
+    cfg = ppo.Config(**{**LOSS_CFG, "max_grad_norm": c})
+    m = dict(actor=actor, critic=critic, ref=ref)
+    for name in ("actor", "critic"):
+        m[name + "_opt"] = torch.optim.SGD(m[name].parameters(), lr=1.0)
+        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lambda step: 1.0)
+    run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
+    before = {p + k: w.detach().clone() for p, mod in models for k, w in mod.named_parameters()}
+    out = ppo.update(m, batch, torch.arange(6), n, cfg, run, None)
+    assert not out["skipped"] and out["norms"].tolist() == pytest.approx(norms, rel=1e-5)
+    for (p, mod), norm in zip(models, norms):
+        for k, w in mod.named_parameters():
+            want = grads[p + k] * (c / norm)  # to the rounding of w - step (weights of order 1)
+            assert (before[p + k] - w.detach() - want).abs().max() <= 1e-4 * want.abs().max() + 2e-7, p + k
+
+
 @slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
