@@ -7016,7 +7016,7 @@ def test_forwards_score_each_token_from_the_prefix_before_it(tiny_run):
         assert ppo.ptx_loss(actor, pairs, n, 2, "cpu").item() == pytest.approx(2 * nll / n, rel=1e-5)
 
 
-def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(tiny_run):
+def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(tiny_run, monkeypatch):
     # ppo.update's optimizer step: SGD at lr 1 moves each weight by minus the gradient of the micro-batches' losses plus
     # ptx_coef x the ptx loss (loss_and_grads' accumulation, no clipping); a NaN in a response token's advantage makes
     # the gradient NaN, and that update is skipped: no weight moves, and no gradient is left for the next
@@ -7034,7 +7034,10 @@ def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(ti
     run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
     weights = lambda: {p + k: w.detach().clone() for p, mod in models for k, w in mod.named_parameters()}  # noqa: E731
     before = weights()
-    assert not ppo.update(m, batch, torch.arange(6), n, cfg, run, ptx)["skipped"]
+    with torch.no_grad():  # the ptx batch's token mean NLL, at the weights the update starts from
+        ptx_mean = ppo.ptx_loss(actor, pairs, ptx[1], 1, "cpu").item()
+    out = ppo.update(m, batch, torch.arange(6), n, cfg, run, ptx)
+    assert not out["skipped"] and out["sums"]["ptx"].item() == pytest.approx(ptx_mean * n, rel=1e-5)  # as step_metrics reads it
     after = weights()
     for k, w in after.items():
         assert torch.allclose(w, before[k] - grads[k], rtol=1e-5, atol=1e-7), k
@@ -7045,6 +7048,14 @@ def test_update_steps_on_the_ppo_and_ptx_gradients_and_skips_a_non_finite_one(ti
     assert out["skipped"] and not torch.isfinite(out["norms"]).all()
     assert all(torch.equal(w, after[k]) for k, w in weights().items())
     assert all(w.grad is None for _, mod in models for w in mod.parameters())
+    # a finite gradient with a non-finite loss statistic (a NaN log-ratio, whose clamp passes a zero gradient) skips too;
+    # each schedule steps on every update, skipped or not (its position counts the updates, as the resume's does)
+    losses = ppo.ppo_losses
+    monkeypatch.setattr(ppo, "ppo_losses", lambda *a: (*losses(*a)[:2], dict(losses(*a)[2], approxkl=torch.tensor(math.nan))))
+    out = ppo.update(m, batch, torch.arange(6), n, cfg, run, ptx)
+    assert out["skipped"] and torch.isfinite(out["norms"]).all()
+    assert all(torch.equal(w, after[k]) for k, w in weights().items())
+    assert m["actor_sched"].last_epoch == m["critic_sched"].last_epoch == 3
 
 
 def test_update_clips_each_models_gradient_before_its_step(tiny_run):
@@ -7216,6 +7227,14 @@ def test_ppo_losses_hand_computed(monkeypatch):
     assert st["clipfrac"].item() == 1  # the dual clip is a clip: the token's gradient is gone
     a, _, _ = ppo.ppo_losses(None, critic, one, ppo.Config(dual_clip=0.0), n_tokens=1, world=1)
     assert a.item() == pytest.approx(5.0, rel=1e-6)  # without it, the unbounded pessimistic term
+
+    # --loss_clip_val=0: the plain 0.5 (V - R)^2, gradient V - R, nothing counted as clipped
+    use(logp, vpred, entropy)
+    vpred.grad = None
+    _, c0, st0 = ppo.ppo_losses(None, critic, mb, ppo.Config(loss_clip_val=0.0), n_tokens=10, world=2)
+    c0.backward()
+    assert c0.item() == pytest.approx(0.5 * (0.25 + 1 + 1 + 1 + 64) * scale, rel=1e-6) and st0["vf_clipfrac"].item() == 0
+    torch.testing.assert_close(vpred.grad[0], torch.tensor([-0.5, 1.0, -1.0, 1.0, 8.0, 0.0]) * scale, rtol=1e-5, atol=1e-7)
 
 
 def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(monkeypatch):
