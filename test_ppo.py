@@ -11067,6 +11067,12 @@ def test_grouped_cropped_scoring_equals_the_padded_batch(tmp_path, family):
         assert got.shape == want.shape
         torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sc["score"], score, rtol=1e-5, atol=1e-5)
+    # the batch padded with an id that is not the reward model's pad (the policy's own, in a run): score_batch writes
+    # the reward model's pad there first, so the score is still read at the last real token
+    pad = rm.hf_config.pad_token_id
+    other = dict(batch, tokens=torch.where(batch["attention_mask"].bool(), batch["tokens"], pad + 7))
+    torch.testing.assert_close(ppo.score_batch(actor, ref, critic, rm, other, cfg, types.SimpleNamespace(infer_micro=3))
+                               ["score"], sc["score"], rtol=1e-6, atol=1e-6)
     # padding: 7 rows in groups of 3, 3, 1, each as wide as its longest prompt plus its longest response
     lens = sorted(((batch["attention_mask"][b].sum().item(), b) for b in range(7)))
     slots = 0
