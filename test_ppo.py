@@ -11779,6 +11779,26 @@ def test_readme_cases(tmp_path, name, gpus, fits):
         assert 16 * (f["actor"].shard(8) + f["critic"].shard(8)) > 80 * plan.GiB
 
 
+def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
+    # each of the README's four `$ python ppo.py --dry_run=...` blocks, run on configs of the published shapes in
+    # folders named as the README names them: the same text line for line, and the exit status its last line says.
+    # Most lines of the training and scoring phases were checked by no other test (a line's bytes halved passed)
+    import ppo
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    blocks = re.findall(r"```\n\$ python ppo\.py (--dry_run=[^\n]*)\n(.*?)\n```", readme, re.S)
+    assert len(blocks) == 4
+    for name in PUBLISHED:
+        policy, _ = write_configs(tmp_path, name)
+        os.rename(policy, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    for args, want in blocks:
+        status = ppo.command_line(args.split())
+        got = capsys.readouterr().out.rstrip("\n")
+        assert got.splitlines() == want.splitlines(), args
+        assert status == (0 if want.endswith(": fits") else 1)
+
+
 def test_offload_frozen_and_kv_cache_lines(tmp_path):
     policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
     (p, f), _ = plan_for(8, model=policy, reward_model=rm)
