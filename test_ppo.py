@@ -11484,7 +11484,8 @@ def test_kv_cache_bytes_are_setup_kv_caches():
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """The most bytes that the ops run under it hold at once in new storages (views of a storage, and the
-    storages in `skip`, count nothing): what an eager call allocates at its worst moment."""
+    storages in `skip`, count nothing): what an eager call allocates at its worst moment. A tensor subclass's
+    (DTensor's) own ops on its local tensors run past the mode, unseen."""
 
     def __init__(self, skip):
         super().__init__()
@@ -11492,10 +11493,12 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}  # an address freed may be reused
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):  # a DTensor: its local's ops
                 s = t.untyped_storage()
                 if s.data_ptr() not in self.skip and s.data_ptr() not in self.live and s.nbytes():
                     self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
@@ -11958,8 +11961,8 @@ def test_lora_plan_lines(tmp_path):
     assert f["critic"].numel("trained") == f["actor"].numel("trained") + 4096 + 1  # + the value head, trained in full
     # the weight sync: the larger of the largest gathered (bf16) parameter and the largest target's merge
     (sync,), = [terms for name, terms in p.phases[0][2] if name.startswith("weight sync")]
-    n = 14336 * 4096  # gate_proj / up_proj / down_proj
-    assert sync[1] == max(2 * 128256 * 4096 * 9 // 8, 2 * n * 9 // 8 + 12 * n)
+    n = 14336 * 4096  # gate_proj / up_proj / down_proj; 8 ranks divide every row count: no padded chunk
+    assert sync[1] == max(2 * 128256 * 4096, 2 * n + 12 * n)
     (g, gf), (gtext, _) = plan_for(8, model=policy, reward_model=rm, lora_rank=64, advantage_estimator="grpo",
                                    samples_per_prompt=2)
     assert dict(g.persistent)["reward model weights, bf16 shard"] == 2 * gf["rm"].shard(8)
@@ -11987,7 +11990,33 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     # the weight sync gathers on the GPU either way (lora.full_parameters copies an offloaded shard there first)
     ((sync_on,),), ((sync_off,),) = ([t for name, t in x.phases[0][2] if name.startswith("weight sync")]
                                      for x in (p, q))
-    assert sync_off[1] > sync_on[1] > 0 and "its shard copied from the CPU" in sync_off[0]
+    assert sync_off[1] > sync_on[1] > 0 and "copied from the CPU" in sync_off[0]
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "gate_proj", "up_proj", "down_proj")])
+def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group, targets):
+    # FSDP2 on one rank: DTensor.full_tensor hands back the shard itself, so the sync allocates nothing but a LoRA
+    # target's merge (three float32 (out, in) at once), and each full tensor is freed before the next is gathered
+    # (unbiased gate, up and down follow each other). The plan counted the largest parameter twice (an all-gather
+    # output and a padded chunk, neither of which exists on one rank), and copy_weights_from held the previous merge
+    # through the next one (4 + 12 float32 copies)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    c, lc = odd_config(attention_bias=False, mlp_bias=False), targets and lora.LoRAConfig(3, 16.0, 0.0, targets)
+    m = Transformer(c)
+    if lc:
+        lora.add_adapters(m, lc)
+    C.shard(m, init_device_mesh("cpu", (1,)), torch.bfloat16)
+    gen = Transformer(c).to(torch.bfloat16)
+    counter = LiveBytes({C.local(p).untyped_storage().data_ptr() for p in (*m.parameters(), *gen.parameters())})
+    with counter:
+        gen.copy_weights_from(m)
+    pm = plan.Model(c, lora=lc)
+    label, planned = plan.weight_sync(pm, 1, 2, False)
+    assert counter.peak == planned == (12 * c.intermediate_size * c.hidden_size if lc else 0), label
+    # --offload_optimizer: lora.full_parameters copies the shard to the GPU first, the whole parameter as stored
+    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * c.intermediate_size * c.hidden_size if lc else
+                                                             4 * c.vocab_size * c.hidden_size)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
