@@ -24,9 +24,9 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
                      (decode_graph_bytes)
 
 A phase's peak is that persistent state plus what is live at the phase's worst moment:
-    rollout    the weight sync to the generation copy (weight_sync: one full parameter at a time; LoRA: a target's merge,
-               lora.merge's float32 temporaries), or the prefill of one rollout micro-batch (no grad, one layer at a
-               time), or its float32 sampling tensors
+    rollout    the weight sync to the generation copy (weight_sync: one full parameter at a time; LoRA: a target's
+               merge, lora.merge's float32 temporaries), or the prefill of one rollout micro-batch (no grad, one
+               layer at a time), or its float32 sampling tensors
     scoring    one inference micro-batch forward (no grad) of the actor (after the reference's, whose LM head
                and hidden states the fused KL kernel reads), of the critic, or of the reward model
     training   fp32 sharded grads, the saved activations of actor and critic (both losses go through one
@@ -281,18 +281,18 @@ def decode_graph_bytes(c, rows, S, cb=2):
 
 def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
-    scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
-    boolean-index positions. Forward: the vocab-split statistics (4, splits, N) float32. Backward, at its largest
-    moment: dz (N, vocab chunk) in the compute dtype, dh in float32 (the GEMM adds into it: utils.addmm_f32), a
-    (chunk, H) operand (the chunk's dW product; before it W - c, for a head with a shared column: utils.shared_row);
-    dW (V, H) is the LM head's gradient and counted as the root's. kl: the one pass over both heads
-    (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the reference's hidden states,
-    its max and log-sum and the KL, keeps 8 planes of statistics, and has the same backward (one dz for all three
-    losses; a frozen head, with LoRA, has no dW and the same scratch)."""
+    scratch) in bytes. Saved: the hidden states (N, H) and per row the label (int64), max, log-sum and entropy
+    (the caller's x[mask] saves its boolean (B, T) mask besides). Forward: the vocab-split statistics (4, splits,
+    N) float32. Backward, at its largest moment: dz (N, vocab chunk) in the compute dtype, dh in float32 (the GEMM
+    adds into it: utils.addmm_f32), a (chunk, H) operand (the chunk's dW product; before it W - c, for a head with a
+    shared column: utils.shared_row); dW (V, H) is the LM head's gradient and counted as the root's. kl: the one
+    pass over both heads (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the
+    reference's hidden states, its max and log-sum and the KL, keeps 8 planes of statistics, and has the same
+    backward (one dz for all three losses; a frozen head, with LoRA, has no dW and the same scratch)."""
     if N == 0:
         return 0, 0, 0
     splits = vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0]
-    saved = N * (cb * H + 36) + (N * (cb * H + 12) if kl else 0)  # the KL's reference hidden states and stats
+    saved = N * (cb * H + 20) + (N * (cb * H + 12) if kl else 0)  # the KL's reference hidden states and stats
     fwd = (8 if kl else 4) * splits * N * 4
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
     return saved, fwd, N * vc * cb + N * H * 4 + vc * H * cb
@@ -479,7 +479,7 @@ def build(cfg, run):
     def root_grads(m):  # in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
         return cb * m.gathered(m.part(m.root, "trained"), W)
 
-    actor_saved = saved(actor) + saved_h
+    actor_saved = saved(actor) + saved_h + tok  # + the head's (B, T) boolean mask of response tokens
     lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
     dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0
     ac, what = "recomputed" if run.activation_checkpointing else "without checkpointing", "adapter " if lora else ""

@@ -11615,10 +11615,36 @@ def test_head_scratch_follows_the_kernels_chunking():
     H, V = 4096, 128256
     saved, _, bwd = plan.head_bytes(2048, H, V, cb=2)
     vc = 2**27 // 2048
-    assert saved == 2048 * (2 * H + 36)
+    assert saved == 2048 * (2 * H + 20)
     assert bwd == 2048 * vc * 2 + 2048 * H * 4 + vc * H * 2  # dz, dh (float32, added into in place), a (chunk, H)
     _, _, bwd_small = plan.head_bytes(8, H, V, cb=2)
     assert bwd_small == 8 * math.ceil(V / 128) * 128 * 2 + 8 * H * 4 + math.ceil(V / 128) * 128 * H * 2
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_head_saved_bytes_are_what_autograd_saves(kl):
+    # model._fused_head on (B, T) rows with masked slots: what autograd saves for the backward, the head's weights
+    # excluded, is head_bytes' saved bytes for the N response tokens plus the (B, T) boolean mask x[mask] saves (the
+    # plan counted 16 bytes a token of int64 index positions instead); with the KL, the reference's hidden states
+    # and per token its max, log-sum and the KL (dropping them passed every quick test: no README plan has the loss)
+    c = odd_config()
+    m = Transformer(c).to(torch.bfloat16)
+    B, T = 3, 7
+    labels = torch.randint(0, c.vocab_size, (B, T))
+    labels[0, :3] = labels[2, 5:] = -100
+    N = int((labels != -100).sum())
+    x = torch.randn(B, T, c.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ref_hidden = torch.randn(N, c.hidden_size, dtype=torch.bfloat16) if kl else None
+    skip, saved = {p.untyped_storage().data_ptr() for p in m.parameters()}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m._fused_head(x, labels, 1.0, ref_hidden, m.lm_head_weight.detach() if kl else None)
+    assert sum(saved.values()) == plan.head_bytes(N, c.hidden_size, c.vocab_size, cb=2, kl=kl)[0] + B * T
 
 
 # -----------------------------------------------------------------------------
