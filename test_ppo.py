@@ -11474,6 +11474,18 @@ def test_param_shapes_are_the_models(over, head, bias, lora):
     assert pm.numel("trained") == sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 8, 64])
+def test_shard_numel_is_fsdp2s_padded_chunk(W):
+    # FSDP2 cuts dim 0 with torch.chunk and pads every rank's part to the first chunk: per parameter the first chunk's
+    # elements, more ranks than rows (the (1, H) value head, 45 MLP rows at 64 ranks) included; gathered: W of them.
+    # Rounding the rows down instead passed the quick tests (the README's shapes divide by 8, off by a head's row)
+    pm = plan.Model(odd_config(), "value")
+    for shapes in (pm.root, pm.block):
+        want = sum(torch.empty(s).chunk(W)[0].numel() for s in shapes.values())
+        assert plan.shard_numel(shapes, W) == want and pm.gathered(shapes, W) == W * want
+    assert pm.shard(W) == plan.shard_numel(pm.root, W) + 2 * plan.shard_numel(pm.block, W)
+
+
 def test_kv_cache_bytes_are_setup_kv_caches():
     c = odd_config(num_key_value_heads=3)
     m = Transformer(c).to(torch.bfloat16)
@@ -11792,6 +11804,8 @@ def plan_for(W, **kw):
 @pytest.mark.parametrize("name, gpus, fits", [("Qwen2.5-1.5B", 1, True), ("Llama-3.1-8B", 8, True),
                                               ("Llama-3.1-70B", 8, False)])
 def test_readme_cases(tmp_path, name, gpus, fits):
+    import ppo
+
     policy, rm = write_configs(tmp_path, name)
     (p, f), (text, ok) = plan_for(gpus, model=policy, reward_model=rm)
     assert ok is fits, text
@@ -11806,6 +11820,13 @@ def test_readme_cases(tmp_path, name, gpus, fits):
     assert dict(p.persistent)["actor weights, fp32 shard"] == 4 * f["actor"].shard(gpus)
     if name == "Llama-3.1-70B":  # the weights, grads and AdamW states of actor and critic alone pass 80 GiB
         assert 16 * (f["actor"].shard(8) + f["critic"].shard(8)) > 80 * plan.GiB
+    # a *ForSequenceClassification reward model's score layer has no bias; the critic's fresh head has one
+    assert "score.bias" not in f["rm"].root and "score.bias" in f["critic"].root
+    # at the edge: a GPU of exactly peak + reserve fits, one a hair smaller does not
+    edge = (peak + plan.RESERVE_GIB * plan.GiB + plan.FRAGMENTATION * peak) / plan.GiB
+    for gb, fit in ((edge, True), (math.nextafter(edge, 0), False)):
+        assert plan.report(plan_config(model=policy, reward_model=rm, gpu_memory_gb=gb),
+                           ppo.derive(plan_config(model=policy, reward_model=rm), 0, gpus, torch.device("cuda")))[1] is fit
 
 
 def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
@@ -11854,7 +11875,17 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
     plan_for(1, model=policy, reward_model=str(tmp_path / "rm-big"))
     (tmp_path / "rm-short").mkdir()
     (tmp_path / "rm-short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    (tmp_path / "rm-2").mkdir()
+    (tmp_path / "rm-2" / "config.json").write_text(json.dumps(dict(config, num_labels=2)))
+    (tmp_path / "rm-edge").mkdir()  # exactly the 2048 tokens of a row: fits
+    (tmp_path / "rm-edge" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
+    plan_for(1, model=policy, reward_model=str(tmp_path / "rm-edge"))
+    (tmp_path / "policy-edge").mkdir()
+    policy_config = json.loads(open(os.path.join(policy, "config.json")).read())
+    (tmp_path / "policy-edge" / "config.json").write_text(json.dumps(dict(policy_config, max_position_embeddings=2048)))
+    plan_for(1, model=str(tmp_path / "policy-edge"), reward_model=rm)
     for kw, said in [(dict(reward_model=str(tmp_path / "rm-short")), "does not fit the context of --reward_model"),
+                     (dict(reward_model=str(tmp_path / "rm-2")), "reward model must have one label, has 2"),
                      (dict(reward_model=str(tmp_path / "rm-big"), model=str(tmp_path / "rm-big")),
                       "is a sequence classifier: the policy needs an LM head"),
                      (dict(max_new_tokens=40000), "does not fit the context of")]:
@@ -11862,16 +11893,19 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
             plan_for(1, **{"model": policy, **kw})
 
 
-def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path):
+@pytest.mark.parametrize("P, larger", [(1024, "prefill"), (16, "sampling")])
+def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path, P, larger):
     # --async_rollout: the rollout's larger working set (prefill or sampling) is live through scoring and training,
     # so both phases' peaks rise by exactly it, and the generation thread keeps a third cuBLAS workspace (32 MiB
-    # each, from the caching allocator, measured on an H200); nothing else changes
+    # each, from the caching allocator, measured on an H200); nothing else changes. 16-token prompts: the sampler's
+    # (rows, V) float32 tensors outweigh the prefill (taking the prefill whatever its size passed at 1024)
     from plan import CUBLAS_WORKSPACE
     policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
-    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
-    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True)
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm, max_prompt_len=P)
+    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True, max_prompt_len=P)
     rollout = dict(term for _, terms in p.phases[0][2] for term in terms)
     gen = max(b for label, b in rollout.items() if label.startswith(("prefill", "sampling")))
+    assert text.count(f"--async_rollout, the next batch beside it: {larger}") == 2
     ws = [(a, b) for a, b in zip(p.persistent, q.persistent) if a != b]
     assert ws == [(("cuBLAS workspaces: this thread's, autograd's backward's", 2 * CUBLAS_WORKSPACE),
                    ("cuBLAS workspaces: this thread's, autograd's backward's, the async generation's",
@@ -12009,6 +12043,7 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     assert trained and all(off[label + " (on the CPU)"] == 0 for label in trained)
     assert {k: v for k, v in on.items() if k not in trained} == {k: v for k, v in off.items() if "on the CPU" not in k}
     grads, = [b for label, b in p.phases[2][1] if " grads, fp32 shard" in label]
+    assert [b for label, b in q.phases[2][1] if " grads, fp32 shard (on the CPU)" in label] == [0]
     assert g["pinned"] == sum(on[label] for label in trained) + grads
     assert g["d2h"] == g["n_t"] * grads and g["n_t"] == 512 // W // 2
     assert f"pinned host memory {min(8, W) * g['pinned'] / plan.GiB:.1f} GiB per node ({min(8, W)} rank" in text
