@@ -12031,7 +12031,7 @@ def test_lora_plan_lines(tmp_path):
     assert ok, text
 
 
-@pytest.mark.parametrize("W, kw", [(8, {}), (1, dict(lora_rank=64))])
+@pytest.mark.parametrize("W, kw", [(8, {}), (16, {}), (1, dict(lora_rank=64))])  # 16: two nodes of 8
 def test_offload_optimizer_lines(tmp_path, W, kw):
     # the trained models' persistent lines and grads go to 0 on the GPU, and their sum is the pinned host memory;
     # every training micro-batch's backward sends the grads' shards to the host
