@@ -11884,6 +11884,12 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
     policy_config = json.loads(open(os.path.join(policy, "config.json")).read())
     (tmp_path / "policy-edge" / "config.json").write_text(json.dumps(dict(policy_config, max_position_embeddings=2048)))
     plan_for(1, model=str(tmp_path / "policy-edge"), reward_model=rm)
+    (tmp_path / "policy-window").mkdir()  # a sliding window of exactly a row's 2048 tokens: planned, one more refused
+    (tmp_path / "policy-window" / "config.json").write_text(json.dumps(dict(policy_config, use_sliding_window=True,
+                                                                            sliding_window=2048)))
+    plan_for(1, model=str(tmp_path / "policy-window"), reward_model=rm)
+    with pytest.raises(UsageError, match="2049 tokens exceed its sliding window"):
+        plan_for(1, model=str(tmp_path / "policy-window"), reward_model=rm, max_new_tokens=1025)
     for kw, said in [(dict(reward_model=str(tmp_path / "rm-short")), "does not fit the context of --reward_model"),
                      (dict(reward_model=str(tmp_path / "rm-2")), "reward model must have one label, has 2"),
                      (dict(reward_model=str(tmp_path / "rm-big"), model=str(tmp_path / "rm-big")),
