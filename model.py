@@ -807,6 +807,7 @@ class Transformer(nn.Module):
                 raise KeyError(f"copy_weights_from: the source's {name} has no parameter of that name here")
             params[name].copy_(p)
             left.discard(name)
+            del p  # before the next is gathered: one full parameter live at a time (plan.weight_sync)
         if left:
             raise KeyError(f"copy_weights_from: {sorted(left)} of this model are not in the source: not refilled")
 

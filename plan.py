@@ -24,9 +24,9 @@ model.ModelConfig; bytes follow ppo.py's design on CUDA, per rank of W ranks, co
                      (decode_graph_bytes)
 
 A phase's peak is that persistent state plus what is live at the phase's worst moment:
-    rollout    the weight sync to the generation copy (one full fp32 parameter at a time; LoRA: a target's merge,
-               lora.merge's float32 temporaries), or the prefill of one rollout micro-batch (no grad, one layer at a
-               time), or its float32 sampling tensors
+    rollout    the weight sync to the generation copy (weight_sync: one full parameter at a time; LoRA: a target's
+               merge, lora.merge's float32 temporaries), or the prefill of one rollout micro-batch (no grad, one
+               layer at a time), or its float32 sampling tensors
     scoring    one inference micro-batch forward (no grad) of the actor (after the reference's, whose LM head
                and hidden states the fused KL kernel reads), of the critic, or of the reward model
     training   fp32 sharded grads, the saved activations of actor and critic (both losses go through one
@@ -66,7 +66,7 @@ from model import ModelConfig
 from runtime import need
 from rollout import CACHE_MULTIPLE
 
-GiB = 2**30
+GiB, DTYPES = 2**30, {2: "bf16", 4: "fp32"}  # DTYPES: the names of the compute dtypes by element size
 # Outside the caching allocator, so missing from max_memory_allocated: what the driver keeps of the card (an
 # "80 GB" H100 shows CUDA 79.2 GiB), the CUDA context and loaded kernels (~0.5-1 GiB), NCCL's buffers (~0.5 GiB).
 RESERVE_GIB = 3.0
@@ -165,10 +165,6 @@ class Model:
     def gathered(self, shapes, W):
         """Elements of a unit once gathered: W padded chunks."""
         return W * shard_numel(shapes, W)
-
-    def largest(self, W, which=None):
-        shapes = {**self.part(self.root, which), **self.part(self.block, which)}
-        return max(cdiv(s[0], W) * W * math.prod(s[1:]) for k, s in shapes.items() if ".lora_" not in k)
 
 
 def read_model(name_or_path):
@@ -285,21 +281,43 @@ def decode_graph_bytes(c, rows, S, cb=2):
 
 def head_bytes(N, H, V, cb=2, kl=False):
     """The fused LM-head ops (kernels/, Triton path) on N response tokens -> (saved, forward scratch, backward
-    scratch) in bytes. Saved: the hidden states (N, H) and per row the label, max, log-sum, entropy and the
-    boolean-index positions. Forward: the vocab-split statistics (4, splits, N) float32. Backward, at its largest
-    moment: dz (N, vocab chunk) in the compute dtype, dh in float32 (the GEMM adds into it: utils.addmm_f32), a
-    (chunk, H) operand (the chunk's dW product; before it W - c, for a head with a shared column: utils.shared_row);
-    dW (V, H) is the LM head's gradient and counted as the root's. kl: the one pass over both heads
-    (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the reference's hidden states,
-    its max and log-sum and the KL, keeps 8 planes of statistics, and has the same backward (one dz for all three
-    losses; a frozen head, with LoRA, has no dW and the same scratch)."""
+    scratch) in bytes. Saved: the hidden states (N, H) and per row the label (int64), max, log-sum and entropy
+    (the caller's x[mask] saves its boolean (B, T) mask besides). Forward: the vocab-split statistics (4, splits,
+    N) float32. Backward, at its largest moment: dz (N, vocab chunk) in the compute dtype, dh in float32 (the GEMM
+    adds into it: utils.addmm_f32), a (chunk, H) operand (the chunk's dW product; before it W - c, for a head with a
+    shared column: utils.shared_row); dW (V, H) is the LM head's gradient and counted as the root's. kl: the one
+    pass over both heads (linear_logprob_entropy_kl: scoring, training with the KL loss), which also saves the
+    reference's hidden states, its max and log-sum and the KL, keeps 8 planes of statistics, and has the same
+    backward (one dz for all three losses; a frozen head, with LoRA, has no dW and the same scratch)."""
     if N == 0:
         return 0, 0, 0
     splits = vocab_splits(DEFAULT_CONFIG, torch.device("cuda"), N, V, sms=GPU_SMS)[0]
-    saved = N * (cb * H + 36) + (N * (cb * H + 12) if kl else 0)  # the KL's reference hidden states and stats
+    saved = N * (cb * H + 20) + (N * (cb * H + 12) if kl else 0)  # the KL's reference hidden states and stats
     fwd = (8 if kl else 4) * splits * N * 4
     vc = vocab_chunk(DEFAULT_CONFIG, N, V, DEFAULT_CONFIG.gpu_chunk_elems, DEFAULT_CONFIG.block_v)
     return saved, fwd, N * vc * cb + N * H * 4 + vc * H * cb
+
+
+def weight_sync(actor, W, cb, off):
+    """The weight sync's largest moment, (label, bytes): model.copy_weights_from copies lora.full_parameters' full
+    tensors into the generation copy one at a time (copy_ casts in place). Each is gathered in its stored dtype
+    (fp32; a LoRA base in the compute dtype) by DTensor.full_tensor: on one rank the shard itself, no copy; else
+    the all-gather's output (W chunks of ceil(rows / W) rows) and, where W does not divide the rows, the shard
+    padded to a chunk. --offload_optimizer: the shard is first copied to the GPU (a worst rank's: a whole chunk).
+    A LoRA target then merges beside its gathered weight, three float32 (out, in) tensors at once (lora.merge:
+    W.float() and B @ A, then scale x it, then W.float() + that)."""
+    b, copied = (cb if actor.lora else 4), " + its shard copied from the CPU" if off else ""
+    chunk = lambda s: cdiv(s[0], W) * math.prod(s[1:])
+    gather = lambda s: b * chunk(s) * (off + (W + (s[0] % W > 0) if W > 1 else 0))
+    shapes, dtype = {k: s for k, s in {**actor.root, **actor.block}.items() if ".lora_" not in k}, DTYPES[b]
+    s = max(shapes.values(), key=gather)
+    how = (f"gathered in {dtype} (all-gather output{' + padded chunk' if s[0] % W else ''}{copied})" if W > 1 else
+           f"in {dtype}: on one rank its shard" + (", copied from the CPU" if off else ", read in place"))
+    lines = [(f"the largest actor parameter {how}", gather(s))]
+    for out, cols in [s for k, s in shapes.items() if k.removesuffix("weight") + "lora_A.weight" in actor.block]:
+        lines.append((f"merging the largest target ({out} x {cols}): its {dtype} weight + 3 fp32 copies",
+                      b * chunk((out, cols)) * (W if W > 1 else off) + 12 * out * cols))
+    return max(lines, key=lambda t: t[1])
 
 
 # -----------------------------------------------------------------------------
@@ -355,7 +373,7 @@ def build(cfg, run):
     rows_r, rows_i, rows_t = run.rollout_micro, run.infer_micro, run.local_micro
     R, V, H = cfg.max_new_tokens, c.vocab_size, c.hidden_size
     frozen_cb = 0 if run.offload_frozen else cb
-    dtype = "bf16" if cb == 2 else "fp32"
+    dtype = DTYPES[cb]
     # --offload_optimizer: a trained model's every shard (a LoRA base too), grad and AdamW state is on the CPU
     on_gpu, cpu = (0, " (on the CPU)") if off else (1, "")
     p = Plan()
@@ -392,22 +410,7 @@ def build(cfg, run):
     per_prompt = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
     prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad", rows_r * P * block_forward_bytes(c, cb))
     sampling = (f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}", SAMPLING_BYTES * rows_r * V)
-    # lora.full_parameters gathers one parameter at a time (all-gather output + padded chunk), in its stored
-    # dtype; --offload_optimizer: each shard is first copied to the GPU and gathered there (one chunk more)
-    chunks, copied = (W + 2, " + its shard copied from the CPU") if off else (W + 1, "")
-    if not lora:
-        sync = [(f"the largest actor parameter gathered in fp32 (all-gather output + padded chunk{copied})",
-                 4 * actor.largest(W) * chunks // W)]
-    else:
-        # a target's merge: its gathered base W (out, in) and, from lora.merge's W.float() + scale * (B @ A), three
-        # float32 (out, in) tensors at once: W.float() and B @ A, then scale x it, then W.float() + that
-        (out, cols), n = max(((s, cdiv(s[0], W) * W * s[1]) for k, s in actor.block.items()
-                              if k.endswith(".weight") and k.removesuffix("weight") + "lora_A.weight" in actor.block),
-                             key=lambda t: t[1])
-        sync = [max((f"the largest actor parameter gathered in {dtype} (all-gather output + padded chunk{copied})",
-                     cb * actor.largest(W) * chunks // W),
-                    (f"merging the largest target ({out} x {cols}): its gathered {dtype} weight + 3 fp32 copies",
-                     cb * n * chunks // W + 12 * out * cols), key=lambda t: t[1])]
+    sync = [weight_sync(actor, W, cb, off)]
     p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [
         ("weight sync" + (", LoRA merged" if lora else ""), sync),
         ("prefill", [prefill]),
@@ -476,7 +479,7 @@ def build(cfg, run):
     def root_grads(m):  # in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
         return cb * m.gathered(m.part(m.root, "trained"), W)
 
-    actor_saved = saved(actor) + saved_h
+    actor_saved = saved(actor) + saved_h + tok  # + the head's (B, T) boolean mask of response tokens
     lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
     dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0
     ac, what = "recomputed" if run.activation_checkpointing else "without checkpointing", "adapter " if lora else ""
@@ -529,10 +532,6 @@ def build(cfg, run):
     return p, facts
 
 
-def _gib(b):
-    return b / GiB
-
-
 def dry_run(cfg, run):
     """python ppo.py --dry_run=N: the reward model's score head checked, the plan printed; -> dict(fits=...)."""
     check_reward_head(cfg)
@@ -545,10 +544,10 @@ def report(cfg, run):
     """-> (text, fits): the per-GPU plan for run.world GPUs of cfg.gpu_memory_gb GiB. Its last line reads
     `peak 61.3 GiB per GPU of 80: fits` (or `: does not fit`); fits means peak + reserve <= gpu_memory_gb."""
     p, f = build(cfg, run)
-    run, W, dtype = f["run"], f["W"], "bf16" if f["cb"] == 2 else "fp32"
+    run, W, dtype = f["run"], f["W"], DTYPES[f["cb"]]
 
     def row(label, b, indent=2):
-        return f"{' ' * indent}{label:<{86 - indent}}{_gib(b):8.2f}"
+        return f"{' ' * indent}{label:<{86 - indent}}{b / GiB:8.2f}"
 
     def describe(role, m):  # the base model's sizes, and under LoRA what trains
         blk, root = (numel({k: s for k, s in d.items() if ".lora_" not in k and k != "reward_head.weight"})
@@ -581,20 +580,20 @@ def report(cfg, run):
         lines.append(row(f"peak: persistent + {'the above + ' if always else ''}{worst}", peaks[-1]))
     peak = max(peaks)
     reserve = RESERVE_GIB * GiB + FRAGMENTATION * peak
-    fits = _gib(peak + reserve) <= cfg.gpu_memory_gb
+    fits = (peak + reserve) / GiB <= cfg.gpu_memory_gb
     lines.append(f"for comparison: attention without the fused kernel (SDPA's math path) would add "
-                 f"{_gib(f['math_attention']):.2f} GiB per layer\n  in training, float32 scores (rows x heads x T x T);"
+                 f"{f['math_attention'] / GiB:.2f} GiB per layer\n  in training, float32 scores (rows x heads x T x T);"
                  f" the fused kernel keeps one float32 logsumexp per token and head")
     if run.offload_optimizer:
         rpn = min(8, W)  # ranks per node: 8 GPUs a node, or all W
-        lines.append(f"--offload_optimizer, per step and GPU: {_gib(f['h2d']):.2f} GiB host->device (the trained "
+        lines.append(f"--offload_optimizer, per step and GPU: {f['h2d'] / GiB:.2f} GiB host->device (the trained "
                      f"models' shards at every gather, {f['n_s']} scoring and {f['n_t']} training micro-batches,\n  "
-                     f"and the actor's for the weight sync), {_gib(f['d2h']):.2f} GiB device->host (fp32 "
-                     f"gradient shards after each backward);\n  pinned host memory {_gib(rpn * f['pinned']):.1f} GiB "
-                     f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {_gib(f['pinned']):.2f} GiB: "
+                     f"and the actor's for the weight sync), {f['d2h'] / GiB:.2f} GiB device->host (fp32 "
+                     f"gradient shards after each backward);\n  pinned host memory {rpn * f['pinned'] / GiB:.1f} GiB "
+                     f"per node ({rpn} rank{'s' if rpn > 1 else ''} x {f['pinned'] / GiB:.2f} GiB: "
                      f"{'actor and critic' if f['critic'] else 'actor'} shards, grads, AdamW states)")
-    lines.append(f"reserve {_gib(reserve):.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
+    lines.append(f"reserve {reserve / GiB:.1f} GiB: {RESERVE_GIB:g} GiB outside PyTorch's allocator (driver, CUDA "
                  f"context, NCCL)\n  + {FRAGMENTATION:.0%} of the peak for fragmentation: "
-                 f"{cfg.gpu_memory_gb - _gib(reserve):.1f} GiB usable")
-    lines.append(f"peak {_gib(peak):.1f} GiB per GPU of {cfg.gpu_memory_gb:g}: {'fits' if fits else 'does not fit'}")
+                 f"{cfg.gpu_memory_gb - reserve / GiB:.1f} GiB usable")
+    lines.append(f"peak {peak / GiB:.1f} GiB per GPU of {cfg.gpu_memory_gb:g}: {'fits' if fits else 'does not fit'}")
     return "\n".join(lines), fits

@@ -11588,6 +11588,18 @@ def test_param_shapes_are_the_models(over, head, bias, lora):
     assert pm.numel("trained") == sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 8, 64])
+def test_shard_numel_is_fsdp2s_padded_chunk(W):
+    # FSDP2 cuts dim 0 with torch.chunk and pads every rank's part to the first chunk: per parameter the first chunk's
+    # elements, more ranks than rows (the (1, H) value head, 45 MLP rows at 64 ranks) included; gathered: W of them.
+    # Rounding the rows down instead passed the quick tests (the README's shapes divide by 8, off by a head's row)
+    pm = plan.Model(odd_config(), "value")
+    for shapes in (pm.root, pm.block):
+        want = sum(torch.empty(s).chunk(W)[0].numel() for s in shapes.values())
+        assert plan.shard_numel(shapes, W) == want and pm.gathered(shapes, W) == W * want
+    assert pm.shard(W) == plan.shard_numel(pm.root, W) + 2 * plan.shard_numel(pm.block, W)
+
+
 def test_kv_cache_bytes_are_setup_kv_caches():
     c = odd_config(num_key_value_heads=3)
     m = Transformer(c).to(torch.bfloat16)
@@ -11598,7 +11610,8 @@ def test_kv_cache_bytes_are_setup_kv_caches():
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """The most bytes that the ops run under it hold at once in new storages (views of a storage, and the
-    storages in `skip`, count nothing): what an eager call allocates at its worst moment."""
+    storages in `skip`, count nothing): what an eager call allocates at its worst moment. A tensor subclass's
+    (DTensor's) own ops on its local tensors run past the mode, unseen."""
 
     def __init__(self, skip):
         super().__init__()
@@ -11606,10 +11619,12 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}  # an address freed may be reused
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):  # a DTensor: its local's ops
                 s = t.untyped_storage()
                 if s.data_ptr() not in self.skip and s.data_ptr() not in self.live and s.nbytes():
                     self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
@@ -11726,10 +11741,36 @@ def test_head_scratch_follows_the_kernels_chunking():
     H, V = 4096, 128256
     saved, _, bwd = plan.head_bytes(2048, H, V, cb=2)
     vc = 2**27 // 2048
-    assert saved == 2048 * (2 * H + 36)
+    assert saved == 2048 * (2 * H + 20)
     assert bwd == 2048 * vc * 2 + 2048 * H * 4 + vc * H * 2  # dz, dh (float32, added into in place), a (chunk, H)
     _, _, bwd_small = plan.head_bytes(8, H, V, cb=2)
     assert bwd_small == 8 * math.ceil(V / 128) * 128 * 2 + 8 * H * 4 + math.ceil(V / 128) * 128 * H * 2
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_head_saved_bytes_are_what_autograd_saves(kl):
+    # model._fused_head on (B, T) rows with masked slots: what autograd saves for the backward, the head's weights
+    # excluded, is head_bytes' saved bytes for the N response tokens plus the (B, T) boolean mask x[mask] saves (the
+    # plan counted 16 bytes a token of int64 index positions instead); with the KL, the reference's hidden states
+    # and per token its max, log-sum and the KL (dropping them passed every quick test: no README plan has the loss)
+    c = odd_config()
+    m = Transformer(c).to(torch.bfloat16)
+    B, T = 3, 7
+    labels = torch.randint(0, c.vocab_size, (B, T))
+    labels[0, :3] = labels[2, 5:] = -100
+    N = int((labels != -100).sum())
+    x = torch.randn(B, T, c.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ref_hidden = torch.randn(N, c.hidden_size, dtype=torch.bfloat16) if kl else None
+    skip, saved = {p.untyped_storage().data_ptr() for p in m.parameters()}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m._fused_head(x, labels, 1.0, ref_hidden, m.lm_head_weight.detach() if kl else None)
+    assert sum(saved.values()) == plan.head_bytes(N, c.hidden_size, c.vocab_size, cb=2, kl=kl)[0] + B * T
 
 
 # -----------------------------------------------------------------------------
@@ -11877,6 +11918,8 @@ def plan_for(W, **kw):
 @pytest.mark.parametrize("name, gpus, fits", [("Qwen2.5-1.5B", 1, True), ("Llama-3.1-8B", 8, True),
                                               ("Llama-3.1-70B", 8, False)])
 def test_readme_cases(tmp_path, name, gpus, fits):
+    import ppo
+
     policy, rm = write_configs(tmp_path, name)
     (p, f), (text, ok) = plan_for(gpus, model=policy, reward_model=rm)
     assert ok is fits, text
@@ -11891,6 +11934,33 @@ def test_readme_cases(tmp_path, name, gpus, fits):
     assert dict(p.persistent)["actor weights, fp32 shard"] == 4 * f["actor"].shard(gpus)
     if name == "Llama-3.1-70B":  # the weights, grads and AdamW states of actor and critic alone pass 80 GiB
         assert 16 * (f["actor"].shard(8) + f["critic"].shard(8)) > 80 * plan.GiB
+    # a *ForSequenceClassification reward model's score layer has no bias; the critic's fresh head has one
+    assert "score.bias" not in f["rm"].root and "score.bias" in f["critic"].root
+    # at the edge: a GPU of exactly peak + reserve fits, one a hair smaller does not
+    edge = (peak + plan.RESERVE_GIB * plan.GiB + plan.FRAGMENTATION * peak) / plan.GiB
+    for gb, fit in ((edge, True), (math.nextafter(edge, 0), False)):
+        assert plan.report(plan_config(model=policy, reward_model=rm, gpu_memory_gb=gb),
+                           ppo.derive(plan_config(model=policy, reward_model=rm), 0, gpus, torch.device("cuda")))[1] is fit
+
+
+def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
+    # each of the README's four `$ python ppo.py --dry_run=...` blocks, run on configs of the published shapes in
+    # folders named as the README names them: the same text line for line, and the exit status its last line says.
+    # Most lines of the training and scoring phases were checked by no other test (a line's bytes halved passed)
+    import ppo
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    blocks = re.findall(r"```\n\$ python ppo\.py (--dry_run=[^\n]*)\n(.*?)\n```", readme, re.S)
+    assert len(blocks) == 4
+    for name in PUBLISHED:
+        policy, _ = write_configs(tmp_path, name)
+        os.rename(policy, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    for args, want in blocks:
+        status = ppo.command_line(args.split())
+        got = capsys.readouterr().out.rstrip("\n")
+        assert got.splitlines() == want.splitlines(), args
+        assert status == (0 if want.endswith(": fits") else 1)
 
 
 def test_offload_frozen_and_kv_cache_lines(tmp_path):
@@ -11919,7 +11989,23 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
     plan_for(1, model=policy, reward_model=str(tmp_path / "rm-big"))
     (tmp_path / "rm-short").mkdir()
     (tmp_path / "rm-short" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=1024)))
+    (tmp_path / "rm-2").mkdir()
+    (tmp_path / "rm-2" / "config.json").write_text(json.dumps(dict(config, num_labels=2)))
+    (tmp_path / "rm-edge").mkdir()  # exactly the 2048 tokens of a row: fits
+    (tmp_path / "rm-edge" / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
+    plan_for(1, model=policy, reward_model=str(tmp_path / "rm-edge"))
+    (tmp_path / "policy-edge").mkdir()
+    policy_config = json.loads(open(os.path.join(policy, "config.json")).read())
+    (tmp_path / "policy-edge" / "config.json").write_text(json.dumps(dict(policy_config, max_position_embeddings=2048)))
+    plan_for(1, model=str(tmp_path / "policy-edge"), reward_model=rm)
+    (tmp_path / "policy-window").mkdir()  # a sliding window of exactly a row's 2048 tokens: planned, one more refused
+    (tmp_path / "policy-window" / "config.json").write_text(json.dumps(dict(policy_config, use_sliding_window=True,
+                                                                            sliding_window=2048)))
+    plan_for(1, model=str(tmp_path / "policy-window"), reward_model=rm)
+    with pytest.raises(UsageError, match="2049 tokens exceed its sliding window"):
+        plan_for(1, model=str(tmp_path / "policy-window"), reward_model=rm, max_new_tokens=1025)
     for kw, said in [(dict(reward_model=str(tmp_path / "rm-short")), "does not fit the context of --reward_model"),
+                     (dict(reward_model=str(tmp_path / "rm-2")), "reward model must have one label, has 2"),
                      (dict(reward_model=str(tmp_path / "rm-big"), model=str(tmp_path / "rm-big")),
                       "is a sequence classifier: the policy needs an LM head"),
                      (dict(max_new_tokens=40000), "does not fit the context of")]:
@@ -11927,16 +12013,19 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
             plan_for(1, **{"model": policy, **kw})
 
 
-def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path):
+@pytest.mark.parametrize("P, larger", [(1024, "prefill"), (16, "sampling")])
+def test_async_rollout_plans_the_next_batch_beside_scoring_and_training(tmp_path, P, larger):
     # --async_rollout: the rollout's larger working set (prefill or sampling) is live through scoring and training,
     # so both phases' peaks rise by exactly it, and the generation thread keeps a third cuBLAS workspace (32 MiB
-    # each, from the caching allocator, measured on an H200); nothing else changes
+    # each, from the caching allocator, measured on an H200); nothing else changes. 16-token prompts: the sampler's
+    # (rows, V) float32 tensors outweigh the prefill (taking the prefill whatever its size passed at 1024)
     from plan import CUBLAS_WORKSPACE
     policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
-    (p, f), _ = plan_for(8, model=policy, reward_model=rm)
-    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True)
+    (p, f), _ = plan_for(8, model=policy, reward_model=rm, max_prompt_len=P)
+    (q, _), (text, _) = plan_for(8, model=policy, reward_model=rm, async_rollout=True, max_prompt_len=P)
     rollout = dict(term for _, terms in p.phases[0][2] for term in terms)
     gen = max(b for label, b in rollout.items() if label.startswith(("prefill", "sampling")))
+    assert text.count(f"--async_rollout, the next batch beside it: {larger}") == 2
     ws = [(a, b) for a, b in zip(p.persistent, q.persistent) if a != b]
     assert ws == [(("cuBLAS workspaces: this thread's, autograd's backward's", 2 * CUBLAS_WORKSPACE),
                    ("cuBLAS workspaces: this thread's, autograd's backward's, the async generation's",
@@ -12052,8 +12141,8 @@ def test_lora_plan_lines(tmp_path):
     assert f["critic"].numel("trained") == f["actor"].numel("trained") + 4096 + 1  # + the value head, trained in full
     # the weight sync: the larger of the largest gathered (bf16) parameter and the largest target's merge
     (sync,), = [terms for name, terms in p.phases[0][2] if name.startswith("weight sync")]
-    n = 14336 * 4096  # gate_proj / up_proj / down_proj
-    assert sync[1] == max(2 * 128256 * 4096 * 9 // 8, 2 * n * 9 // 8 + 12 * n)
+    n = 14336 * 4096  # gate_proj / up_proj / down_proj; 8 ranks divide every row count: no padded chunk
+    assert sync[1] == max(2 * 128256 * 4096, 2 * n + 12 * n)
     (g, gf), (gtext, _) = plan_for(8, model=policy, reward_model=rm, lora_rank=64, advantage_estimator="grpo",
                                    samples_per_prompt=2)
     assert dict(g.persistent)["reward model weights, bf16 shard"] == 2 * gf["rm"].shard(8)
@@ -12062,7 +12151,7 @@ def test_lora_plan_lines(tmp_path):
     assert ok, text
 
 
-@pytest.mark.parametrize("W, kw", [(8, {}), (1, dict(lora_rank=64))])
+@pytest.mark.parametrize("W, kw", [(8, {}), (16, {}), (1, dict(lora_rank=64))])  # 16: two nodes of 8
 def test_offload_optimizer_lines(tmp_path, W, kw):
     # the trained models' persistent lines and grads go to 0 on the GPU, and their sum is the pinned host memory;
     # every training micro-batch's backward sends the grads' shards to the host
@@ -12074,6 +12163,7 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     assert trained and all(off[label + " (on the CPU)"] == 0 for label in trained)
     assert {k: v for k, v in on.items() if k not in trained} == {k: v for k, v in off.items() if "on the CPU" not in k}
     grads, = [b for label, b in p.phases[2][1] if " grads, fp32 shard" in label]
+    assert [b for label, b in q.phases[2][1] if " grads, fp32 shard (on the CPU)" in label] == [0]
     assert g["pinned"] == sum(on[label] for label in trained) + grads
     assert g["d2h"] == g["n_t"] * grads and g["n_t"] == 512 // W // 2
     assert f"pinned host memory {min(8, W) * g['pinned'] / plan.GiB:.1f} GiB per node ({min(8, W)} rank" in text
@@ -12081,7 +12171,33 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     # the weight sync gathers on the GPU either way (lora.full_parameters copies an offloaded shard there first)
     ((sync_on,),), ((sync_off,),) = ([t for name, t in x.phases[0][2] if name.startswith("weight sync")]
                                      for x in (p, q))
-    assert sync_off[1] > sync_on[1] > 0 and "its shard copied from the CPU" in sync_off[0]
+    assert sync_off[1] > sync_on[1] > 0 and "copied from the CPU" in sync_off[0]
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "gate_proj", "up_proj", "down_proj")])
+def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group, targets):
+    # FSDP2 on one rank: DTensor.full_tensor hands back the shard itself, so the sync allocates nothing but a LoRA
+    # target's merge (three float32 (out, in) at once), and each full tensor is freed before the next is gathered
+    # (unbiased gate, up and down follow each other). The plan counted the largest parameter twice (an all-gather
+    # output and a padded chunk, neither of which exists on one rank), and copy_weights_from held the previous merge
+    # through the next one (4 + 12 float32 copies)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    c, lc = odd_config(attention_bias=False, mlp_bias=False), targets and lora.LoRAConfig(3, 16.0, 0.0, targets)
+    m = Transformer(c)
+    if lc:
+        lora.add_adapters(m, lc)
+    C.shard(m, init_device_mesh("cpu", (1,)), torch.bfloat16)
+    gen = Transformer(c).to(torch.bfloat16)
+    counter = LiveBytes({C.local(p).untyped_storage().data_ptr() for p in (*m.parameters(), *gen.parameters())})
+    with counter:
+        gen.copy_weights_from(m)
+    pm = plan.Model(c, lora=lc)
+    label, planned = plan.weight_sync(pm, 1, 2, False)
+    assert counter.peak == planned == (12 * c.intermediate_size * c.hidden_size if lc else 0), label
+    # --offload_optimizer: lora.full_parameters copies the shard to the GPU first, the whole parameter as stored
+    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * c.intermediate_size * c.hidden_size if lc else
+                                                             4 * c.vocab_size * c.hidden_size)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
