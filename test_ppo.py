@@ -2746,7 +2746,8 @@ def test_token_ids_the_model_has_no_embedding_for_are_named(tmp_path):
 def test_custom_keys(tok, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "hi"}, {"chat": [{"role": "user", "content": "hi"}]}])
     ps = load_prompts(path, tok, 100, prompt_key="question", messages_key="chat")
-    assert ps.ids[0] == ps.ids[1] and len(ps) == 2
+    user, asst = TINY_VOCAB.index("user"), TINY_VOCAB.index("assistant")
+    assert ps.ids == [[IM_START, user] + ids_of("hi") + [IM_END, IM_START, asst]] * 2  # both through the template
 
 
 def test_custom_keys_apply_to_sft_data(tmp_path):
