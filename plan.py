@@ -303,20 +303,21 @@ def weight_sync(actor, W, cb, off):
     tensors into the generation copy one at a time (copy_ casts in place). Each is gathered in its stored dtype
     (fp32; a LoRA base in the compute dtype) by DTensor.full_tensor: on one rank the shard itself, no copy; else
     the all-gather's output (W chunks of ceil(rows / W) rows) and, where W does not divide the rows, the shard
-    padded to a chunk. --offload_optimizer: the shard is first copied to the GPU (a worst rank's: a whole chunk).
-    A LoRA target then merges beside its gathered weight, three float32 (out, in) tensors at once (lora.merge:
-    W.float() and B @ A, then scale x it, then W.float() + that)."""
+    padded to a chunk. --offload_optimizer: the shard is first copied to the GPU as long as it is (a worst rank's: a
+    chunk, or a partial one, rows mod chunk, beside its padded chunk). A LoRA target then merges beside its gathered
+    weight, A and B (fp32), three float32 (out, in) at once (W.float() and B @ A, scale x it, W.float() + that)."""
     b, copied = (cb if actor.lora else 4), " + its shard copied from the CPU" if off else ""
-    chunk = lambda s: cdiv(s[0], W) * math.prod(s[1:])
-    gather = lambda s: b * chunk(s) * (off + (W + (s[0] % W > 0) if W > 1 else 0))
+    full = lambda s, b: b * (W * cdiv(s[0], W) if W > 1 else off * s[0]) * math.prod(s[1:])  # W padded chunks
+    extra = lambda s, c: c * (off or s[0] % W > 0) + off * (s[0] % c) if W > 1 else 0  # rows, beside: pad, copy
+    gather = lambda s: full(s, b) + b * extra(s, cdiv(s[0], W)) * math.prod(s[1:])
     shapes, dtype = {k: s for k, s in {**actor.root, **actor.block}.items() if ".lora_" not in k}, DTYPES[b]
     s = max(shapes.values(), key=gather)
     how = (f"gathered in {dtype} (all-gather output{' + padded chunk' if s[0] % W else ''}{copied})" if W > 1 else
            f"in {dtype}: on one rank its shard" + (", copied from the CPU" if off else ", read in place"))
     lines = [(f"the largest actor parameter {how}", gather(s))]
     for out, cols in [s for k, s in shapes.items() if k.removesuffix("weight") + "lora_A.weight" in actor.block]:
-        lines.append((f"merging the largest target ({out} x {cols}): its {dtype} weight + 3 fp32 copies",
-                      b * chunk((out, cols)) * (W if W > 1 else off) + 12 * out * cols))
+        lines.append((f"merging the largest target ({out} x {cols}): its {dtype} weight, A, B + 3 fp32 copies", full(
+            (out, cols), b) + full((actor.lora.rank, cols), 4) + full((out, actor.lora.rank), 4) + 12 * out * cols))
     return max(lines, key=lambda t: t[1])
 
 

@@ -12196,8 +12196,77 @@ def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group,
     label, planned = plan.weight_sync(pm, 1, 2, False)
     assert counter.peak == planned == (12 * c.intermediate_size * c.hidden_size if lc else 0), label
     # --offload_optimizer: lora.full_parameters copies the shard to the GPU first, the whole parameter as stored
-    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * c.intermediate_size * c.hidden_size if lc else
-                                                             4 * c.vocab_size * c.hidden_size)
+    # (a target's fp32 A (3, 45) and B (35, 3) too)
+    I, H = c.intermediate_size, c.hidden_size
+    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * I * H + 4 * 3 * (I + H) if lc else
+                                                             4 * c.vocab_size * H)
+
+
+WEIGHT_SYNC_CASES = dict(padded={}, divided=dict(vocab_size=100), lora=dict(vocab_size=20),
+                         lora_divided=dict(vocab_size=20, intermediate_size=46))
+
+
+def _weight_sync_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for key, over in WEIGHT_SYNC_CASES.items():
+            c = odd_config(attention_bias=False, mlp_bias=False, **over)
+            torch.manual_seed(0)
+            m = Transformer(c)
+            if key.startswith("lora"):
+                lora.add_adapters(m, lora.LoRAConfig(3, 16.0, 0.0, ("gate_proj", "up_proj", "down_proj")))
+            C.shard(m, init_device_mesh("cpu", (world,)), torch.bfloat16)
+            gen = Transformer(c).to(torch.bfloat16)
+            skip = {C.local(p).untyped_storage().data_ptr() for p in (*m.parameters(), *gen.parameters())}
+
+            def peak(f):  # the least of 3 runs: gloo's work objects may free a tensor a little late
+                counters = [LiveBytes(skip) for _ in range(3)]
+                for counter in counters:
+                    with counter:
+                        f()
+                return min(counter.peak for counter in counters)
+
+            # each parameter's gather alone, and with the shard copied first (--offload_optimizer on a GPU: the
+            # rank's local shard, as long as it is; a CPU mesh has nothing to copy it to)
+            gathers = [peak(lambda: p.detach().full_tensor()) + C.local(p).nbytes * off
+                       for p in m.parameters() for off in (0, 1)]
+            out[key] = dict(sync=peak(lambda: gen.copy_weights_from(m)), gathers=gathers[0::2],
+                            offloaded=gathers[1::2])
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_weight_sync_line_is_what_copy_weights_from_allocates_on_two_ranks(tmp_path):
+    # DTensor.full_tensor on 2 gloo ranks: the all-gather's output (2 chunks of ceil(rows / 2) rows), and on the
+    # rank whose shard is short the shard padded to a chunk; a LoRA target merges beside its gathered weight and its
+    # gathered A and B (fp32). The worst rank's peak of copy_weights_from is the line, with the largest parameter's
+    # rows (the vocabulary: 101, 100; LoRA: the MLP's 45, 46) odd and even. --offload_optimizer adds each rank's
+    # shard, copied to the GPU before its gather (the plan counted a whole chunk where the last rank's is shorter,
+    # and left the merge's A and B out)
+    mp.spawn(_weight_sync_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for key, over in WEIGHT_SYNC_CASES.items():
+        c = odd_config(attention_bias=False, mlp_bias=False, **over)
+        lc = key.startswith("lora") and lora.LoRAConfig(3, 16.0, 0.0, ("gate_proj", "up_proj", "down_proj"))
+        pm = plan.Model(c, lora=lc or None)
+        (label, planned), (_, offloaded) = (plan.weight_sync(pm, 2, 2, off) for off in (False, True))
+        sync = [g[key]["sync"] for g in got]
+        assert max(sync) == planned, (key, sync, label)
+        assert max(max(g[key]["gathers"]) for g in got) <= planned  # the sync's peak is one parameter's
+        assert max(max(g[key]["sync"], *g[key]["offloaded"]) for g in got) == offloaded, key
+        if key == "padded":  # rank 1 holds 50 of the vocabulary's 101 rows: padded to 51 beside the 102 gathered
+            assert sync == [4 * 102 * 35, 4 * 153 * 35] and offloaded == 4 * 203 * 35
+        if key == "divided":
+            assert sync == [4 * 100 * 35] * 2 and offloaded == 4 * 150 * 35
+        if key == "lora":  # (35, 45): 36 rows gathered in bf16, A (3, 45) as 4 rows and B (36, 3), in fp32
+            assert planned == 2 * 36 * 45 + 4 * (4 * 45 + 36 * 3) + 12 * 35 * 45
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
