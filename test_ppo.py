@@ -12174,6 +12174,81 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     assert sync_off[1] > sync_on[1] > 0 and "copied from the CPU" in sync_off[0]
 
 
+@pytest.mark.parametrize("kw", [{}, dict(lora_rank=4, kl_loss_coef=0.1), dict(lora_rank=4)])
+def test_offload_optimizer_h2d_is_what_a_step_copies(tiny_run, group, tmp_path, monkeypatch, kw):
+    # one step of ppo.main with --offload_optimizer forced on a CPU (FSDP2's CPUOffloadPolicy on the trained models):
+    # every all-gather input FSDP2 reads of an offloaded shard is a copy to the GPU (FSDPParam.all_gather_inputs:
+    # the padded shard, as stored, then cast to the compute dtype), counted per phase, and the weight sync copies
+    # each of the actor's shards once (lora.full_parameters; a CPU mesh has nothing to copy it to: counted as the
+    # shards it would copy). Against the report's host->device bytes, term by term: scoring's 3 micro-batches (8
+    # rows, 3 at a time: n_s rounded up) gather every block once per model forward (LoRA: the reference and the
+    # reward model are the actor and the critic with adapters off, gathered again) and the roots once; each of the 8
+    # training micro-batches the roots once, every block twice (forward, backward), and with LoRA's KL loss the
+    # actor's blocks a third time (the reference pass). No test read these bytes: only device->host and pinned memory
+    import collections
+    import dataclasses
+
+    import ppo
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+    from torch.distributed.tensor import DTensor
+
+    phase, copied, fetched, runs, built = ["rollout"], collections.Counter(), collections.Counter(), [], []
+    gather_inputs, derive, full_parameters = FSDPParam.all_gather_inputs.fget, ppo.derive, M.full_parameters
+    add_optimizers = C.add_optimizers
+
+    def all_gather_inputs(self):
+        out = gather_inputs(self)
+        if self.offload_to_cpu and self.sharded_state == ShardedState.SHARDED:
+            data = self._sharded_param_data
+            copied[phase[0]] += data.nbytes
+            cast = sum(t.nbytes for t in out if t.untyped_storage().data_ptr() != data.untyped_storage().data_ptr())
+            fetched[id(self._module_info.module)] += data.nbytes + cast  # summed over the step's gathers
+        return out
+
+    def in_phase(name, f):
+        def run(*args, **kwargs):
+            phase[0] = name
+            return f(*args, **kwargs)
+        return run
+
+    def forced(*args):
+        runs.append(dataclasses.replace(derive(*args), offload_optimizer=True))
+        return runs[-1]
+
+    def sync(model):
+        copied["weight sync"] += sum(C.local(p).nbytes for p in model.parameters() if isinstance(p, DTensor))
+        return full_parameters(model)
+
+    monkeypatch.setattr(FSDPParam, "all_gather_inputs", property(all_gather_inputs))
+    monkeypatch.setattr(ppo, "derive", forced)
+    monkeypatch.setattr(ppo, "score_batch", in_phase("scoring", ppo.score_batch))
+    monkeypatch.setattr(ppo, "update", in_phase("training", ppo.update))
+    monkeypatch.setattr(M, "full_parameters", sync)
+    monkeypatch.setattr(C, "add_optimizers", lambda *args: built.append(add_optimizers(*args)) or built[-1])
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)  # the module's group: kept
+    cfg = ppo.Config(**{**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "dtype": "bf16",
+                        "reward_model": make_reward_model(tmp_path / "rm"), "out_dir": str(tmp_path / "out"),
+                        "total_steps": 1, "inference_micro_batch_size": 3, **kw})
+    ppo.main(cfg)
+    p, f = plan.build(cfg, runs[0])
+    n_s, n_t, lora_kl = 3, 8, kw.get("kl_loss_coef", 0) > 0
+    assert (f["n_s"], f["n_t"], f["shared"]) == (n_s, n_t, "lora_rank" in kw)
+    blocks = {name: f[name].L * f[name].stored(f[name].block, 1, 2) for name in ("actor", "critic")}
+    roots = sum(f[name].stored(f[name].root, 1, 2) for name in ("actor", "critic"))
+    twice = 2 if kw else 1
+    assert copied["scoring"] == n_s * twice * (blocks["actor"] + blocks["critic"]) + roots
+    assert copied["training"] == n_t * (roots + 2 * (blocks["actor"] + blocks["critic"]) + lora_kl * blocks["actor"])
+    assert copied["weight sync"] == blocks["actor"] + f["actor"].stored(f["actor"].root, 1, 2)
+    assert set(copied) == {"scoring", "training", "weight sync"} and f["h2d"] == sum(copied.values())
+    # the fetched units' line: two blocks at once (one computing, one prefetched), each its shard copied and cast
+    for name in ("actor", "critic"):
+        lines = [b for _, _, moments in p.phases[1:] for _, terms in moments for label, b in terms
+                 if label == f"{name} blocks' shards copied from the CPU and cast (--offload_optimizer)"]
+        gathers = n_s * twice + 2 * n_t + (name == "actor") * lora_kl * n_t  # of each block, as counted above
+        unit = {sum(fetched[id(mod)] for mod in block.modules()) // gathers for block in built[0][name].model.layers}
+        assert len(lines) >= 2 and set(lines) == {2 * max(unit)} and len(unit) == 1, (name, lines, unit)
+
+
 @pytest.mark.parametrize("targets", [None, ("q_proj", "gate_proj", "up_proj", "down_proj")])
 def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group, targets):
     # FSDP2 on one rank: DTensor.full_tensor hands back the shard itself, so the sync allocates nothing but a LoRA
