@@ -14,6 +14,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import collections
 import contextlib
 import copy
 import decimal
@@ -11633,6 +11634,70 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("over, largest", [  # the largest moment in bf16 and in float32
+    ({}, ("MLP", "MLP")), (dict(num_key_value_heads=3), ("k's rope", "k's rope")),
+    (dict(qk_norm=True), ("q_norm", "MLP")),
+    (dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=8),
+     ("attention", "attention")),
+    (dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=8),
+     ("norm", "MLP"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_forward_bytes_are_an_eager_block_forward(monkeypatch, over, largest, dtype):
+    # one block's no-grad forward on the real tokens of full rows, as scoring runs it on a GPU (flex: q, k, v
+    # scattered to (B, T) rows and the output gathered back; the kernel's output allocated in q's layout, its own
+    # scratch left out), the block's input held by its caller: the most bytes live at once is block_forward_bytes,
+    # and in the compute dtype each moment's term is what is live inside it: q's and k's rope (k's beside q and q
+    # roped: larger with as many kv heads as heads), q_norm's float32 working set, the post-attention RMSNorm's (x
+    # + attention, a float32 copy and its square or normed value, rsqrt). The plan counted q's rope alone, no
+    # q_norm, no gathered copy of the output, no down_proj output beside the product (where H > 2 I), and the
+    # RMSNorm with a value in the compute dtype too many and no rsqrt (one of them 25% over a measured moment)
+    monkeypatch.setattr(M, "CPU_MATMUL", "mkl")  # as test_decode_graph_bytes_hold_an_eager_decode_step
+    monkeypatch.setattr(M, "attend", lambda q, k, v, mask, impl: torch.empty_like(q))
+    c = odd_config(attention_bias=False, mlp_bias=False, **over)
+    blk = M.Block(c).to(dtype)
+    B, T = 3, 8
+    real = M.RealTokens(torch.ones(B, T, dtype=torch.bool))
+    x = torch.randn(B * T, c.hidden_size, dtype=dtype)
+    cos, sin = (torch.randn(B * T, 1, c.head_dim, dtype=dtype) for _ in range(2))
+
+    class Moments(LiveBytes):  # the peak within each marked call, and over everything
+        where, peaks = ["other"], collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.peaks[self.where[-1]] = max(self.peaks[self.where[-1]], sum(n for _, n in self.live.values()))
+            return out
+
+    def marked(f, name):
+        def call(*args, **kwargs):
+            counter.where.append(name(*args))
+            try:
+                return f(*args, **kwargs)
+            finally:
+                counter.where.pop()
+        return call
+
+    names = {id(blk.post_attention_layernorm): "norm", id(blk.input_layernorm): "first norm",
+             **{id(getattr(blk.self_attn, n, None)): "q_norm" for n in ("q_norm", "k_norm")}}
+    monkeypatch.setattr(M, "apply_rope", marked(M.apply_rope, lambda *_: "rope"))
+    monkeypatch.setattr(M.RMSNorm, "forward", marked(M.RMSNorm.forward, lambda norm, _: names[id(norm)]))
+    counter = Moments({t.untyped_storage().data_ptr() for t in (*blk.parameters(), x, cos, sin, real.rows)})
+    with torch.no_grad(), counter:
+        blk(x, cos, sin, None, impl="flex", real=real)
+    N, cb, (H, I, q, kv, nh, _) = B * T, dtype.itemsize, plan._dims(c)
+    per_token = {k: (v + x.nbytes) / N for k, v in counter.peaks.items()}  # + the block's input
+    terms = dict(rope=cb * (2 * H + 2 * kv + 2 * q + max(2 * q, 3 * kv)), norm=8 * H + 2 * cb * H + 4,
+                 q_norm=cb * (2 * H + q + 2 * kv) + 8 * q + 4 * nh, attention=cb * (3 * H + 3 * q + 2 * kv),
+                 MLP=cb * (3 * H + max(3 * I, H + I)))  # down_proj's output beside the product: where H > 2 I
+    planned, largest = plan.block_forward_bytes(c, cb), {"k's rope": "rope"}.get(largest[cb // 4], largest[cb // 4])
+    assert planned == max(terms[k] for k in terms if k != "q_norm" or c.qk_norm) == terms[largest]
+    assert largest != "rope" or 3 * kv > 2 * q
+    assert (counter.peak + x.nbytes) / N == planned
+    if dtype == torch.bfloat16:
+        assert {k: per_token[k] for k in ("rope", "norm")} == {k: terms[k] for k in ("rope", "norm")}
+        assert per_token.get("q_norm", 0) == c.qk_norm * terms["q_norm"] and per_token["first norm"] < terms["norm"]
+
+
 @pytest.mark.parametrize("over", [{}, dict(intermediate_size=300, qk_norm=True),
                                   dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -12185,7 +12250,6 @@ def test_offload_optimizer_h2d_is_what_a_step_copies(tiny_run, group, tmp_path, 
     # reward model are the actor and the critic with adapters off, gathered again) and the roots once; each of the 8
     # training micro-batches the roots once, every block twice (forward, backward), and with LoRA's KL loss the
     # actor's blocks a third time (the reference pass). No test read these bytes: only device->host and pinned memory
-    import collections
     import dataclasses
 
     import ppo
