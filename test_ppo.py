@@ -12342,7 +12342,7 @@ def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group,
 
 
 WEIGHT_SYNC_CASES = dict(padded={}, divided=dict(vocab_size=100), lora=dict(vocab_size=20),
-                         lora_divided=dict(vocab_size=20, intermediate_size=46))
+                         lora_divided=dict(vocab_size=20, intermediate_size=46), by_padding=dict(vocab_size=46))
 
 
 def _weight_sync_worker(rank, world, init_file, out_dir):
@@ -12404,6 +12404,8 @@ def test_weight_sync_line_is_what_copy_weights_from_allocates_on_two_ranks(tmp_p
             assert sync == [4 * 102 * 35, 4 * 153 * 35] and offloaded == 4 * 203 * 35
         if key == "divided":
             assert sync == [4 * 100 * 35] * 2 and offloaded == 4 * 150 * 35
+        if key == "by_padding":  # the (46, 35) embedding has the most elements, down_proj's (35, 45) gather the most
+            assert sync == [4 * 36 * 45, 4 * 54 * 45]  # bytes: 36 rows, and on rank 1 its 17 padded to 18 beside them
         if key == "lora":  # (35, 45): 36 rows gathered in bf16, A (3, 45) as 4 rows and B (36, 3), in fp32
             assert planned == 2 * 36 * 45 + 4 * (4 * 45 + 36 * 3) + 12 * 35 * 45
 
