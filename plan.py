@@ -237,15 +237,19 @@ def block_grad_bytes(c, cb=2):
 
 
 def block_forward_bytes(c, cb=2):
-    """Live at once in one block's no-grad forward (eager; an estimate), per token: the block's input (its
-    caller holds it) and the largest of
-      q's rope         the normed input, k and v, q, x cos, the rotated half, its product with sin
-      attention out    the normed input, q, k, v, the output (o_proj reads it as a view) and o_proj's
-      MLP              x + attention, its norm, silu(gate), up and their product
-      an RMSNorm       its input, the float32 copy and the normed float32 value, the result
-    The final norm is one more RMSNorm; the heads after it hold less."""
-    H, I, q, kv, _, _ = _dims(c)
-    return max(cb * (2 * H + 2 * kv + 4 * q), cb * (3 * H + 2 * q + 2 * kv), cb * (3 * H + 3 * I), 8 * H + 3 * cb * H)
+    """Live at once in one block's no-grad forward (eager, padding-free), per token: the block's input (its caller
+    holds it) and the largest of (a test counts each moment's allocations)
+      q's rope         the normed input, k and v, q, x cos, the rotated half, its product with sin; k's rope
+                       instead: q and q roped beside k, v and k's three (larger where 3 kv > 2 q)
+      q_norm (Qwen3)   the normed input, q, k, v, over q a float32 copy, its square or normed value, rsqrt
+      attention out    the normed input, q, k, v scattered to rows, the output, its gather to the real tokens, o_proj's
+      MLP              x + attention, its norm, silu(gate), up and their product (or where H > 2 I, once down_proj
+                       has run, its output beside the product)
+      2nd RMSNorm      x + attention, a float32 copy, its square or normed value, rsqrt (the 1st, final: less)"""
+    H, I, q, kv, nh, _ = _dims(c)
+    rope, qk = cb * (2 * H + 2 * kv + 2 * q + max(2 * q, 3 * kv)), cb * (2 * H + q + 2 * kv) + 8 * q + 4 * nh
+    attention, mlp = cb * (3 * H + 3 * q + 2 * kv), cb * (3 * H + max(3 * I, H + I))
+    return max(rope, c.qk_norm * qk, attention, mlp, 8 * H + 2 * cb * H + 4)
 
 
 def kv_cache_bytes(c, rows, S, cb=2):
@@ -303,20 +307,21 @@ def weight_sync(actor, W, cb, off):
     tensors into the generation copy one at a time (copy_ casts in place). Each is gathered in its stored dtype
     (fp32; a LoRA base in the compute dtype) by DTensor.full_tensor: on one rank the shard itself, no copy; else
     the all-gather's output (W chunks of ceil(rows / W) rows) and, where W does not divide the rows, the shard
-    padded to a chunk. --offload_optimizer: the shard is first copied to the GPU (a worst rank's: a whole chunk).
-    A LoRA target then merges beside its gathered weight, three float32 (out, in) tensors at once (lora.merge:
-    W.float() and B @ A, then scale x it, then W.float() + that)."""
+    padded to a chunk. --offload_optimizer: the shard is first copied to the GPU as long as it is (a worst rank's: a
+    chunk, or a partial one, rows mod chunk, beside its padded chunk). A LoRA target then merges beside its gathered
+    weight, A and B (fp32), three float32 (out, in) at once (W.float() and B @ A, scale x it, W.float() + that)."""
     b, copied = (cb if actor.lora else 4), " + its shard copied from the CPU" if off else ""
-    chunk = lambda s: cdiv(s[0], W) * math.prod(s[1:])
-    gather = lambda s: b * chunk(s) * (off + (W + (s[0] % W > 0) if W > 1 else 0))
+    full = lambda s, b: b * (W * cdiv(s[0], W) if W > 1 else off * s[0]) * math.prod(s[1:])  # W padded chunks
+    extra = lambda s, c: c * (off or s[0] % W > 0) + off * (s[0] % c) if W > 1 else 0  # rows, beside: pad, copy
+    gather = lambda s: full(s, b) + b * extra(s, cdiv(s[0], W)) * math.prod(s[1:])
     shapes, dtype = {k: s for k, s in {**actor.root, **actor.block}.items() if ".lora_" not in k}, DTYPES[b]
     s = max(shapes.values(), key=gather)
     how = (f"gathered in {dtype} (all-gather output{' + padded chunk' if s[0] % W else ''}{copied})" if W > 1 else
            f"in {dtype}: on one rank its shard" + (", copied from the CPU" if off else ", read in place"))
     lines = [(f"the largest actor parameter {how}", gather(s))]
     for out, cols in [s for k, s in shapes.items() if k.removesuffix("weight") + "lora_A.weight" in actor.block]:
-        lines.append((f"merging the largest target ({out} x {cols}): its {dtype} weight + 3 fp32 copies",
-                      b * chunk((out, cols)) * (W if W > 1 else off) + 12 * out * cols))
+        lines.append((f"merging the largest target ({out} x {cols}): its {dtype} weight, A, B + 3 fp32 copies", full(
+            (out, cols), b) + full((actor.lora.rank, cols), 4) + full((out, actor.lora.rank), 4) + 12 * out * cols))
     return max(lines, key=lambda t: t[1])
 
 
@@ -420,14 +425,11 @@ def build(cfg, run):
     beside = [(f"--async_rollout, the next batch beside it: {label}", b)] if cfg.async_rollout else []
 
     # ---- scoring: per inference micro-batch, reference, actor (fused logprob + KL), critic, reward model
-    def gathered_root(m):
-        return cb * m.gathered(m.root, W)
+    gathered_root = lambda m: cb * m.gathered(m.root, W)
+    units_fwd = lambda m: 2 * cb * m.gathered(m.block, W)  # the unit being computed and the next one, prefetched
 
     def h2d(m):  # --offload_optimizer, 2 units: a shard copied to the GPU as stored, and cast to the compute dtype
         return 2 * (m.stored(m.block, W, cb) + cb * shard_numel(m.part(m.block, "trained"), W)) if off else 0
-
-    def units_fwd(m):  # the unit being computed and the next one, prefetched
-        return 2 * cb * m.gathered(m.block, W)
 
     def fetched(who, m):  # the offloaded units' copies, as a line where there are any
         return [(f"{who} blocks' shards copied from the CPU and cast (--offload_optimizer)", h2d(m))] if off else []
@@ -476,9 +478,8 @@ def build(cfg, run):
     def units_bwd(m):  # 2 blocks gathered, 1 block's grads in bf16 and its fp32 reduce-scatter input (LoRA: adapters')
         return 2 * cb * m.gathered(m.block, W) + (cb + 4) * m.gathered(m.part(m.block, "trained"), W)
 
-    def root_grads(m):  # in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
-        return cb * m.gathered(m.part(m.root, "trained"), W)
-
+    # the roots' gradients in the compute dtype, gathered: LoRA's frozen root has none but a critic's head
+    root_grads = lambda m: cb * m.gathered(m.part(m.root, "trained"), W)
     actor_saved = saved(actor) + saved_h + tok  # + the head's (B, T) boolean mask of response tokens
     lm_grad = 0 if lora else cb * V * H  # the fused head's dW: the LM head's (or the tied embedding's) gradient
     dw, tied = [("LM head gradient dW", lm_grad)] if lm_grad else [], lm_grad if c.tie_word_embeddings else 0

@@ -14,6 +14,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import collections
 import contextlib
 import copy
 import decimal
@@ -11654,6 +11655,70 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("over, largest", [  # the largest moment in bf16 and in float32
+    ({}, ("MLP", "MLP")), (dict(num_key_value_heads=3), ("k's rope", "k's rope")),
+    (dict(qk_norm=True), ("q_norm", "MLP")),
+    (dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=8),
+     ("attention", "attention")),
+    (dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=8),
+     ("norm", "MLP"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_forward_bytes_are_an_eager_block_forward(monkeypatch, over, largest, dtype):
+    # one block's no-grad forward on the real tokens of full rows, as scoring runs it on a GPU (flex: q, k, v
+    # scattered to (B, T) rows and the output gathered back; the kernel's output allocated in q's layout, its own
+    # scratch left out), the block's input held by its caller: the most bytes live at once is block_forward_bytes,
+    # and in the compute dtype each moment's term is what is live inside it: q's and k's rope (k's beside q and q
+    # roped: larger with as many kv heads as heads), q_norm's float32 working set, the post-attention RMSNorm's (x
+    # + attention, a float32 copy and its square or normed value, rsqrt). The plan counted q's rope alone, no
+    # q_norm, no gathered copy of the output, no down_proj output beside the product (where H > 2 I), and the
+    # RMSNorm with a value in the compute dtype too many and no rsqrt (one of them 25% over a measured moment)
+    monkeypatch.setattr(M, "CPU_MATMUL", "mkl")  # as test_decode_graph_bytes_hold_an_eager_decode_step
+    monkeypatch.setattr(M, "attend", lambda q, k, v, mask, impl: torch.empty_like(q))
+    c = odd_config(attention_bias=False, mlp_bias=False, **over)
+    blk = M.Block(c).to(dtype)
+    B, T = 3, 8
+    real = M.RealTokens(torch.ones(B, T, dtype=torch.bool))
+    x = torch.randn(B * T, c.hidden_size, dtype=dtype)
+    cos, sin = (torch.randn(B * T, 1, c.head_dim, dtype=dtype) for _ in range(2))
+
+    class Moments(LiveBytes):  # the peak within each marked call, and over everything
+        where, peaks = ["other"], collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.peaks[self.where[-1]] = max(self.peaks[self.where[-1]], sum(n for _, n in self.live.values()))
+            return out
+
+    def marked(f, name):
+        def call(*args, **kwargs):
+            counter.where.append(name(*args))
+            try:
+                return f(*args, **kwargs)
+            finally:
+                counter.where.pop()
+        return call
+
+    names = {id(blk.post_attention_layernorm): "norm", id(blk.input_layernorm): "first norm",
+             **{id(getattr(blk.self_attn, n, None)): "q_norm" for n in ("q_norm", "k_norm")}}
+    monkeypatch.setattr(M, "apply_rope", marked(M.apply_rope, lambda *_: "rope"))
+    monkeypatch.setattr(M.RMSNorm, "forward", marked(M.RMSNorm.forward, lambda norm, _: names[id(norm)]))
+    counter = Moments({t.untyped_storage().data_ptr() for t in (*blk.parameters(), x, cos, sin, real.rows)})
+    with torch.no_grad(), counter:
+        blk(x, cos, sin, None, impl="flex", real=real)
+    N, cb, (H, I, q, kv, nh, _) = B * T, dtype.itemsize, plan._dims(c)
+    per_token = {k: (v + x.nbytes) / N for k, v in counter.peaks.items()}  # + the block's input
+    terms = dict(rope=cb * (2 * H + 2 * kv + 2 * q + max(2 * q, 3 * kv)), norm=8 * H + 2 * cb * H + 4,
+                 q_norm=cb * (2 * H + q + 2 * kv) + 8 * q + 4 * nh, attention=cb * (3 * H + 3 * q + 2 * kv),
+                 MLP=cb * (3 * H + max(3 * I, H + I)))  # down_proj's output beside the product: where H > 2 I
+    planned, largest = plan.block_forward_bytes(c, cb), {"k's rope": "rope"}.get(largest[cb // 4], largest[cb // 4])
+    assert planned == max(terms[k] for k in terms if k != "q_norm" or c.qk_norm) == terms[largest]
+    assert largest != "rope" or 3 * kv > 2 * q
+    assert (counter.peak + x.nbytes) / N == planned
+    if dtype == torch.bfloat16:
+        assert {k: per_token[k] for k in ("rope", "norm")} == {k: terms[k] for k in ("rope", "norm")}
+        assert per_token.get("q_norm", 0) == c.qk_norm * terms["q_norm"] and per_token["first norm"] < terms["norm"]
+
+
 @pytest.mark.parametrize("over", [{}, dict(intermediate_size=300, qk_norm=True),
                                   dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -12195,6 +12260,80 @@ def test_offload_optimizer_lines(tmp_path, W, kw):
     assert sync_off[1] > sync_on[1] > 0 and "copied from the CPU" in sync_off[0]
 
 
+@pytest.mark.parametrize("kw", [{}, dict(lora_rank=4, kl_loss_coef=0.1), dict(lora_rank=4)])
+def test_offload_optimizer_h2d_is_what_a_step_copies(tiny_run, group, tmp_path, monkeypatch, kw):
+    # one step of ppo.main with --offload_optimizer forced on a CPU (FSDP2's CPUOffloadPolicy on the trained models):
+    # every all-gather input FSDP2 reads of an offloaded shard is a copy to the GPU (FSDPParam.all_gather_inputs:
+    # the padded shard, as stored, then cast to the compute dtype), counted per phase, and the weight sync copies
+    # each of the actor's shards once (lora.full_parameters; a CPU mesh has nothing to copy it to: counted as the
+    # shards it would copy). Against the report's host->device bytes, term by term: scoring's 3 micro-batches (8
+    # rows, 3 at a time: n_s rounded up) gather every block once per model forward (LoRA: the reference and the
+    # reward model are the actor and the critic with adapters off, gathered again) and the roots once; each of the 8
+    # training micro-batches the roots once, every block twice (forward, backward), and with LoRA's KL loss the
+    # actor's blocks a third time (the reference pass). No test read these bytes: only device->host and pinned memory
+    import dataclasses
+
+    import ppo
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+    from torch.distributed.tensor import DTensor
+
+    phase, copied, fetched, runs, built = ["rollout"], collections.Counter(), collections.Counter(), [], []
+    gather_inputs, derive, full_parameters = FSDPParam.all_gather_inputs.fget, ppo.derive, M.full_parameters
+    add_optimizers = C.add_optimizers
+
+    def all_gather_inputs(self):
+        out = gather_inputs(self)
+        if self.offload_to_cpu and self.sharded_state == ShardedState.SHARDED:
+            data = self._sharded_param_data
+            copied[phase[0]] += data.nbytes
+            cast = sum(t.nbytes for t in out if t.untyped_storage().data_ptr() != data.untyped_storage().data_ptr())
+            fetched[id(self._module_info.module)] += data.nbytes + cast  # summed over the step's gathers
+        return out
+
+    def in_phase(name, f):
+        def run(*args, **kwargs):
+            phase[0] = name
+            return f(*args, **kwargs)
+        return run
+
+    def forced(*args):
+        runs.append(dataclasses.replace(derive(*args), offload_optimizer=True))
+        return runs[-1]
+
+    def sync(model):
+        copied["weight sync"] += sum(C.local(p).nbytes for p in model.parameters() if isinstance(p, DTensor))
+        return full_parameters(model)
+
+    monkeypatch.setattr(FSDPParam, "all_gather_inputs", property(all_gather_inputs))
+    monkeypatch.setattr(ppo, "derive", forced)
+    monkeypatch.setattr(ppo, "score_batch", in_phase("scoring", ppo.score_batch))
+    monkeypatch.setattr(ppo, "update", in_phase("training", ppo.update))
+    monkeypatch.setattr(M, "full_parameters", sync)
+    monkeypatch.setattr(C, "add_optimizers", lambda *args: built.append(add_optimizers(*args)) or built[-1])
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)  # the module's group: kept
+    cfg = ppo.Config(**{**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "dtype": "bf16",
+                        "reward_model": make_reward_model(tmp_path / "rm"), "out_dir": str(tmp_path / "out"),
+                        "total_steps": 1, "inference_micro_batch_size": 3, **kw})
+    ppo.main(cfg)
+    p, f = plan.build(cfg, runs[0])
+    n_s, n_t, lora_kl = 3, 8, kw.get("kl_loss_coef", 0) > 0
+    assert (f["n_s"], f["n_t"], f["shared"]) == (n_s, n_t, "lora_rank" in kw)
+    blocks = {name: f[name].L * f[name].stored(f[name].block, 1, 2) for name in ("actor", "critic")}
+    roots = sum(f[name].stored(f[name].root, 1, 2) for name in ("actor", "critic"))
+    twice = 2 if kw else 1
+    assert copied["scoring"] == n_s * twice * (blocks["actor"] + blocks["critic"]) + roots
+    assert copied["training"] == n_t * (roots + 2 * (blocks["actor"] + blocks["critic"]) + lora_kl * blocks["actor"])
+    assert copied["weight sync"] == blocks["actor"] + f["actor"].stored(f["actor"].root, 1, 2)
+    assert set(copied) == {"scoring", "training", "weight sync"} and f["h2d"] == sum(copied.values())
+    # the fetched units' line: two blocks at once (one computing, one prefetched), each its shard copied and cast
+    for name in ("actor", "critic"):
+        lines = [b for _, _, moments in p.phases[1:] for _, terms in moments for label, b in terms
+                 if label == f"{name} blocks' shards copied from the CPU and cast (--offload_optimizer)"]
+        gathers = n_s * twice + 2 * n_t + (name == "actor") * lora_kl * n_t  # of each block, as counted above
+        unit = {sum(fetched[id(mod)] for mod in block.modules()) // gathers for block in built[0][name].model.layers}
+        assert len(lines) >= 2 and set(lines) == {2 * max(unit)} and len(unit) == 1, (name, lines, unit)
+
+
 @pytest.mark.parametrize("targets", [None, ("q_proj", "gate_proj", "up_proj", "down_proj")])
 def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group, targets):
     # FSDP2 on one rank: DTensor.full_tensor hands back the shard itself, so the sync allocates nothing but a LoRA
@@ -12217,8 +12356,79 @@ def test_weight_sync_line_is_what_copy_weights_from_allocates_on_one_rank(group,
     label, planned = plan.weight_sync(pm, 1, 2, False)
     assert counter.peak == planned == (12 * c.intermediate_size * c.hidden_size if lc else 0), label
     # --offload_optimizer: lora.full_parameters copies the shard to the GPU first, the whole parameter as stored
-    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * c.intermediate_size * c.hidden_size if lc else
-                                                             4 * c.vocab_size * c.hidden_size)
+    # (a target's fp32 A (3, 45) and B (35, 3) too)
+    I, H = c.intermediate_size, c.hidden_size
+    assert plan.weight_sync(pm, 1, 2, True)[1] - planned == (2 * I * H + 4 * 3 * (I + H) if lc else
+                                                             4 * c.vocab_size * H)
+
+
+WEIGHT_SYNC_CASES = dict(padded={}, divided=dict(vocab_size=100), lora=dict(vocab_size=20),
+                         lora_divided=dict(vocab_size=20, intermediate_size=46), by_padding=dict(vocab_size=46))
+
+
+def _weight_sync_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for key, over in WEIGHT_SYNC_CASES.items():
+            c = odd_config(attention_bias=False, mlp_bias=False, **over)
+            torch.manual_seed(0)
+            m = Transformer(c)
+            if key.startswith("lora"):
+                lora.add_adapters(m, lora.LoRAConfig(3, 16.0, 0.0, ("gate_proj", "up_proj", "down_proj")))
+            C.shard(m, init_device_mesh("cpu", (world,)), torch.bfloat16)
+            gen = Transformer(c).to(torch.bfloat16)
+            skip = {C.local(p).untyped_storage().data_ptr() for p in (*m.parameters(), *gen.parameters())}
+
+            def peak(f):  # the least of 3 runs: gloo's work objects may free a tensor a little late
+                counters = [LiveBytes(skip) for _ in range(3)]
+                for counter in counters:
+                    with counter:
+                        f()
+                return min(counter.peak for counter in counters)
+
+            # each parameter's gather alone, and with the shard copied first (--offload_optimizer on a GPU: the
+            # rank's local shard, as long as it is; a CPU mesh has nothing to copy it to)
+            gathers = [peak(lambda: p.detach().full_tensor()) + C.local(p).nbytes * off
+                       for p in m.parameters() for off in (0, 1)]
+            out[key] = dict(sync=peak(lambda: gen.copy_weights_from(m)), gathers=gathers[0::2],
+                            offloaded=gathers[1::2])
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as ppo.py does: past destroy_process_group, gloo's teardown at exit can abort under load
+
+
+def test_weight_sync_line_is_what_copy_weights_from_allocates_on_two_ranks(tmp_path):
+    # DTensor.full_tensor on 2 gloo ranks: the all-gather's output (2 chunks of ceil(rows / 2) rows), and on the
+    # rank whose shard is short the shard padded to a chunk; a LoRA target merges beside its gathered weight and its
+    # gathered A and B (fp32). The worst rank's peak of copy_weights_from is the line, with the largest parameter's
+    # rows (the vocabulary: 101, 100; LoRA: the MLP's 45, 46) odd and even. --offload_optimizer adds each rank's
+    # shard, copied to the GPU before its gather (the plan counted a whole chunk where the last rank's is shorter,
+    # and left the merge's A and B out)
+    mp.spawn(_weight_sync_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for key, over in WEIGHT_SYNC_CASES.items():
+        c = odd_config(attention_bias=False, mlp_bias=False, **over)
+        lc = key.startswith("lora") and lora.LoRAConfig(3, 16.0, 0.0, ("gate_proj", "up_proj", "down_proj"))
+        pm = plan.Model(c, lora=lc or None)
+        (label, planned), (_, offloaded) = (plan.weight_sync(pm, 2, 2, off) for off in (False, True))
+        sync = [g[key]["sync"] for g in got]
+        assert max(sync) == planned, (key, sync, label)
+        assert max(max(g[key]["gathers"]) for g in got) <= planned  # the sync's peak is one parameter's
+        assert max(max(g[key]["sync"], *g[key]["offloaded"]) for g in got) == offloaded, key
+        if key == "padded":  # rank 1 holds 50 of the vocabulary's 101 rows: padded to 51 beside the 102 gathered
+            assert sync == [4 * 102 * 35, 4 * 153 * 35] and offloaded == 4 * 203 * 35
+        if key == "divided":
+            assert sync == [4 * 100 * 35] * 2 and offloaded == 4 * 150 * 35
+        if key == "by_padding":  # the (46, 35) embedding has the most elements, down_proj's (35, 45) gather the most
+            assert sync == [4 * 36 * 45, 4 * 54 * 45]  # bytes: 36 rows, and on rank 1 its 17 padded to 18 beside them
+        if key == "lora":  # (35, 45): 36 rows gathered in bf16, A (3, 45) as 4 rows and B (36, 3), in fp32
+            assert planned == 2 * 36 * 45 + 4 * (4 * 45 + 36 * 3) + 12 * 35 * 45
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("two-rank-grads", "two-rank-export",
