@@ -11375,6 +11375,12 @@ def test_model_flops_match_torchs_count():
     critic = dict(cfg, vocab_size=1)
     assert bench.ppo_train_flops(cfg, critic, lens, 5) == 3 * (bench.model_flops(cfg, lens, 5)
                                                              + bench.model_flops(critic, lens, sum(lens)))
+    # a config.json without head_dim (Qwen2.5's): hidden / heads, not hidden / key-value heads
+    plain = dict(cfg, head_dim=None, hidden_size=96)  # 96 / 6 = 16 as above; 96 / 2 = 48
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**plain, attn_implementation="eager"))
+    with FlopCounterMode(display=False) as fwd:
+        model(torch.randint(0, 101, (1, 9)))
+    assert fwd.get_total_flops() == bench.model_flops({k: v for k, v in plain.items() if v}, [9], 9, causal=False)
 
 
 def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
@@ -11446,6 +11452,19 @@ def test_cpu_phases_counts_matmuls():
     # the flash backward (grad_out, q, k, v, ...) recomputes QK^T: 10 B H L S E, S the keys' length (not the queries')
     shapes = [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8)]
     assert bench._matmul_flops("_scaled_dot_product_flash_attention_for_cpu_backward", shapes) == 10 * 2 * 4 * 16 * 20 * 8
+    # batched products (B, n, k) @ (B, k, m): 2 B n k m; oneDNN's linear (model.onednn_linear) x (..., in) by weight
+    # (out, in): 2 x's numel out, whichever way the weight is laid out (its backward passes weight.T)
+    a, b, w = torch.randn(3, 5, 7), torch.randn(3, 7, 11), torch.randn(13, 7)
+    log = bench._MatmulLog()
+    with log:
+        log.phase = "bmm"
+        torch.bmm(a, b), torch.baddbmm(torch.randn(3, 5, 11), a, b)
+        if torch.backends.mkldnn.is_available():
+            log.phase = "onednn"
+            M.onednn_linear(a, w), M.onednn_linear(torch.randn(3, 5, 13), w.T)
+    assert log.flops()["bmm"] == 2 * (2 * 3 * 5 * 7 * 11)
+    if torch.backends.mkldnn.is_available():
+        assert log.flops()["onednn"] == 2 * 3 * 5 * 7 * 13 + 2 * 3 * 5 * 13 * 7
 
 
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
