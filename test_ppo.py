@@ -11509,6 +11509,13 @@ def test_phase_peaks_cuts_the_trace_at_the_marks_and_names_the_owners():
     assert got[2][3] == {"model.py:20 head": [85, 3], "outside this repository": [10, 1]}
     with pytest.raises(ValueError, match="4 phase marks, 5 phases ended"):
         bench.phase_peaks(trace[:-1], [None, "rollout", "score", None, "rollout"], repo=REPO)
+    # a phase that only frees peaks at what was live as it began, held by those blocks; a frame of a package
+    # installed inside the repository (a virtual environment there) is not the repository's
+    venv = dict(filename=os.path.join(REPO, ".venv/lib/site-packages/torch/nn/functional.py"), line=1, name="linear")
+    owners = {"model.py:40 mlp < functional.py linear": [100, 1]}
+    trace = [mark, alloc(1, 100, venv, here(40, "mlp")), mark, free(1), mark]
+    got = bench.phase_peaks(trace, [None, "rollout", "score"], repo=REPO)
+    assert got == [(1, "rollout", 100, owners), (1, "score", 100, owners)]
 
 
 @slow
