@@ -902,7 +902,8 @@ def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), ro
 
 
 def _bytes_touched(fn):
-    """(ops, bytes) that fn's aten ops read and write: every tensor argument and result, counted once per op."""
+    """(ops, bytes) that fn's aten ops read and write: every tensor argument and result, counted once per op (an
+    in-place op's tensor twice: read and written); a view (unsqueeze, expand) moves no bytes."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -912,8 +913,9 @@ def _bytes_touched(fn):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
-            Count.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                                if isinstance(t, torch.Tensor))
+            if not func.is_view:
+                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                    if isinstance(t, torch.Tensor))
             return out
 
     with Count():

@@ -11397,6 +11397,18 @@ def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
         assert bench._decode_weight_bytes(model) == 2 * (total - (0 if tied else 101 * 32))
 
 
+def test_bytes_touched_counts_reads_and_writes_not_views():
+    # bench.py sampler's "eager MB touched": each op's tensors, an in-place op's read and written, a view none
+    import bench
+
+    x = torch.randn(5, 7)  # 140 bytes
+
+    def fn():
+        y = x.unsqueeze(0) * 2  # a view, then 140 read and 140 written
+        y.add_(x[0])  # a view (select), then y read and written, the row of 28 bytes read
+    assert bench._bytes_touched(fn) == (4, 2 * 140 + 2 * 140 + 28)
+
+
 def test_profile_update_profiles_the_nth_call_only(monkeypatch, capsys):
     # bench.py real_shapes --profile_update=n (the GPU runbook's profile stage): the run's nth ppo.update runs under
     # torch.profiler and its table is printed; the others run as they are; ppo.update is restored after
