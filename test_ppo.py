@@ -11397,6 +11397,25 @@ def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
         assert bench._decode_weight_bytes(model) == 2 * (total - (0 if tied else 101 * 32))
 
 
+def test_bandwidths_and_gemm_rate_count_their_bytes_and_flops(monkeypatch):
+    # the roofs' rates at a fixed time of 0.5 s a call: the copy of nbytes reads and writes them (2 x nbytes, the
+    # copy's two tensors nbytes each), the read of an nbytes matrix reads it once, the GEMM of n^3 does 2 n^3 FLOPs
+    import bench
+
+    sizes = []
+
+    def timed(fn, device):  # the tensors the timed call reads (its closure's), by their bytes
+        sizes.append(sorted(c.cell_contents.numel() * c.cell_contents.element_size() for c in fn.__closure__
+                            if torch.is_tensor(c.cell_contents)))
+        return 0.5, fn()
+
+    monkeypatch.setattr(bench, "_timed", timed)
+    cpu, nbytes = torch.device("cpu"), 3 << 16  # 12 rows of 4096 float32
+    assert bench._copy_bandwidth(cpu, nbytes) == 2 * nbytes / 0.5 and sizes[-1] == [nbytes, nbytes]
+    assert bench._read_bandwidth(cpu, nbytes) == nbytes / 0.5 and max(sizes[-1]) == nbytes
+    assert bench._gemm_rate(torch.bfloat16, n=48) == 2 * 48**3 / 0.5 and sizes[-1] == [48 * 48 * 2] * 2
+
+
 def test_bytes_touched_counts_reads_and_writes_not_views():
     # bench.py sampler's "eager MB touched": each op's tensors, an in-place op's read and written, a view none
     import bench
