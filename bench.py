@@ -1015,6 +1015,15 @@ def _decode_weight_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters()) - untied
 
 
+def _kv_bytes(model, prompt_lens, new_tokens):
+    """Bytes of KV cache a decode step reads, on average over a run of new_tokens: every layer's keys and values
+    (the cache's dtype, the model's) in a row's filled slots. Decode step j = 1 .. new_tokens - 1 reads P + j slots
+    of a row of P prompt tokens: P + new_tokens / 2 on average."""
+    cfg, dtype = model.config, model.lm_head_weight.dtype  # as rollout.generate allocates the cache
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    return (sum(prompt_lens) + len(prompt_lens) * new_tokens / 2) * per_slot
+
+
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
     eager with each of model.CPU_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
@@ -1026,12 +1035,10 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     import model as M
 
     device = model.lm_head_weight.device
-    cfg = model.config
     head = model.lm_head_weight
     w_bytes = _decode_weight_bytes(model)
     if device.type == "cpu":  # the decode reads rollout.head_weight's float32 copy of the head (tied or not)
         w_bytes += head.numel() * (rollout.head_weight(model).element_size() - head.element_size())
-    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
     picked = M.cpu_matmul()
@@ -1084,7 +1091,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
         # token is the prefill and one sample, eager either way
         timed = "ours+compile" if compile and device.type == "cuda" else rollouts
         decode = B * (new_tokens - 1) / (best[timed] - best.pop("ours, 1 token"))
-        kv_bytes = B * (sum(len(p) for p in batch) / B + new_tokens / 2) * kv_per_slot  # filled slots, on average
+        kv_bytes = _kv_bytes(model, [len(p) for p in batch], new_tokens)
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}
         differ = (outs[rollouts] != outs["transformers"])[:, P:]  # (B, new_tokens)
@@ -1225,7 +1232,6 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     model.eval()
     w_bytes = _decode_weight_bytes(model)
     bw = _copy_bandwidth(device, min(2 << 30, 4 * w_bytes))
-    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
     print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: prompts of {prompt_len // 2}-{prompt_len} "
           f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights read a step {w_bytes / 1e9:.2f} GB, copy bandwidth "
           f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
@@ -1235,7 +1241,7 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     for batch in batches:
         lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-        kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
+        kv_bytes = _kv_bytes(model, lens, new_tokens)
         roof_tps = batch / ((w_bytes + kv_bytes) / bw)
         engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
         if compile:

@@ -11397,6 +11397,27 @@ def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
         assert bench._decode_weight_bytes(model) == 2 * (total - (0 if tied else 101 * 32))
 
 
+def test_decode_roof_reads_the_kv_cache_filled_so_far():
+    # the roof's KV bytes a decode step: per slot the caches generate() allocates (every layer's keys and values, the
+    # model's dtype, GQA's heads), times the slots filled as decode step j = 1 .. n - 1 reads them (P + j a row)
+    import bench
+
+    cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=101)
+    model = Transformer(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    lens, n, caches, setup = [3, 7], 5, [], model.setup_kv_cache
+
+    def record(*args, **kwargs):  # the caches, which generate() drops at its end
+        setup(*args, **kwargs)
+        caches.extend(blk.self_attn.kv_cache for blk in model.model.layers)
+    model.setup_kv_cache = record
+    generate(model, [list(range(1, P + 1)) for P in lens], n, temperature=0, compile=False)
+    B, _, S, _ = caches[0].k.shape
+    per_slot = sum(c.k.nbytes + c.v.nbytes for c in caches) / (B * S)
+    assert per_slot == 2 * 3 * 2 * 16 * 2
+    assert bench._kv_bytes(model, lens, n) == per_slot * sum(P + j for P in lens for j in range(1, n)) / (n - 1)
+
+
 def test_bandwidths_and_gemm_rate_count_their_bytes_and_flops(monkeypatch):
     # the roofs' rates at a fixed time of 0.5 s a call: the copy of nbytes reads and writes them (2 x nbytes, the
     # copy's two tensors nbytes each), the read of an nbytes matrix reads it once, the GEMM of n^3 does 2 n^3 FLOPs
