@@ -1505,8 +1505,8 @@ def random_checkpoints(folder, shape, seed=0):
 
 
 def word_prompts(path, n, length, seed=0):
-    """n prompts of length - 1 tokens: length // 2 random two-letter words (one token each) and the spaces
-    between them (one token each), one JSON line each."""
+    """n prompts of length - 1 tokens (an odd length: length - 2): length // 2 random two-letter words (one token
+    each in random_checkpoints' tokenizer) and the spaces between them (one token each), one JSON line each."""
     g = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -1624,7 +1624,7 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
               f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
               f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}"
               + (", rollouts drawn a step ahead (--async_rollout)" if async_rollout else ""))
-        P, shape_cfg = max_prompt_len - 1, SHAPES[shape]  # word_prompts' length; the critic has the policy's shape
+        P, shape_cfg = max_prompt_len // 2 * 2 - 1, SHAPES[shape]  # word_prompts'; the critic has the policy's shape
 
         def train_flops(m):  # every response taken at the step's mean length: exact but for attention's T^2 term
             R = m["val/response_length"]

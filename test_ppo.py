@@ -11519,6 +11519,19 @@ def test_cpu_phases_counts_matmuls():
         assert log.flops()["onednn"] == 2 * 3 * 5 * 7 * 13 + 2 * 3 * 5 * 13 * 7
 
 
+def test_word_prompts_are_length_minus_one_tokens_of_random_checkpoints_tokenizer(tmp_path):
+    # real_shapes' MFU takes every prompt as max_prompt_len - 1 tokens: word_prompts' two-letter words and spaces,
+    # one token each in random_checkpoints' tokenizer, as ppo tokenizes them (no chat template, no special token)
+    import bench
+    import data
+
+    policy, _ = bench.random_checkpoints(str(tmp_path), "tiny")
+    tok = transformers.AutoTokenizer.from_pretrained(policy)
+    for length in (2, 10, 11):
+        rows = [json.loads(line)["prompt"] for line in open(bench.word_prompts(tmp_path / "p.jsonl", 4, length))]
+        assert len(set(rows)) == 4 and [len(ids) for ids in data._tokenize(tok, rows)] == [length // 2 * 2 - 1] * 4
+
+
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     # the GPU runbook's `bench.py memory_vs_plan OUT_DIR` (the smoke and lora stages) rebuilds the Config from the
     # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256), and tabulates the
