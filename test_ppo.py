@@ -11532,6 +11532,42 @@ def test_word_prompts_are_length_minus_one_tokens_of_random_checkpoints_tokenize
         assert len(set(rows)) == 4 and [len(ids) for ids in data._tokenize(tok, rows)] == [length // 2 * 2 - 1] * 4
 
 
+def test_padded_micro_batches_are_consecutive_full_width_rows():
+    # bench.py's padded variant (vs_commit, async_rollout): the rows in order, `size` at a time, every column kept;
+    # slots and pad count the whole width
+    import bench
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    batch = dict(tokens=torch.arange(25).view(5, 5), attention_mask=mask, P=3, kl_coef=torch.tensor(0.5),
+                 rewards=torch.arange(10.0).view(5, 2))
+    rows = torch.tensor([4, 0, 2, 1, 3])
+    got = list(bench.padded_micro_batches(batch, rows, 2))
+    assert [r.tolist() for r, _ in got] == [[4, 0], [2, 1], [3]]
+    for r, mb in got:
+        assert torch.equal(mb["tokens"], batch["tokens"][r]) and torch.equal(mb["rewards"], batch["rewards"][r])
+        assert mb["P"] == 3 and mb["kl_coef"] is batch["kl_coef"]
+        assert mb["slots"] == 5 * len(r) and mb["pad"] == 5 * len(r) - int(mask[r].sum())
+    assert [mb["pad"] for _, mb in got] == [3, 3, 3]
+
+
+def test_step_table_rows_give_the_training_rate_per_gpu(capsys):
+    # real_shapes' and memory_vs_plan's rows: train TFLOP/s = train_flops(metrics) / time/train / GPUs; "-" where
+    # there is no rate (no FLOP count, or no training time) or no peak
+    import bench
+
+    table = object.__new__(bench.StepTable)  # no plan: the row's arithmetic alone
+    table.rows, table.gpus, table.train_flops = [], 4, lambda m: 6e15 * m["step"]
+    m = {"step": 2, "time/rollout": 1.0, "time/score": 2.0, "time/train": 50.0, "time/step": 53.0,
+         "time/tokens_per_sec": 100.0, "val/response_length": 7.0, "val/sampler_logprob_diff": 0.0,
+         "perf/padding_frac": 0.25, "mem/train_peak_gib": 1.5, "time/rollout_overlap": 0.5}
+    table.row(m)
+    assert "| 0.250 | 60.0 | - / - / 1.50 | 0.5 |" in capsys.readouterr().out  # 12e15 / 50 s / 4 GPUs
+    table.row(dict(m, **{"time/train": 0.0, "time/rollout_overlap": None}))
+    table.train_flops = None
+    table.row(m)
+    assert capsys.readouterr().out.count("| 0.250 | - | - / - / 1.50 | ") == 2 and table.rows[0] is m
+
+
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     # the GPU runbook's `bench.py memory_vs_plan OUT_DIR` (the smoke and lora stages) rebuilds the Config from the
     # newest checkpoint's config.json, which holds more than the Config's fields (input_sha256), and tabulates the
