@@ -11550,6 +11550,21 @@ def test_padded_micro_batches_are_consecutive_full_width_rows():
     assert [mb["pad"] for _, mb in got] == [3, 3, 3]
 
 
+def test_ragged_prompts_alternate_short_and_long_requests(tmp_path):
+    # the ragged workload: short-answer questions at even lines, open-ended requests at odd ones, every template
+    # of each kind within 12 lines (and one without a field, the same words every 12 lines)
+    import re
+
+    import bench
+
+    rows = [json.loads(line)["prompt"] for line in open(bench.ragged_prompts(tmp_path / "r.jsonl", 25))]
+    assert len(rows) == 25 and len(set(rows[:12])) == 12
+    for kind, templates in ((0, bench.SHORT), (1, bench.LONG)):
+        patterns = [re.sub(r"\\\{\w\\\}", ".+", re.escape(t)) for t in templates]
+        used = [next(i for i, p in enumerate(patterns) if re.fullmatch(p, r)) for r in rows[kind::2]]
+        assert sorted(used[:6]) == list(range(6))
+
+
 def test_step_table_rows_give_the_training_rate_per_gpu(capsys):
     # real_shapes' and memory_vs_plan's rows: train TFLOP/s = train_flops(metrics) / time/train / GPUs; "-" where
     # there is no rate (no FLOP count, or no training time) or no peak
