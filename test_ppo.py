@@ -11514,7 +11514,10 @@ def test_cpu_phases_counts_matmuls():
         if torch.backends.mkldnn.is_available():
             log.phase = "onednn"
             M.onednn_linear(a, w), M.onednn_linear(torch.randn(3, 5, 13), w.T)
-    assert log.flops()["bmm"] == 2 * (2 * 3 * 5 * 7 * 11)
+    with log:
+        log.phase = "mv"
+        torch.mv(w, a[0, 0]), torch.addmv(torch.randn(13), w, a[0, 0])  # (13, 7) @ (7,): 2 x 13 x 7
+    assert log.flops()["bmm"] == 2 * (2 * 3 * 5 * 7 * 11) and log.flops()["mv"] == 2 * (2 * 13 * 7)
     if torch.backends.mkldnn.is_available():
         assert log.flops()["onednn"] == 2 * 3 * 5 * 7 * 13 + 2 * 3 * 5 * 13 * 7
 
@@ -11581,6 +11584,12 @@ def test_step_table_rows_give_the_training_rate_per_gpu(capsys):
     table.train_flops = None
     table.row(m)
     assert capsys.readouterr().out.count("| 0.250 | - | - / - / 1.50 | ") == 2 and table.rows[0] is m
+    # the summary: each phase's largest measured peak over its plan
+    phases = ("rollout", "score", "train")
+    table.planned = [2.0, 4.0, 1.0]
+    table.rows = [{f"mem/{k}_peak_gib": v for k, v in zip(phases, p)} for p in ((1.0, 5.0, 0.5), (3.0, 2.0, 0.25))]
+    table.summary()
+    assert "largest measured / plan: 1.50 / 1.25 / 0.50" in capsys.readouterr().out
 
 
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
@@ -11590,6 +11599,14 @@ def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, lora_rank=4, eval_prompts=tiny_run["eval_prompts"],
                       eval_every=1)
     assert [m["step"] for m in rows] == [0, 1, 1] and "time/step" not in rows[0]  # eval 0, step 1, eval 1
+    # the newest complete checkpoint's: not an older one, nor a newer one cut short (no trainer.pt)
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step-000001", root / "step-000000")
+    (root / "step-000000" / "config.json").write_text("an older config: not read")
+    (root / "step-000002").mkdir()
+    shutil.copy(root / "step-000001" / "config.json", root / "step-000002")
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "memory_vs_plan", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -11625,6 +11642,8 @@ def test_phase_peaks_cuts_the_trace_at_the_marks_and_names_the_owners():
     assert got[2][3] == {"model.py:20 head": [85, 3], "outside this repository": [10, 1]}
     with pytest.raises(ValueError, match="4 phase marks, 5 phases ended"):
         bench.phase_peaks(trace[:-1], [None, "rollout", "score", None, "rollout"], repo=REPO)
+    with pytest.raises(ValueError, match="5 phase marks, 4 phases ended"):  # more marks than phases: no zip's cut
+        bench.phase_peaks(trace, [None, "rollout", "score", None], repo=REPO)
     # a phase that only frees peaks at what was live as it began, held by those blocks; a frame of a package
     # installed inside the repository (a virtual environment there) is not the repository's
     venv = dict(filename=os.path.join(REPO, ".venv/lib/site-packages/torch/nn/functional.py"), line=1, name="linear")
