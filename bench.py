@@ -672,6 +672,13 @@ class _PhaseClock:
         ppo.checkpoint.save, ppo.save_hf = timed("checkpoint", save), timed("checkpoint", save_hf, count=False)
 
 
+def _layout(a):
+    """A call's argument as _MatmulLog records it, hashable: a tensor by its (shape, stride, dtype), not itself (a
+    mask passed by keyword would make each call its own layout and stay alive)."""
+    return (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else \
+        ("list", tuple(a)) if isinstance(a, list) else a
+
+
 class _MatmulLog(TorchDispatchMode):
     """Counts every matmul call (MATMUL_OPS) by phase, operand layout (shapes, strides, dtypes) and arguments."""
 
@@ -682,9 +689,8 @@ class _MatmulLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMUL_OPS:
-            meta = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else
-                         ("list", tuple(a)) if isinstance(a, list) else a for a in args)  # hashable
-            key = (self.phase, func, meta, tuple(sorted((kwargs or {}).items())))
+            meta = tuple(_layout(a) for a in args)
+            key = (self.phase, func, meta, tuple(sorted((k, _layout(v)) for k, v in (kwargs or {}).items())))
             self.calls[key] = self.calls.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -703,17 +709,19 @@ def _is_operand(m):
 
 
 def _isolated_time(func, meta, kwargs, pool):
-    """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
-    (views into `pool`, up to 64 copies filling it: 16 of a block's weights fit in some L3 caches) so that they come
-    from memory, as the model's weights do, not from the cache. The median of the calls timed one by one: a
-    neighbour's burst, which a mean would spread over every layout, stays out of it."""
-    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if _is_operand(m)]
+    """Seconds of one call of func on operands of this layout (meta, and kwargs {name: layout}: _MatmulLog's
+    record), cold: it cycles through copies of the operands (views into `pool`, up to 64 copies filling it: 16 of
+    a block's weights fit in some L3 caches) so that they come from memory, as the model's weights do, not from
+    the cache. The median of the calls timed one by one: a neighbour's burst, which a mean would spread over
+    every layout, stays out of it."""
+    every = list(meta) + list(kwargs.values())
+    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in every if _is_operand(m)]
     per_copy = sum(extents) or 1
     copies = max(1, min(64, pool.numel() // per_copy))
 
-    def operands(c):  # copy c: its tensors side by side from pool[c * per_copy]
+    def operands(c):  # copy c: its tensors side by side from pool[c * per_copy] -> (args, kwargs)
         out, offset = [], c * per_copy
-        for m in meta:
+        for m in every:
             if not _is_operand(m):
                 out.append(list(m[1]) if isinstance(m, tuple) and m[:1] == ("list",) else m)
                 continue
@@ -723,15 +731,16 @@ def _isolated_time(func, meta, kwargs, pool):
             base = base > -9 if dtype == torch.bool else base.to(dtype)  # masks: all True
             out.append(base.as_strided(shape, stride))
             offset += n
-        return out
+        return out[:len(meta)], dict(zip(kwargs, out[len(meta):]))
 
     sets = [operands(c) for c in range(copies)]
-    for args in sets[:2]:
-        func(*args, **kwargs)
+    for args, kw in sets[:2]:
+        func(*args, **kw)
     times = []
     for i in range(max(5, copies)):
+        args, kw = sets[i % copies]
         t = time.perf_counter()
-        func(*sets[i % copies], **kwargs)
+        func(*args, **kw)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -11504,6 +11504,16 @@ def test_cpu_phases_counts_matmuls():
     # the flash backward (grad_out, q, k, v, ...) recomputes QK^T: 10 B H L S E, S the keys' length (not the queries')
     shapes = [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8)]
     assert bench._matmul_flops("_scaled_dot_product_flash_attention_for_cpu_backward", shapes) == 10 * 2 * 4 * 16 * 20 * 8
+    # a mask passed by keyword (SDPA's attn_mask) is recorded by its layout, as the operands are: calls with fresh
+    # masks of one layout are one layout, timed once, and keep no mask alive
+    log = bench._MatmulLog()
+    with log:
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, k, attn_mask=torch.rand(2, 1, 16, 20) > 0.5)
+    ((_, func, meta, kw), n), = log.calls.items()
+    assert n == 3 and not any(torch.is_tensor(v) for _, v in kw)
+    assert log.flops() == {"load": 3 * 4 * 2 * 4 * 16 * 20 * 8}
+    assert 0 < bench._isolated_time(func, meta, dict(kw), torch.randn(1 << 16)) < 1
     # batched products (B, n, k) @ (B, k, m): 2 B n k m; oneDNN's linear (model.onednn_linear) x (..., in) by weight
     # (out, in): 2 x's numel out, whichever way the weight is laid out (its backward passes weight.T)
     a, b, w = torch.randn(3, 5, 7), torch.randn(3, 7, 11), torch.randn(13, 7)
