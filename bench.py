@@ -672,6 +672,13 @@ class _PhaseClock:
         ppo.checkpoint.save, ppo.save_hf = timed("checkpoint", save), timed("checkpoint", save_hf, count=False)
 
 
+def _layout(a):
+    """A call's argument as _MatmulLog records it, hashable: a tensor by its (shape, stride, dtype), not itself (a
+    mask passed by keyword would make each call its own layout and stay alive)."""
+    return (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else \
+        ("list", tuple(a)) if isinstance(a, list) else a
+
+
 class _MatmulLog(TorchDispatchMode):
     """Counts every matmul call (MATMUL_OPS) by phase, operand layout (shapes, strides, dtypes) and arguments."""
 
@@ -682,9 +689,8 @@ class _MatmulLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMUL_OPS:
-            meta = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else
-                         ("list", tuple(a)) if isinstance(a, list) else a for a in args)  # hashable
-            key = (self.phase, func, meta, tuple(sorted((kwargs or {}).items())))
+            meta = tuple(_layout(a) for a in args)
+            key = (self.phase, func, meta, tuple(sorted((k, _layout(v)) for k, v in (kwargs or {}).items())))
             self.calls[key] = self.calls.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -703,17 +709,19 @@ def _is_operand(m):
 
 
 def _isolated_time(func, meta, kwargs, pool):
-    """Seconds of one call of func on operands of this layout, cold: it cycles through copies of the operands
-    (views into `pool`, up to 64 copies filling it: 16 of a block's weights fit in some L3 caches) so that they come
-    from memory, as the model's weights do, not from the cache. The median of the calls timed one by one: a
-    neighbour's burst, which a mean would spread over every layout, stays out of it."""
-    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in meta if _is_operand(m)]
+    """Seconds of one call of func on operands of this layout (meta, and kwargs {name: layout}: _MatmulLog's
+    record), cold: it cycles through copies of the operands (views into `pool`, up to 64 copies filling it: 16 of
+    a block's weights fit in some L3 caches) so that they come from memory, as the model's weights do, not from
+    the cache. The median of the calls timed one by one: a neighbour's burst, which a mean would spread over
+    every layout, stays out of it."""
+    every = list(meta) + list(kwargs.values())
+    extents = [1 + sum((n - 1) * s for n, s in zip(m[0], m[1])) for m in every if _is_operand(m)]
     per_copy = sum(extents) or 1
     copies = max(1, min(64, pool.numel() // per_copy))
 
-    def operands(c):  # copy c: its tensors side by side from pool[c * per_copy]
+    def operands(c):  # copy c: its tensors side by side from pool[c * per_copy] -> (args, kwargs)
         out, offset = [], c * per_copy
-        for m in meta:
+        for m in every:
             if not _is_operand(m):
                 out.append(list(m[1]) if isinstance(m, tuple) and m[:1] == ("list",) else m)
                 continue
@@ -723,15 +731,16 @@ def _isolated_time(func, meta, kwargs, pool):
             base = base > -9 if dtype == torch.bool else base.to(dtype)  # masks: all True
             out.append(base.as_strided(shape, stride))
             offset += n
-        return out
+        return out[:len(meta)], dict(zip(kwargs, out[len(meta):]))
 
     sets = [operands(c) for c in range(copies)]
-    for args in sets[:2]:
-        func(*args, **kwargs)
+    for args, kw in sets[:2]:
+        func(*args, **kw)
     times = []
     for i in range(max(5, copies)):
+        args, kw = sets[i % copies]
         t = time.perf_counter()
-        func(*sets[i % copies], **kwargs)
+        func(*args, **kw)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -902,7 +911,8 @@ def scoring_head(tokens=(384, 2560), H=576, V=49152, dtypes=("fp32", "bf16"), ro
 
 
 def _bytes_touched(fn):
-    """(ops, bytes) that fn's aten ops read and write: every tensor argument and result, counted once per op."""
+    """(ops, bytes) that fn's aten ops read and write: every tensor argument and result, counted once per op (an
+    in-place op's tensor twice: read and written); a view (unsqueeze, expand) moves no bytes."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -912,8 +922,9 @@ def _bytes_touched(fn):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
-            Count.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                                if isinstance(t, torch.Tensor))
+            if not func.is_view:
+                Count.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                    if isinstance(t, torch.Tensor))
             return out
 
     with Count():
@@ -1013,6 +1024,15 @@ def _decode_weight_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters()) - untied
 
 
+def _kv_bytes(model, prompt_lens, new_tokens):
+    """Bytes of KV cache a decode step reads, on average over a run of new_tokens: every layer's keys and values
+    (the cache's dtype, the model's) in a row's filled slots. Decode step j = 1 .. new_tokens - 1 reads P + j slots
+    of a row of P prompt tokens: P + new_tokens / 2 on average."""
+    cfg, dtype = model.config, model.lm_head_weight.dtype  # as rollout.generate allocates the cache
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    return (sum(prompt_lens) + len(prompt_lens) * new_tokens / 2) * per_slot
+
+
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
     eager with each of model.CPU_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
@@ -1024,12 +1044,10 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     import model as M
 
     device = model.lm_head_weight.device
-    cfg = model.config
     head = model.lm_head_weight
     w_bytes = _decode_weight_bytes(model)
     if device.type == "cpu":  # the decode reads rollout.head_weight's float32 copy of the head (tied or not)
         w_bytes += head.numel() * (rollout.head_weight(model).element_size() - head.element_size())
-    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.lm_head_weight.element_size()
     bw = _read_bandwidth(device) if device.type == "cpu" else _copy_bandwidth(device)
     how = "the fastest read of 2 GiB of float32" if device.type == "cpu" else "a 2 GiB copy, read + write"
     picked = M.cpu_matmul()
@@ -1082,7 +1100,7 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
         # token is the prefill and one sample, eager either way
         timed = "ours+compile" if compile and device.type == "cuda" else rollouts
         decode = B * (new_tokens - 1) / (best[timed] - best.pop("ours, 1 token"))
-        kv_bytes = B * (sum(len(p) for p in batch) / B + new_tokens / 2) * kv_per_slot  # filled slots, on average
+        kv_bytes = _kv_bytes(model, [len(p) for p in batch], new_tokens)
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}
         differ = (outs[rollouts] != outs["transformers"])[:, P:]  # (B, new_tokens)
@@ -1223,7 +1241,6 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     model.eval()
     w_bytes = _decode_weight_bytes(model)
     bw = _copy_bandwidth(device, min(2 << 30, 4 * w_bytes))
-    kv_per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bytes: bf16 K and V
     print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: prompts of {prompt_len // 2}-{prompt_len} "
           f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights read a step {w_bytes / 1e9:.2f} GB, copy bandwidth "
           f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
@@ -1233,7 +1250,7 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     for batch in batches:
         lens = torch.randint(prompt_len // 2, prompt_len + 1, (batch,), generator=g).tolist()
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-        kv_bytes = batch * (sum(lens) / batch + new_tokens / 2) * kv_per_slot  # average filled slots over the decode
+        kv_bytes = _kv_bytes(model, lens, new_tokens)
         roof_tps = batch / ((w_bytes + kv_bytes) / bw)
         engines = {"ours": lambda n: generate(model, prompts, n, temperature=0, compile=False)}
         if compile:
@@ -1497,8 +1514,8 @@ def random_checkpoints(folder, shape, seed=0):
 
 
 def word_prompts(path, n, length, seed=0):
-    """n prompts of length - 1 tokens: length // 2 random two-letter words (one token each) and the spaces
-    between them (one token each), one JSON line each."""
+    """n prompts of length - 1 tokens (an odd length: length - 2): length // 2 random two-letter words (one token
+    each in random_checkpoints' tokenizer) and the spaces between them (one token each), one JSON line each."""
     g = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -1616,7 +1633,7 @@ def real_shapes(shape="qwen2.5-1.5b", steps=3, rollout_batch_size=64, mini_batch
               f"{max_prompt_len}-token prompts, up to {max_new_tokens} new tokens; micro-batches: rollout "
               f"{rollout_micro_batch_size}, scoring {inference_micro_batch_size}, training {micro_batch_size}"
               + (", rollouts drawn a step ahead (--async_rollout)" if async_rollout else ""))
-        P, shape_cfg = max_prompt_len - 1, SHAPES[shape]  # word_prompts' length; the critic has the policy's shape
+        P, shape_cfg = max_prompt_len // 2 * 2 - 1, SHAPES[shape]  # word_prompts'; the critic has the policy's shape
 
         def train_flops(m):  # every response taken at the step's mean length: exact but for attention's T^2 term
             R = m["val/response_length"]

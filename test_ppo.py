@@ -11376,6 +11376,12 @@ def test_model_flops_match_torchs_count():
     critic = dict(cfg, vocab_size=1)
     assert bench.ppo_train_flops(cfg, critic, lens, 5) == 3 * (bench.model_flops(cfg, lens, 5)
                                                              + bench.model_flops(critic, lens, sum(lens)))
+    # a config.json without head_dim (Qwen2.5's): hidden / heads, not hidden / key-value heads
+    plain = dict(cfg, head_dim=None, hidden_size=96)  # 96 / 6 = 16 as above; 96 / 2 = 48
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**plain, attn_implementation="eager"))
+    with FlopCounterMode(display=False) as fwd:
+        model(torch.randint(0, 101, (1, 9)))
+    assert fwd.get_total_flops() == bench.model_flops({k: v for k, v in plain.items() if v}, [9], 9, causal=False)
 
 
 def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
@@ -11390,6 +11396,58 @@ def test_decode_roof_reads_an_untied_embedding_by_rows_and_a_tied_one_whole():
             model = Transformer(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
         total = sum(p.numel() for p in model.parameters())
         assert bench._decode_weight_bytes(model) == 2 * (total - (0 if tied else 101 * 32))
+
+
+def test_decode_roof_reads_the_kv_cache_filled_so_far():
+    # the roof's KV bytes a decode step: per slot the caches generate() allocates (every layer's keys and values, the
+    # model's dtype, GQA's heads), times the slots filled as decode step j = 1 .. n - 1 reads them (P + j a row)
+    import bench
+
+    cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=101)
+    model = Transformer(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    lens, n, caches, setup = [3, 7], 5, [], model.setup_kv_cache
+
+    def record(*args, **kwargs):  # the caches, which generate() drops at its end
+        setup(*args, **kwargs)
+        caches.extend(blk.self_attn.kv_cache for blk in model.model.layers)
+    model.setup_kv_cache = record
+    generate(model, [list(range(1, P + 1)) for P in lens], n, temperature=0, compile=False)
+    B, _, S, _ = caches[0].k.shape
+    per_slot = sum(c.k.nbytes + c.v.nbytes for c in caches) / (B * S)
+    assert per_slot == 2 * 3 * 2 * 16 * 2
+    assert bench._kv_bytes(model, lens, n) == per_slot * sum(P + j for P in lens for j in range(1, n)) / (n - 1)
+
+
+def test_bandwidths_and_gemm_rate_count_their_bytes_and_flops(monkeypatch):
+    # the roofs' rates at a fixed time of 0.5 s a call: the copy of nbytes reads and writes them (2 x nbytes, the
+    # copy's two tensors nbytes each), the read of an nbytes matrix reads it once, the GEMM of n^3 does 2 n^3 FLOPs
+    import bench
+
+    sizes = []
+
+    def timed(fn, device):  # the tensors the timed call reads (its closure's), by their bytes
+        sizes.append(sorted(c.cell_contents.numel() * c.cell_contents.element_size() for c in fn.__closure__
+                            if torch.is_tensor(c.cell_contents)))
+        return 0.5, fn()
+
+    monkeypatch.setattr(bench, "_timed", timed)
+    cpu, nbytes = torch.device("cpu"), 3 << 16  # 12 rows of 4096 float32
+    assert bench._copy_bandwidth(cpu, nbytes) == 2 * nbytes / 0.5 and sizes[-1] == [nbytes, nbytes]
+    assert bench._read_bandwidth(cpu, nbytes) == nbytes / 0.5 and max(sizes[-1]) == nbytes
+    assert bench._gemm_rate(torch.bfloat16, n=48) == 2 * 48**3 / 0.5 and sizes[-1] == [48 * 48 * 2] * 2
+
+
+def test_bytes_touched_counts_reads_and_writes_not_views():
+    # bench.py sampler's "eager MB touched": each op's tensors, an in-place op's read and written, a view none
+    import bench
+
+    x = torch.randn(5, 7)  # 140 bytes
+
+    def fn():
+        y = x.unsqueeze(0) * 2  # a view, then 140 read and 140 written
+        y.add_(x[0])  # a view (select), then y read and written, the row of 28 bytes read
+    assert bench._bytes_touched(fn) == (4, 2 * 140 + 2 * 140 + 28)
 
 
 def test_profile_update_profiles_the_nth_call_only(monkeypatch, capsys):
@@ -11447,6 +11505,102 @@ def test_cpu_phases_counts_matmuls():
     # the flash backward (grad_out, q, k, v, ...) recomputes QK^T: 10 B H L S E, S the keys' length (not the queries')
     shapes = [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8)]
     assert bench._matmul_flops("_scaled_dot_product_flash_attention_for_cpu_backward", shapes) == 10 * 2 * 4 * 16 * 20 * 8
+    # a mask passed by keyword (SDPA's attn_mask) is recorded by its layout, as the operands are: calls with fresh
+    # masks of one layout are one layout, timed once, and keep no mask alive
+    log = bench._MatmulLog()
+    with log:
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, k, attn_mask=torch.rand(2, 1, 16, 20) > 0.5)
+    ((_, func, meta, kw), n), = log.calls.items()
+    assert n == 3 and not any(torch.is_tensor(v) for _, v in kw)
+    assert log.flops() == {"load": 3 * 4 * 2 * 4 * 16 * 20 * 8}
+    assert 0 < bench._isolated_time(func, meta, dict(kw), torch.randn(1 << 16)) < 1
+    # batched products (B, n, k) @ (B, k, m): 2 B n k m; oneDNN's linear (model.onednn_linear) x (..., in) by weight
+    # (out, in): 2 x's numel out, whichever way the weight is laid out (its backward passes weight.T)
+    a, b, w = torch.randn(3, 5, 7), torch.randn(3, 7, 11), torch.randn(13, 7)
+    log = bench._MatmulLog()
+    with log:
+        log.phase = "bmm"
+        torch.bmm(a, b), torch.baddbmm(torch.randn(3, 5, 11), a, b)
+        if torch.backends.mkldnn.is_available():
+            log.phase = "onednn"
+            M.onednn_linear(a, w), M.onednn_linear(torch.randn(3, 5, 13), w.T)
+    with log:
+        log.phase = "mv"
+        torch.mv(w, a[0, 0]), torch.addmv(torch.randn(13), w, a[0, 0])  # (13, 7) @ (7,): 2 x 13 x 7
+    assert log.flops()["bmm"] == 2 * (2 * 3 * 5 * 7 * 11) and log.flops()["mv"] == 2 * (2 * 13 * 7)
+    if torch.backends.mkldnn.is_available():
+        assert log.flops()["onednn"] == 2 * 3 * 5 * 7 * 13 + 2 * 3 * 5 * 13 * 7
+
+
+def test_word_prompts_are_length_minus_one_tokens_of_random_checkpoints_tokenizer(tmp_path):
+    # real_shapes' MFU takes every prompt as max_prompt_len - 1 tokens: word_prompts' two-letter words and spaces,
+    # one token each in random_checkpoints' tokenizer, as ppo tokenizes them (no chat template, no special token)
+    import bench
+    import data
+
+    policy, _ = bench.random_checkpoints(str(tmp_path), "tiny")
+    tok = transformers.AutoTokenizer.from_pretrained(policy)
+    for length in (2, 10, 11):
+        rows = [json.loads(line)["prompt"] for line in open(bench.word_prompts(tmp_path / "p.jsonl", 4, length))]
+        assert len(set(rows)) == 4 and [len(ids) for ids in data._tokenize(tok, rows)] == [length // 2 * 2 - 1] * 4
+
+
+def test_padded_micro_batches_are_consecutive_full_width_rows():
+    # bench.py's padded variant (vs_commit, async_rollout): the rows in order, `size` at a time, every column kept;
+    # slots and pad count the whole width
+    import bench
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    batch = dict(tokens=torch.arange(25).view(5, 5), attention_mask=mask, P=3, kl_coef=torch.tensor(0.5),
+                 rewards=torch.arange(10.0).view(5, 2))
+    rows = torch.tensor([4, 0, 2, 1, 3])
+    got = list(bench.padded_micro_batches(batch, rows, 2))
+    assert [r.tolist() for r, _ in got] == [[4, 0], [2, 1], [3]]
+    for r, mb in got:
+        assert torch.equal(mb["tokens"], batch["tokens"][r]) and torch.equal(mb["rewards"], batch["rewards"][r])
+        assert mb["P"] == 3 and mb["kl_coef"] is batch["kl_coef"]
+        assert mb["slots"] == 5 * len(r) and mb["pad"] == 5 * len(r) - int(mask[r].sum())
+    assert [mb["pad"] for _, mb in got] == [3, 3, 3]
+
+
+def test_ragged_prompts_alternate_short_and_long_requests(tmp_path):
+    # the ragged workload: short-answer questions at even lines, open-ended requests at odd ones, every template
+    # of each kind within 12 lines (and one without a field, the same words every 12 lines)
+    import re
+
+    import bench
+
+    rows = [json.loads(line)["prompt"] for line in open(bench.ragged_prompts(tmp_path / "r.jsonl", 25))]
+    assert len(rows) == 25 and len(set(rows[:12])) == 12
+    for kind, templates in ((0, bench.SHORT), (1, bench.LONG)):
+        patterns = [re.sub(r"\\\{\w\\\}", ".+", re.escape(t)) for t in templates]
+        used = [next(i for i, p in enumerate(patterns) if re.fullmatch(p, r)) for r in rows[kind::2]]
+        assert sorted(used[:6]) == list(range(6))
+
+
+def test_step_table_rows_give_the_training_rate_per_gpu(capsys):
+    # real_shapes' and memory_vs_plan's rows: train TFLOP/s = train_flops(metrics) / time/train / GPUs; "-" where
+    # there is no rate (no FLOP count, or no training time) or no peak
+    import bench
+
+    table = object.__new__(bench.StepTable)  # no plan: the row's arithmetic alone
+    table.rows, table.gpus, table.train_flops = [], 4, lambda m: 6e15 * m["step"]
+    m = {"step": 2, "time/rollout": 1.0, "time/score": 2.0, "time/train": 50.0, "time/step": 53.0,
+         "time/tokens_per_sec": 100.0, "val/response_length": 7.0, "val/sampler_logprob_diff": 0.0,
+         "perf/padding_frac": 0.25, "mem/train_peak_gib": 1.5, "time/rollout_overlap": 0.5}
+    table.row(m)
+    assert "| 0.250 | 60.0 | - / - / 1.50 | 0.5 |" in capsys.readouterr().out  # 12e15 / 50 s / 4 GPUs
+    table.row(dict(m, **{"time/train": 0.0, "time/rollout_overlap": None}))
+    table.train_flops = None
+    table.row(m)
+    assert capsys.readouterr().out.count("| 0.250 | - | - / - / 1.50 | ") == 2 and table.rows[0] is m
+    # the summary: each phase's largest measured peak over its plan
+    phases = ("rollout", "score", "train")
+    table.planned = [2.0, 4.0, 1.0]
+    table.rows = [{f"mem/{k}_peak_gib": v for k, v in zip(phases, p)} for p in ((1.0, 5.0, 0.5), (3.0, 2.0, 0.25))]
+    table.summary()
+    assert "largest measured / plan: 1.50 / 1.25 / 0.50" in capsys.readouterr().out
 
 
 def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
@@ -11456,6 +11610,14 @@ def test_memory_vs_plan_reads_a_saved_config(tiny_run, tmp_path):
     _, rows = run_ppo(tiny_run, tmp_path, total_steps=1, lora_rank=4, eval_prompts=tiny_run["eval_prompts"],
                       eval_every=1)
     assert [m["step"] for m in rows] == [0, 1, 1] and "time/step" not in rows[0]  # eval 0, step 1, eval 1
+    # the newest complete checkpoint's: not an older one, nor a newer one cut short (no trainer.pt)
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step-000001", root / "step-000000")
+    (root / "step-000000" / "config.json").write_text("an older config: not read")
+    (root / "step-000002").mkdir()
+    shutil.copy(root / "step-000001" / "config.json", root / "step-000002")
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "memory_vs_plan", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -11491,6 +11653,15 @@ def test_phase_peaks_cuts_the_trace_at_the_marks_and_names_the_owners():
     assert got[2][3] == {"model.py:20 head": [85, 3], "outside this repository": [10, 1]}
     with pytest.raises(ValueError, match="4 phase marks, 5 phases ended"):
         bench.phase_peaks(trace[:-1], [None, "rollout", "score", None, "rollout"], repo=REPO)
+    with pytest.raises(ValueError, match="5 phase marks, 4 phases ended"):  # more marks than phases: no zip's cut
+        bench.phase_peaks(trace, [None, "rollout", "score", None], repo=REPO)
+    # a phase that only frees peaks at what was live as it began, held by those blocks; a frame of a package
+    # installed inside the repository (a virtual environment there) is not the repository's
+    venv = dict(filename=os.path.join(REPO, ".venv/lib/site-packages/torch/nn/functional.py"), line=1, name="linear")
+    owners = {"model.py:40 mlp < functional.py linear": [100, 1]}
+    trace = [mark, alloc(1, 100, venv, here(40, "mlp")), mark, free(1), mark]
+    got = bench.phase_peaks(trace, [None, "rollout", "score"], repo=REPO)
+    assert got == [(1, "rollout", 100, owners), (1, "score", 100, owners)]
 
 
 @slow
