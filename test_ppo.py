@@ -7726,7 +7726,8 @@ def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
 def test_async_worker_threads_and_dynamo_flag_are_put_back():
     # on a CPU the worker runs CPU_WORKER_THREADS intra-op threads and the main thread keeps its count, as do threads
     # started later (autograd's, gloo's: they take the last count set); dynamo's nested-trace check is off while the
-    # worker exists and as it was after close (a caller of ppo.main traces after it)
+    # worker exists, on both threads (a config value is per thread), and as it was after close (a caller of ppo.main
+    # traces after it)
     import threading
 
     import async_rollout as AR
@@ -7739,6 +7740,7 @@ def test_async_worker_threads_and_dynamo_flag_are_put_back():
         rollouts._start()
         assert torch._dynamo.config.force_compile_during_fx_trace is True
         assert rollouts.pool.submit(torch.get_num_threads).result() == AR.CPU_WORKER_THREADS == 1
+        assert rollouts.pool.submit(lambda: torch._dynamo.config.force_compile_during_fx_trace).result() is True
         later = []
         t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
         t.start(), t.join()
@@ -7794,6 +7796,65 @@ def test_pending_batch_is_waited_for_before_it_is_saved(monkeypatch):
         rollouts.close()
     assert state["lag"] == 1 and [(r["index"], r["prompt"], r["seed"]) for r in state["rows"]] == [
         (i, [10 * i], s) for i, s in zip([5, 5, 2, 2], R.row_seeds(3, 2, range(4)).tolist())]
+
+
+def test_async_take_draws_each_batch_from_the_copy_the_step_boundary_left(monkeypatch):
+    # Rollouts.take with a generation of 0.2 s and an update that changes the actor at once: step k's batch is
+    # generated, from its first token to its last, by the actor as step k - 1 began (step 1's by its own, waited for:
+    # lag 0), with step k's keys. The copy is refilled only once the batch drawn from it is done: refilled before
+    # take's wait, or an evaluation's refill before wait(), step k + 1's generation read the weights after step k's
+    # update (the end-to-end tests' tiny rollout had always finished by then). time/rollout_overlap is the
+    # generation's time until the main thread waited for it (a clock: the worker starts at 10 and ends at 13, the
+    # main thread waits at 12). Rank 1 of 2: the keys are its global rows'
+    import threading
+
+    import async_rollout as AR
+
+    actor, gen = types.SimpleNamespace(version=1), types.SimpleNamespace(version=0)
+    gen.copy_weights_from = lambda src: setattr(gen, "version", src.version)
+
+    def slow_generate(model, ids, n, seeds, pad_token_id, **kw):
+        first = model.version
+        time.sleep(0.2)
+        ones = torch.ones(len(ids), 2, dtype=torch.bool)
+        return R.Rollout(tokens=torch.tensor([[i, first, model.version] for (i,) in ids]), prompt_len=1,
+                         prompt_mask=ones[:, :1], response_mask=ones, logprobs=-ones.float(),
+                         ended=ones[:, 0], seeds=seeds)
+
+    ticks = []
+
+    def clock():
+        if threading.current_thread().name.startswith("rollout"):
+            ticks.append(1)
+            return 10.0 if len(ticks) % 2 else 13.0
+        return 12.0
+
+    monkeypatch.setattr(AR, "time", types.SimpleNamespace(time=clock))
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=1, world=2, local_rows=2, rollout_micro=2)
+    cfg = types.SimpleNamespace(async_rollout=True, samples_per_prompt=1, seed=3, max_new_tokens=2, temperature=1.0,
+                                max_prompt_len=4)
+    batches = iter([[10 * k, 10 * k + 1] for k in range(1, 6)])
+    sampler = types.SimpleNamespace(next_batch=lambda: next(batches))
+    prompts = types.SimpleNamespace(ids={i: [i] for k in range(1, 6) for i in (10 * k, 10 * k + 1)})
+    rollouts = AR.Rollouts({"gen": gen, "actor": actor}, prompts, sampler, cfg, run, [0], 0, slow_generate)
+    got = []
+    try:
+        for step in (1, 2, 3, 4):
+            rows, ro = rollouts.take(step)
+            got.append((rows, ro.tokens[:, 1:].tolist(), ro.seeds.tolist(), dict(rollouts.metrics)))
+            actor.version += 1  # step's update, while step + 1's batch is being drawn
+            if step == 2:  # an evaluation after it, as ppo.main runs one
+                rollouts.wait()
+                gen.copy_weights_from(actor)
+                assert rollouts.generate_beside(gen, [[99]], 2, seeds=torch.tensor([5]), pad_token_id=0).tokens.tolist() \
+                    == [[99, 3, 3]]
+    finally:
+        rollouts.close()
+    for k, (rows, versions, seeds, metrics) in enumerate(got, 1):
+        drawn_by = max(k - 1, 1)
+        assert rows == [10 * k, 10 * k + 1] and versions == [[drawn_by, drawn_by]] * 2, (k, versions)
+        assert seeds == R.row_seeds(3, k, range(2, 4)).tolist()  # rank 1's global rows
+        assert metrics == {"val/policy_lag": int(k > 1), "time/rollout_overlap": 2.0}
 
 
 def test_pending_batch_moves_to_another_rank_count(monkeypatch):
