@@ -11001,6 +11001,61 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
             "eval/stop_rate": 0.6, **({"eval/reward_errors": E} if reward_fn else {})}
 
 
+def test_evaluate_one_prompt_on_two_ranks(monkeypatch):
+    # one held-out prompt on 2 ranks: rank 1's share is a copy of it alone, generated with its own global row's key,
+    # scored and dropped; eval/score_std, undefined for one score, is NaN (statistics.stdev raises on one), the rest
+    # that prompt's own numbers
+    import evaluate as EV
+
+    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
+        def __len__(self):
+            return len(self.ids)
+
+    prompts = Prompts(ids=[[90]], texts=["p0"], records=[{}], path="one.jsonl")
+    cfg = types.SimpleNamespace(max_new_tokens=3, eval_temperature=0.0, seed=11, max_prompt_len=4, kl_estimator="k1",
+                                use_absolute_kl=False)
+    seen = {}
+
+    def fake_generate(model, ids, n, seeds, pad_token_id, **kw):
+        seen[rank] = (ids, seeds.tolist())
+        return R.Rollout(tokens=torch.tensor([[90, 7, 8, 0]]), prompt_len=1, prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+                         response_mask=torch.tensor([[True, True, False]]), logprobs=torch.zeros(1, 3),
+                         ended=torch.tensor([True]), seeds=seeds)
+
+    def fake_score(actor, reference, critic, reward_model, batch, cfg, run, progress):
+        return dict(old_logp=torch.tensor([[-1.0, -2.0, -9.0]]), ref_logp=torch.tensor([[-1.5, -1.0, 0.0]]),
+                    kl_exact=None, score=torch.tensor([0.25 + run.rank]))
+
+    parts, results = {}, []
+
+    class Gathered(Exception):
+        pass
+
+    def gather(out, mine):  # the first pass records each rank's rows, the second gathers them
+        if rank not in parts:
+            parts[rank] = mine
+            raise Gathered
+        out[:] = [parts[r] for r in range(len(out))]
+
+    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
+    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: None), actor="actor", ref="ref", reward_model="rm")
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    for rank in (0, 1, 0, 1):
+        run = types.SimpleNamespace(world=2, rank=rank, device=torch.device("cpu"), rollout_micro=1)
+        try:
+            results.append(EV.evaluate(3, dict(episode=24, epoch=1.0), m, prompts, None, fake_score, cfg, run, tok,
+                                       [0], 0, generate=fake_generate))
+        except Gathered:
+            pass
+    assert seen == {0: ([[90]], R.eval_seeds(11, [0]).tolist()), 1: ([[90]], R.eval_seeds(11, [1]).tolist())}
+    assert parts[1] == [] and len(results) == 2
+    for metrics, rows in results:
+        assert rows == [dict(prompt="p0", response="7 8", score=0.25, kl=pytest.approx(-0.5), length=2, stopped=True)]
+        assert math.isnan(metrics.pop("eval/score_std")) and metrics.pop("time/eval") >= 0
+        assert metrics == {"step": 3, "episode": 24, "epoch": 1.0, "eval/score": 0.25, "eval/kl": pytest.approx(-0.5),
+                           "eval/response_length": 2, "eval/stop_rate": 1.0}
+
+
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
     from reward import sentiment_reward
 
