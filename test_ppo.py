@@ -7857,6 +7857,50 @@ def test_async_take_draws_each_batch_from_the_copy_the_step_boundary_left(monkey
         assert metrics == {"val/policy_lag": int(k > 1), "time/rollout_overlap": 2.0}
 
 
+def test_async_worker_failure_is_generated_again_on_the_worker(monkeypatch, capsys):
+    # a batch that failed on the worker is generated again there (its thread, and on CUDA its stream and graphs),
+    # with the same rows and keys; a second failure reaches the main thread as the worker raised it, its traceback
+    # through the worker's generate, with the step named
+    import threading
+    import traceback
+
+    import async_rollout as AR
+
+    calls = []
+
+    def flaky_generate(model, ids, n, seeds, pad_token_id, **kw):
+        calls.append((threading.current_thread().name, [i for (i,) in ids], seeds.tolist()))
+        if len(calls) in fail:
+            raise RuntimeError(f"simulated out of memory in call {len(calls)}")
+        ones = torch.ones(len(ids), 1, dtype=torch.bool)
+        return R.Rollout(tokens=torch.tensor([[i, 7] for (i,) in ids]), prompt_len=1, prompt_mask=ones,
+                         response_mask=ones, logprobs=-ones.float(), ended=ones[:, 0], seeds=seeds)
+
+    run = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world=1, local_rows=2, rollout_micro=2)
+    cfg = types.SimpleNamespace(async_rollout=True, samples_per_prompt=1, seed=3, max_new_tokens=1, temperature=1.0,
+                                max_prompt_len=4)
+    prompts = types.SimpleNamespace(ids={4: [40], 6: [60], 8: [80], 9: [90]})
+    for fail in ({1}, {1, 2}):
+        calls.clear()
+        sampler = types.SimpleNamespace(next_batch=iter([[4, 6], [8, 9]]).__next__)  # (a second draw: other rows)
+        rollouts = AR.Rollouts({"gen": None}, prompts, sampler, cfg, run, [0], 0, flaky_generate)
+        try:
+            job = rollouts._launch(5, lag=1)
+            if fail == {1}:
+                assert rollouts._wait(job)["ro"].tokens.tolist() == [[40, 7], [60, 7]]
+            else:
+                with pytest.raises(RuntimeError, match="call 2") as raised:
+                    rollouts._wait(job)
+        finally:
+            rollouts.close()
+        assert len(calls) == 2 and calls[0] == calls[1] and calls[0][0].startswith("rollout")
+        assert calls[0][1:] == ([40, 60], R.row_seeds(3, 5, range(2)).tolist())
+    assert "rank 0: --async_rollout: step 5's batch failed on the worker (RuntimeError: simulated out of memory in " \
+        "call 1); generating it again" in capsys.readouterr().out
+    assert "--async_rollout: step 5's batch, generated on the worker thread (twice)" in raised.value.__notes__
+    assert "flaky_generate" in [f.name for f in traceback.extract_tb(raised.value.__traceback__)]
+
+
 def test_pending_batch_moves_to_another_rank_count(monkeypatch):
     # the batch drawn ahead, saved by 2 ranks of 6 rows (Rollouts.state_dict: gathered in global row order) and
     # loaded by 3 ranks of 4: rank r takes global rows [4 r, 4 r + 4), which straddle the saving ranks' shares, each
