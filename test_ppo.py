@@ -11045,30 +11045,33 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
             "eval/stop_rate": 0.6, **({"eval/reward_errors": E} if reward_fn else {})}
 
 
-def test_evaluate_one_prompt_on_two_ranks(monkeypatch):
-    # one held-out prompt on 2 ranks: rank 1's share is a copy of it alone, generated with its own global row's key,
+@pytest.mark.parametrize("E", [1, 2])
+def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
+    # E = 1 held-out prompt on 2 ranks: rank 1's share is a copy of it alone, generated with its own global row's key,
     # scored and dropped; eval/score_std, undefined for one score, is NaN (statistics.stdev raises on one), the rest
-    # that prompt's own numbers
+    # that prompt's own numbers. E = 2, the second scored NaN: both ranks refuse it, rank 0 from the gathered rows
+    # (each rank checking its own rows left rank 0 in the next collective)
     import evaluate as EV
 
     class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
         def __len__(self):
             return len(self.ids)
 
-    prompts = Prompts(ids=[[90]], texts=["p0"], records=[{}], path="one.jsonl")
+    prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)], records=[{}] * E,
+                      path="few.jsonl")
     cfg = types.SimpleNamespace(max_new_tokens=3, eval_temperature=0.0, seed=11, max_prompt_len=4, kl_estimator="k1",
                                 use_absolute_kl=False)
     seen = {}
 
     def fake_generate(model, ids, n, seeds, pad_token_id, **kw):
         seen[rank] = (ids, seeds.tolist())
-        return R.Rollout(tokens=torch.tensor([[90, 7, 8, 0]]), prompt_len=1, prompt_mask=torch.ones(1, 1, dtype=torch.bool),
-                         response_mask=torch.tensor([[True, True, False]]), logprobs=torch.zeros(1, 3),
-                         ended=torch.tensor([True]), seeds=seeds)
+        return R.Rollout(tokens=torch.tensor([[i, 7, 8, 0] for (i,) in ids]), prompt_len=1,
+                         prompt_mask=torch.ones(1, 1, dtype=torch.bool), response_mask=torch.tensor([[True, True, False]]),
+                         logprobs=torch.zeros(1, 3), ended=torch.tensor([True]), seeds=seeds)
 
     def fake_score(actor, reference, critic, reward_model, batch, cfg, run, progress):
         return dict(old_logp=torch.tensor([[-1.0, -2.0, -9.0]]), ref_logp=torch.tensor([[-1.5, -1.0, 0.0]]),
-                    kl_exact=None, score=torch.tensor([0.25 + run.rank]))
+                    kl_exact=None, score=torch.tensor([0.25, math.nan])[batch["tokens"][:, 0] - 90])
 
     parts, results = {}, []
 
@@ -11091,7 +11094,13 @@ def test_evaluate_one_prompt_on_two_ranks(monkeypatch):
                                        [0], 0, generate=fake_generate))
         except Gathered:
             pass
-    assert seen == {0: ([[90]], R.eval_seeds(11, [0]).tolist()), 1: ([[90]], R.eval_seeds(11, [1]).tolist())}
+        except FloatingPointError as e:
+            results.append(str(e))
+    assert seen == {r: ([[90 + min(r, E - 1)]], R.eval_seeds(11, [r]).tolist()) for r in (0, 1)}
+    if E == 2:
+        assert results == ["eval after step 3: the reward gave non-finite scores to 1 of the 2 prompts of few.jsonl "
+                           "([nan]), the first to 'p1'"] * 2
+        return
     assert parts[1] == [] and len(results) == 2
     for metrics, rows in results:
         assert rows == [dict(prompt="p0", response="7 8", score=0.25, kl=pytest.approx(-0.5), length=2, stopped=True)]
