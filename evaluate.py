@@ -22,10 +22,10 @@ Keyed, so it repeats and leaves training alone: the sampling noise of eval row g
 weights alone). Nothing here draws from a global generator, moves a sampler or the KL controller, or changes a
 trained model: a run trains the same with or without evaluation, bitwise (tested).
 
-On W ranks each rank takes ceil(E / W) consecutive prompts of the E, the last share padded with copies of the last
-prompt (every rank must run the same FSDP forwards); the padding is generated and scored, then dropped. The rows are
-gathered on every rank in the file's order and the metrics computed from them in that order, so W changes them by
-the float rounding of the forwards only.
+On W ranks each rank takes ceil(E / W) consecutive prompts of the E, the shares that run past the last prompt padded
+with copies of it, up to whole shares of copies (every rank must run the same FSDP forwards); the padding is generated
+and scored, then dropped. The rows are gathered on every rank in the file's order and the metrics computed from them
+in that order, so W changes them by the float rounding of the forwards only.
 
     python ppo.py --eval_prompts=heldout.jsonl --eval_every=50 --eval_temperature=0
 """
