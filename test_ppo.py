@@ -5764,6 +5764,43 @@ def test_is_weights_hand_computed():
         gae.is_weights(old_logp, sampler_logp[:, :3], mask, is_cfg())
 
 
+def test_a_forks_kl_estimator_or_importance_weight_of_the_wrong_shape_is_named():
+    # a fork's entry in KL_ESTIMATORS or IS_CORRECTIONS that gives one value a row (or a batch) where one a token is
+    # due: on a batch of as many rows as tokens (4 x 4) a (B,) result broadcast against the mask, each row's value
+    # spread down a column, and trained without a word (a run of 6 rows of 6 tokens); now refused by name
+    mask = _lengths_mask([4, 3, 1, 2], 4)
+    logp, ref = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)), -torch.rand(4, 4)
+    forks = {"seq_sum": lambda logp, ref_logp, kl_exact: (logp - ref_logp).sum(-1),
+             "batch_mean": lambda logp, ref_logp, kl_exact: (logp - ref_logp).mean(),
+             "abs_k1": lambda logp, ref_logp, kl_exact: (logp - ref_logp).abs()}
+
+    def seq_tis(log_r, mask, cfg):  # one weight a response, [:, None] forgotten
+        geo = (log_r.sum(-1) / mask.sum(-1)).exp()
+        return geo.clamp(max=cfg.is_cap), geo > cfg.is_cap
+
+    modes = {"seq_tis": seq_tis, "w_alone": lambda log_r, mask, cfg: log_r.exp(),
+             "sym_tis": lambda log_r, mask, cfg: (log_r.exp().clamp(1 / cfg.is_cap, cfg.is_cap), log_r.abs() > 0.5)}
+    gae.KL_ESTIMATORS.update(forks)
+    gae.IS_CORRECTIONS.update(modes)
+    try:
+        for kind, got in (("seq_sum", (4,)), ("batch_mean", ())):
+            with pytest.raises(ValueError, match=re.escape(f"KL estimator '{kind}' returned {got}, expected (4, 4)")):
+                gae.shape_rewards(torch.zeros(4), logp, ref, mask, 0.1, kind)
+        torch.testing.assert_close(kl_estimate(logp, ref, "abs_k1"), (logp - ref).abs(), rtol=0, atol=0)
+        for mode, got in (("seq_tis", "((4,), (4,))"), ("w_alone", "(4, 4)")):
+            with pytest.raises(ValueError, match=re.escape(f"importance-weight mode '{mode}' returned {got}, expected "
+                                                           "((4, 4), (4, 4))")):
+                gae.is_weights(logp, ref, mask, is_cfg(mode))
+        w, cut = gae.is_weights(logp, ref, mask, is_cfg("sym_tis"))
+        r = (logp - ref).exp()
+        assert torch.equal(w, torch.where(mask, r.clamp(0.5, 2.0), 0.0)) and torch.equal(cut, mask & (r.log().abs() > 0.5))
+    finally:
+        for k in forks:
+            del gae.KL_ESTIMATORS[k]
+        for k in modes:
+            del gae.IS_CORRECTIONS[k]
+
+
 # ---- shaped rewards ---------------------------------------------------------
 
 
@@ -8005,6 +8042,54 @@ def test_a_group_estimator_of_a_fork_is_refused_without_groups():
     finally:
         del gae.ADVANTAGE_ESTIMATORS["median_of_group"]
     assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "rloo"]
+
+
+def test_a_forks_advantage_estimator_that_returns_the_wrong_shapes_is_named():
+    # ppo.py reads an estimator's (adv, ret) as (B, T) each, ret None without a critic. A fork's adv of one value a
+    # row broadcast against the micro-batch's mask, silently where its rows were as many as its tokens (6 x 6:
+    # trained on each row's advantage spread down a column); a lone adv, or targets without a critic, failed
+    # later in ppo.py (unpacking, or KeyError 'values'). Each is now named with the estimator
+    import gae
+    import ppo
+
+    B, T, cfg = 6, 6, ppo.Config(samples_per_prompt=2)
+    mask, score = _lengths_mask([6, 5, 6, 2, 6, 4], T), torch.arange(B, dtype=torch.float32)
+
+    def group_sign(score, cfg):
+        s = score.view(-1, cfg.samples_per_prompt)
+        return torch.sign(s - s.mean(1, keepdim=True)).flatten()  # (B,)
+
+    slips = {"per_row": lambda score, kl_reward, values, mask, cfg: (group_sign(score, cfg), None),
+             "adv_alone": lambda score, kl_reward, values, mask, cfg: torch.where(mask, group_sign(score, cfg)[:, None], 0.0),
+             "ret_without_critic": lambda score, kl_reward, values, mask, cfg: (kl_reward, kl_reward)}
+    got = {"per_row": "((6,), None)", "adv_alone": "(6, 6)", "ret_without_critic": "((6, 6), (6, 6))"}
+    try:
+        for name, fn in slips.items():
+            gae.advantage_estimator(name, groups=True)(fn)
+            with pytest.raises(ValueError, match=re.escape(f"advantage estimator '{name}' (test_a_forks_advantage_"
+                                                           f"estimator_that_returns_the_wrong_shapes_is_named.<locals>"
+                                                           f".<lambda>) returned {got[name]}, expected ((6, 6), None)")):
+                gae.ADVANTAGE_ESTIMATORS[name](score, torch.zeros(B, T), None, mask, cfg)
+
+        @gae.advantage_estimator("needs_targets", critic=True)
+        def no_targets(score, kl_reward, values, mask, cfg):
+            return values, None
+
+        with pytest.raises(ValueError, match=re.escape("'needs_targets' (test_a_forks_advantage_estimator_that_returns_"
+                                                       "the_wrong_shapes_is_named.<locals>.no_targets) returned ((6, 6), "
+                                                       "None), expected ((6, 6), (6, 6))")):
+            gae.ADVANTAGE_ESTIMATORS["needs_targets"](score, torch.zeros(B, T), torch.ones(B, T), mask, cfg)
+        # the README's estimator passes through as it returned, and keeps its registration
+        @gae.advantage_estimator("sign", groups=True)
+        def sign_advantages(score, kl_reward, values, mask, cfg):
+            return torch.where(mask, group_sign(score, cfg)[:, None], 0.0), None
+
+        adv, ret = sign_advantages(score, torch.zeros(B, T), None, mask, cfg)
+        assert ret is None and torch.equal(adv, torch.where(mask, torch.tensor([-1.0, 1.0] * 3)[:, None], 0.0))
+        assert sign_advantages.groups and not sign_advantages.critic and gae.ADVANTAGE_ESTIMATORS["sign"] is sign_advantages
+    finally:
+        for name in (*slips, "needs_targets", "sign"):
+            gae.ADVANTAGE_ESTIMATORS.pop(name, None)
 
 
 @slow
