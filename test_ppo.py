@@ -2839,7 +2839,9 @@ def test_long_prompts_dropped_and_counted(tok_plain, tmp_path):
 
 BAD_LINES = {
     "malformed_json": ('{"prompt": "hi"', "not valid JSON"),
-    "not_an_object": ('["hi"]', "expected a JSON object"),
+    "not_an_object": ('["hi"]', "expected a JSON object, got list; JSONL is one JSON object a line, not an array"),
+    "indented_array": ("[", "not valid JSON (Expecting value, column 2); JSONL is one whole JSON object a line"),
+    "indented_object": ("{", "column 2); JSONL is one whole JSON object a line"),
     "missing_field": ('{"text": "hi"}', "missing field"),
     "prompt_not_string": ('{"prompt": 3}', "must be a non-empty string"),
     "prompt_empty": ('{"prompt": ""}', "must be a non-empty string"),
