@@ -6195,22 +6195,26 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         assert time.time() - t0 < 10, "waited for a call it had given up"
     capsys.readouterr()
     caller = RewardCaller(flaky, on_error=-2)
-    assert caller([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    assert caller([{"q": 0}, {"q": 1, "answer": "z" * 70}, {}], ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
     assert caller([{}] * 2, ["bad", "bad"]) == ([-2.0, -2.0], 2)
-    said = capsys.readouterr().out.splitlines()  # each kind of failure printed once, the first time
+    said = capsys.readouterr().out.splitlines()  # each kind of failure printed once, the first time, with its record
     assert said == ["reward function test_reward_caller_threads_timeouts_and_errors.<locals>.flaky failed on response 1 "
-                    "('bad'): ConnectionError('judge unreachable'); scored --reward_on_error=-2 (further "
-                    "ConnectionErrors are counted in val/reward_errors only)"], said
+                    f"('bad') to the prompt record {{'q': 1, 'answer': '{'z' * 59}}}: ConnectionError('judge "
+                    "unreachable'); scored --reward_on_error=-2 (further ConnectionErrors are counted in "
+                    "val/reward_errors only)"], said
     def kinds(record, response):
         raise {"v": ValueError, "k": KeyError}[response](response)
 
     assert RewardCaller(kinds, on_error=0.0)([{}] * 4, ["v", "k", "v", "k"]) == ([0.0] * 4, 4)
     said = capsys.readouterr().out  # each kind once: the first ValueError and the first KeyError
-    assert re.findall(r"failed on response (\d) \('(\w)'\): (\w+)", said) == [("0", "v", "ValueError"), ("1", "k", "KeyError")]
-    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
-                                           r"ConnectionError\('judge unreachable'\); --reward_on_error"):
-        RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
-    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\): TimeoutError\('no result after 0.2 s'\)"):
+    assert re.findall(r"failed on response (\d) \('(\w)'\) to the prompt record \{\}: (\w+)", said) == [
+        ("0", "v", "ValueError"), ("1", "k", "KeyError")]
+    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\) to "
+                                           r"the prompt record \{'id': 7\}: ConnectionError\('judge unreachable'\); "
+                                           r"--reward_on_error"):
+        RewardCaller(flaky)([{}, {"id": 7}], ["ok", "bad"])
+    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\) to the prompt record \{\}: "
+                                           r"TimeoutError\('no result after 0.2 s'\)"):
         RewardCaller(flaky, 2, timeout=0.2)([{}], ["slow"])
     # what is not a number is the function's bug: raised, whatever on_error says
     import numpy as np
@@ -6232,7 +6236,8 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
     def nan_on_bad(record, response):
         return float("nan") if response == "bad" else float("-inf") if response == "worse" else 1.0
 
-    with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\): FloatingPointError\('returned "
+    with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\) to the prompt record \{\}: "
+                                           r"FloatingPointError\('returned "
                                            r"nan, not a finite float32'\); --reward_on_error"):
         RewardCaller(nan_on_bad)([{}] * 2, ["ok", "bad"])
     assert RewardCaller(nan_on_bad, 2, on_error=0.0)([{}] * 3, ["bad", "ok", "worse"]) == ([0.0, 1.0, 0.0], 2)
@@ -6265,7 +6270,7 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         done.start()
         done.join(10)
         assert out == [([-1.0, 1.0, -1.0], 2)], (workers, timeout)
-    with pytest.raises(RuntimeError, match=r"exits failed on response 0 \('exit'\): SystemExit\(1\)"):
+    with pytest.raises(RuntimeError, match=r"exits failed on response 0 \('exit'\) to the prompt record \{\}: SystemExit\(1\)"):
         RewardCaller(exits, 2)([{}], ["exit"])
 
     def interrupted(record, response):
@@ -6323,7 +6328,7 @@ def test_reward_caller_accepts_one_real_number():
     # the largest float32 is a score; the next double is beyond float32, a failed call (named, the error its cause)
     big = [FLOAT32_MAX, -FLOAT32_MAX, math.nextafter(FLOAT32_MAX, math.inf), -math.nextafter(FLOAT32_MAX, math.inf)]
     assert RewardCaller(lambda r, t: big[int(t)], on_error=0.0)([{}] * 4, "0123") == ([FLOAT32_MAX, -FLOAT32_MAX, 0.0, 0.0], 2)
-    with pytest.raises(RuntimeError, match=r"failed on response 1 \('3'\): FloatingPointError") as e:
+    with pytest.raises(RuntimeError, match=r"failed on response 1 \('3'\) to the prompt record \{\}: FloatingPointError") as e:
         RewardCaller(lambda r, t: big[int(t)])([{}] * 2, "03")
     assert isinstance(e.value.__cause__, FloatingPointError)
     # the settings: a callable, an int >= 1 of workers (not a bool), a timeout >= 0 (not NaN)
