@@ -292,6 +292,7 @@ def is_weights(old_logp, sampler_logp, mask, cfg):
     log_r = torch.where(mask, old_logp.detach().to(dtype) - sampler_logp.detach().to(dtype), 0.0)  # (B, T)
     w, cut = _check_returned(f"importance-weight mode {mode!r}", IS_CORRECTIONS[mode](log_r, mask, cfg),
                              (tuple(mask.shape),) * 2, "(w, cut), a weight and a bool a token, (B, T) each as the mask")
+    cut = _check_mask(cut, mask.shape, f"the cut of importance-weight mode {mode!r}")  # a float 0/1 mask too
     return torch.where(mask, w, 0.0), cut & mask
 
 

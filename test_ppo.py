@@ -5781,7 +5781,9 @@ def test_a_forks_kl_estimator_or_importance_weight_of_the_wrong_shape_is_named()
         return geo.clamp(max=cfg.is_cap), geo > cfg.is_cap
 
     modes = {"seq_tis": seq_tis, "w_alone": lambda log_r, mask, cfg: log_r.exp(),
-             "sym_tis": lambda log_r, mask, cfg: (log_r.exp().clamp(1 / cfg.is_cap, cfg.is_cap), log_r.abs() > 0.5)}
+             "sym_tis": lambda log_r, mask, cfg: (log_r.exp().clamp(1 / cfg.is_cap, cfg.is_cap), log_r.abs() > 0.5),
+             "float_cut": lambda log_r, mask, cfg: (log_r.exp(), (log_r.abs() > 0.5).float()),  # a 0/1 mask is one
+             "cut_half": lambda log_r, mask, cfg: (log_r.exp(), torch.full_like(log_r, 0.5))}
     gae.KL_ESTIMATORS.update(forks)
     gae.IS_CORRECTIONS.update(modes)
     try:
@@ -5796,6 +5798,9 @@ def test_a_forks_kl_estimator_or_importance_weight_of_the_wrong_shape_is_named()
         w, cut = gae.is_weights(logp, ref, mask, is_cfg("sym_tis"))
         r = (logp - ref).exp()
         assert torch.equal(w, torch.where(mask, r.clamp(0.5, 2.0), 0.0)) and torch.equal(cut, mask & (r.log().abs() > 0.5))
+        assert torch.equal(gae.is_weights(logp, ref, mask, is_cfg("float_cut"))[1], cut)  # (it failed in cut & mask)
+        with pytest.raises(ValueError, match="the cut of importance-weight mode 'cut_half' must hold only 0 and 1"):
+            gae.is_weights(logp, ref, mask, is_cfg("cut_half"))
     finally:
         for k in forks:
             del gae.KL_ESTIMATORS[k]
