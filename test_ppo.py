@@ -9976,6 +9976,43 @@ def test_flags_are_held_to_their_types():
     assert cfg.is_band == (1.0, 2.0) and all(type(v) is float for v in cfg.is_band) and cfg.wandb_project == "12"
 
 
+def test_a_forks_optional_config_field_is_held_to_its_type():
+    # a fork's Config field of int | None or str | None (Optional[...] too) takes None or a value of its type, as
+    # non_stop_penalty's float | None does; the int | None was called as a type, a TypeError at every start of
+    # the forked ppo.py, whatever the flags. A type it cannot convert is named with its field
+    import dataclasses
+    import typing
+
+    @dataclasses.dataclass
+    class Forked:
+        n: int | None = None
+        name: str | None = None
+        k: typing.Optional[int] = None  # the older spelling, as a fork may write it
+        x: float | None = None
+
+        def __post_init__(self):
+            runtime.hold_to_types(self)
+
+    assert dataclasses.astuple(Forked()) == (None, None, None, None)
+    got = Forked(n=3, name=7, k=2, x=1)  # what fire hands over for --n=3 --name=7 --k=2 --x=1
+    assert dataclasses.astuple(got) == (3, "7", 2, 1.0) and type(got.x) is float and type(got.name) is str
+    for kw, match in ((dict(n=2.5), "--n=2.5: expected int"), (dict(n=True), "--n=True: expected int"),
+                      (dict(k="two"), "--k='two': expected int"), (dict(x="a"), "--x='a': expected float")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            Forked(**kw)
+
+    @dataclasses.dataclass
+    class Unheld:
+        lows: tuple[float, ...] = ()
+
+        def __post_init__(self):
+            runtime.hold_to_types(self)
+
+    with pytest.raises(TypeError, match=re.escape("Config field lows: type tuple[float, ...] is none that hold_to_types "
+                                                  "converts")):
+        Unheld()
+
+
 def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
     # the whole vocabularies were compared, so a reward model with an added pad token, or a special token renamed at
     # its id, was refused, and every refusal said the same sentence. Now: the policy's ids must be the same tokens,
