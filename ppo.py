@@ -189,7 +189,7 @@ class Run:
         return ("actor", "critic") if self.critic else ("actor",)
 
 
-# The range of every number in Config: derive refuses anything else by name (a float must also be finite).
+# Every number of Config has its range here but the signed four (derive: finite); outside it, or NaN/inf, is refused.
 LIMITS = {
     ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
