@@ -209,8 +209,8 @@ def derive(cfg, rank, W, device):
     """The derived values of a run of W ranks, after checking every flag of the Config for it (a UsageError names
     the flag and what it expects); the files are checked next, by load_inputs, before any model loads."""
     for rule, names in LIMITS.items():
-        for k, v in ((k, getattr(cfg, k)) for k in names):
-            need(IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
+        for k, v in ((k, getattr(cfg, k)) for k in names):  # None: a fork's X | None field, off
+            need(v is None or IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):

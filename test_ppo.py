@@ -9976,7 +9976,7 @@ def test_flags_are_held_to_their_types():
     assert cfg.is_band == (1.0, 2.0) and all(type(v) is float for v in cfg.is_band) and cfg.wandb_project == "12"
 
 
-def test_a_forks_optional_config_field_is_held_to_its_type():
+def test_a_forks_optional_config_field_is_held_to_its_type(monkeypatch):
     # a fork's Config field of int | None or str | None (Optional[...] too) takes None or a value of its type, as
     # non_stop_penalty's float | None does; the int | None was called as a type, a TypeError at every start of
     # the forked ppo.py, whatever the flags. A type it cannot convert is named with its field
@@ -10011,6 +10011,16 @@ def test_a_forks_optional_config_field_is_held_to_its_type():
     with pytest.raises(TypeError, match=re.escape("Config field lows: type tuple[float, ...] is none that hold_to_types "
                                                   "converts")):
         Unheld()
+    # such a field's range in ppo.LIMITS holds for a value, and None is off (it was compared, a TypeError at every
+    # start at the default): non_stop_penalty, a float | None, stands in for the fork's field
+    import ppo
+
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(ppo.LIMITS, ">= 0", ppo.LIMITS[">= 0"] + ("non_stop_penalty",))
+    ppo.derive(ppo.Config(), 0, 1, cpu)
+    ppo.derive(ppo.Config(non_stop_penalty=0.5), 0, 1, cpu)
+    with pytest.raises(UsageError, match=re.escape("--non_stop_penalty must be >= 0, not -1.0")):
+        ppo.derive(ppo.Config(non_stop_penalty=-1), 0, 1, cpu)
 
 
 def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
