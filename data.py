@@ -72,12 +72,14 @@ def _read_jsonl(path):
                 continue
             try:
                 obj = json.loads(line.rstrip("\r\n"))  # columns counted in this line
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            except json.JSONDecodeError as e:  # a line of "[" or "{" alone: a JSON file written with an indent
+                split = "; JSONL is one whole JSON object a line" if line.strip() in ("[", "{") else ""
+                raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}){split}") from None
             except (ValueError, RecursionError) as e:  # an int of over 4300 digits; nesting deeper than the stack
                 raise UsageError(f"{path}:{lineno}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
             if not isinstance(obj, dict):
-                raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise UsageError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
+                                 + ("; JSONL is one JSON object a line, not an array of them" * isinstance(obj, list)))
             n += 1
             yield lineno, obj
     if n == 0:

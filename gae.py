@@ -56,6 +56,7 @@ Self-check (GAE vs. the brute-force sum, and timings):
     python gae.py
 """
 
+import functools
 import math
 import time
 
@@ -75,6 +76,22 @@ def _float_dtype(*tensors):
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def _shapes(x):
+    """What a function returned, by its tensors' shapes: a tensor's shape, a tuple's of each item, else the type."""
+    if torch.is_tensor(x):
+        return tuple(x.shape)
+    return tuple(_shapes(i) for i in x) if isinstance(x, tuple) else None if x is None else type(x).__name__
+
+
+def _check_returned(what, out, want, needs):
+    """out, as `what` (a function of one of the tables below, a fork's say) returned it, against `want` (its shapes,
+    as _shapes gives them); refused naming the function. A (B,) or 0-dim tensor where (B, T) is due broadcasts
+    against the mask, silently where B == T (each row's value spread down a column), so it is not let through."""
+    if _shapes(out) != want:
+        raise ValueError(f"{what} returned {_shapes(out)}, expected {want}: {needs}")
+    return out
 
 
 def _check_mask(mask, shape, name="mask"):
@@ -151,7 +168,8 @@ def kl_estimate(logp, ref_logp, kind="k1", kl_exact=None):
         if kl_exact.shape != logp.shape:  # (B, 1) would broadcast, one token's KL on the whole row
             raise ValueError(f"kl_exact {tuple(kl_exact.shape)} and logp {tuple(logp.shape)} differ in shape")
         kl_exact = kl_exact.to(dtype)
-    return KL_ESTIMATORS[kind](logp.to(dtype), ref_logp.to(dtype), kl_exact)
+    return _check_returned(f"KL estimator {kind!r}", KL_ESTIMATORS[kind](logp.to(dtype), ref_logp.to(dtype), kl_exact),
+                           tuple(logp.shape), "one KL a token, (B, T) as logp")
 
 
 def final_score(score, ended=None, score_clip=None, non_stop_penalty=None):
@@ -272,7 +290,9 @@ def is_weights(old_logp, sampler_logp, mask, cfg):
     mask = _check_mask(mask, old_logp.shape)
     dtype = _float_dtype(old_logp, sampler_logp)
     log_r = torch.where(mask, old_logp.detach().to(dtype) - sampler_logp.detach().to(dtype), 0.0)  # (B, T)
-    w, cut = IS_CORRECTIONS[mode](log_r, mask, cfg)
+    w, cut = _check_returned(f"importance-weight mode {mode!r}", IS_CORRECTIONS[mode](log_r, mask, cfg),
+                             (tuple(mask.shape),) * 2, "(w, cut), a weight and a bool a token, (B, T) each as the mask")
+    cut = _check_mask(cut, mask.shape, f"the cut of importance-weight mode {mode!r}")  # a float 0/1 mask too
     return torch.where(mask, w, 0.0), cut & mask
 
 
@@ -424,11 +444,18 @@ ADVANTAGE_ESTIMATORS = {}  # name -> estimator function (its .critic says whethe
 def advantage_estimator(name, critic=False, groups=False, reads=None):
     """Decorator: registers an estimator under `name`, for --advantage_estimator=name. critic: it needs the critic's
     values; groups: it compares a prompt's samples, so the run needs --samples_per_prompt >= 2 (ppo.derive); reads:
-    which of ESTIMATOR_FLAGS it reads (None, a fork's default: it may read any; see estimator_unread)."""
+    which of ESTIMATOR_FLAGS it reads (None, a fork's default: it may read any; see estimator_unread). What is
+    registered, and returned, is fn with its result checked (_check_returned)."""
     def register(fn):
-        fn.critic, fn.groups, fn.reads = critic, groups, reads
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
+        @functools.wraps(fn)
+        def checked(score, kl_reward, values, mask, cfg):  # (adv, ret) as ppo.py reads them, or an error naming fn
+            want = (tuple(mask.shape), tuple(mask.shape) if critic else None)
+            return _check_returned(f"advantage estimator {name!r} ({fn.__qualname__})", fn(score, kl_reward, values,
+                                   mask, cfg), want, "(adv, ret): adv (B, T) as the mask; ret the critic's targets "
+                                   "(B, T) with critic=True, else None")
+        checked.critic, checked.groups, checked.reads = critic, groups, reads
+        ADVANTAGE_ESTIMATORS[name] = checked
+        return checked
     return register
 
 

@@ -189,7 +189,7 @@ class Run:
         return ("actor", "critic") if self.critic else ("actor",)
 
 
-# The range of every number in Config: derive refuses anything else by name (a float must also be finite).
+# Every number of Config has its range here but the signed four (derive: finite); outside it, or NaN/inf, is refused.
 LIMITS = {
     ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
@@ -209,8 +209,8 @@ def derive(cfg, rank, W, device):
     """The derived values of a run of W ranks, after checking every flag of the Config for it (a UsageError names
     the flag and what it expects); the files are checked next, by load_inputs, before any model loads."""
     for rule, names in LIMITS.items():
-        for k, v in ((k, getattr(cfg, k)) for k in names):
-            need(IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
+        for k, v in ((k, getattr(cfg, k)) for k in names):  # None: a fork's X | None field, off
+            need(v is None or IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
     for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):

@@ -65,6 +65,13 @@ def real_number(value):
     return kind in ("b", "i", "u", "f") if kind is not None else getattr(dtype, "is_complex", None) is False
 
 
+def _brief(record):
+    """A prompt record for a message, each field's value cut to 60 characters (a long prompt would hide the rest)."""
+    if not isinstance(record, dict):
+        return f"{record!r:.200}"
+    return "{" + ", ".join(f"{k!r}: {v!r:.60}" for k, v in record.items()) + "}"
+
+
 def python_name(fn):
     """How a run records a reward function passed from Python (ppo.main(cfg, reward_fn=fn)) in its config:
     "python:module.qualname", which a resume must give again; a functools.partial by its function's (with
@@ -129,17 +136,17 @@ class RewardCaller:
                     bad = True
                 if bad:
                     ok, value = False, FloatingPointError(f"returned {value!r:.40}, not a finite float32")
+            failed = (f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}) to the prompt "
+                      f"record {_brief(records[i])}: {value!r}")  # the record: which prompt lacks a field, say
             if not ok and self.on_error is None:
-                raise RuntimeError(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): "
-                                   f"{value!r}; --reward_on_error=X scores such responses X instead") from value
+                raise RuntimeError(f"{failed}; --reward_on_error=X scores such responses X instead") from value
             if not ok:
                 scores.append(float(self.on_error))
                 errors += 1
                 if type(value) not in self.reported:  # a function that fails on every call is not silent
                     self.reported.add(type(value))
-                    print(f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}): {value!r}; "
-                          f"scored --reward_on_error={self.on_error:g} (further {type(value).__name__}s are counted in "
-                          "val/reward_errors only)", flush=True)
+                    print(f"{failed}; scored --reward_on_error={self.on_error:g} (further {type(value).__name__}s are "
+                          "counted in val/reward_errors only)", flush=True)
             elif real_number(value):
                 scores.append(float(value))
             else:

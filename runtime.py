@@ -13,6 +13,8 @@ import shutil
 import signal
 import sys
 import time
+import types
+import typing
 from dataclasses import asdict, fields
 
 import torch
@@ -159,11 +161,17 @@ def run_command(config_cls, main, argv=None, name=None):
 
 def hold_to_types(cfg):
     """Each field of the dataclass cfg converted to its annotated type, or a UsageError naming the flag: fire reads
-    "--lr=1" as an int and "--model=7" as one."""
+    "--lr=1" as an int and "--model=7" as one. The types: bool, int, float, str, X | None of these (a fork's field too:
+    int | None was called as a type, a TypeError at every start), a tuple of ints, tuple[str, ...], tuple[float, float]."""
     for f in fields(cfg):
-        v, want = getattr(cfg, f.name), float if f.type == float | None else f.type
-        if v is None and f.type == float | None:
-            continue
+        v, want = getattr(cfg, f.name), f.type
+        if typing.get_origin(want) in (typing.Union, types.UnionType) and type(None) in typing.get_args(want):
+            if v is None:
+                continue
+            want = typing.Union[tuple(a for a in typing.get_args(want) if a is not type(None))]  # X of X | None
+        if want not in (bool, int, float, str, tuple, tuple[str, ...], tuple[float, float]):
+            raise TypeError(f"Config field {f.name}: type {f.type} is none that hold_to_types converts (bool, int, "
+                            "float, str, X | None of these, tuple of ints, tuple[str, ...], tuple[float, float])")
         if want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
             ok = all(isinstance(i, int) and not isinstance(i, bool) for i in v)

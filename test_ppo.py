@@ -2839,7 +2839,9 @@ def test_long_prompts_dropped_and_counted(tok_plain, tmp_path):
 
 BAD_LINES = {
     "malformed_json": ('{"prompt": "hi"', "not valid JSON"),
-    "not_an_object": ('["hi"]', "expected a JSON object"),
+    "not_an_object": ('["hi"]', "expected a JSON object, got list; JSONL is one JSON object a line, not an array"),
+    "indented_array": ("[", "not valid JSON (Expecting value, column 2); JSONL is one whole JSON object a line"),
+    "indented_object": ("{", "column 2); JSONL is one whole JSON object a line"),
     "missing_field": ('{"text": "hi"}', "missing field"),
     "prompt_not_string": ('{"prompt": 3}', "must be a non-empty string"),
     "prompt_empty": ('{"prompt": ""}', "must be a non-empty string"),
@@ -5764,6 +5766,48 @@ def test_is_weights_hand_computed():
         gae.is_weights(old_logp, sampler_logp[:, :3], mask, is_cfg())
 
 
+def test_a_forks_kl_estimator_or_importance_weight_of_the_wrong_shape_is_named():
+    # a fork's entry in KL_ESTIMATORS or IS_CORRECTIONS that gives one value a row (or a batch) where one a token is
+    # due: on a batch of as many rows as tokens (4 x 4) a (B,) result broadcast against the mask, each row's value
+    # spread down a column, and trained without a word (a run of 6 rows of 6 tokens); now refused by name
+    mask = _lengths_mask([4, 3, 1, 2], 4)
+    logp, ref = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)), -torch.rand(4, 4)
+    forks = {"seq_sum": lambda logp, ref_logp, kl_exact: (logp - ref_logp).sum(-1),
+             "batch_mean": lambda logp, ref_logp, kl_exact: (logp - ref_logp).mean(),
+             "abs_k1": lambda logp, ref_logp, kl_exact: (logp - ref_logp).abs()}
+
+    def seq_tis(log_r, mask, cfg):  # one weight a response, [:, None] forgotten
+        geo = (log_r.sum(-1) / mask.sum(-1)).exp()
+        return geo.clamp(max=cfg.is_cap), geo > cfg.is_cap
+
+    modes = {"seq_tis": seq_tis, "w_alone": lambda log_r, mask, cfg: log_r.exp(),
+             "sym_tis": lambda log_r, mask, cfg: (log_r.exp().clamp(1 / cfg.is_cap, cfg.is_cap), log_r.abs() > 0.5),
+             "float_cut": lambda log_r, mask, cfg: (log_r.exp(), (log_r.abs() > 0.5).float()),  # a 0/1 mask is one
+             "cut_half": lambda log_r, mask, cfg: (log_r.exp(), torch.full_like(log_r, 0.5))}
+    gae.KL_ESTIMATORS.update(forks)
+    gae.IS_CORRECTIONS.update(modes)
+    try:
+        for kind, got in (("seq_sum", (4,)), ("batch_mean", ())):
+            with pytest.raises(ValueError, match=re.escape(f"KL estimator '{kind}' returned {got}, expected (4, 4)")):
+                gae.shape_rewards(torch.zeros(4), logp, ref, mask, 0.1, kind)
+        torch.testing.assert_close(kl_estimate(logp, ref, "abs_k1"), (logp - ref).abs(), rtol=0, atol=0)
+        for mode, got in (("seq_tis", "((4,), (4,))"), ("w_alone", "(4, 4)")):
+            with pytest.raises(ValueError, match=re.escape(f"importance-weight mode '{mode}' returned {got}, expected "
+                                                           "((4, 4), (4, 4))")):
+                gae.is_weights(logp, ref, mask, is_cfg(mode))
+        w, cut = gae.is_weights(logp, ref, mask, is_cfg("sym_tis"))
+        r = (logp - ref).exp()
+        assert torch.equal(w, torch.where(mask, r.clamp(0.5, 2.0), 0.0)) and torch.equal(cut, mask & (r.log().abs() > 0.5))
+        assert torch.equal(gae.is_weights(logp, ref, mask, is_cfg("float_cut"))[1], cut)  # (it failed in cut & mask)
+        with pytest.raises(ValueError, match="the cut of importance-weight mode 'cut_half' must hold only 0 and 1"):
+            gae.is_weights(logp, ref, mask, is_cfg("cut_half"))
+    finally:
+        for k in forks:
+            del gae.KL_ESTIMATORS[k]
+        for k in modes:
+            del gae.IS_CORRECTIONS[k]
+
+
 # ---- shaped rewards ---------------------------------------------------------
 
 
@@ -6156,22 +6200,26 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         assert time.time() - t0 < 10, "waited for a call it had given up"
     capsys.readouterr()
     caller = RewardCaller(flaky, on_error=-2)
-    assert caller([{}] * 3, ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
+    assert caller([{"q": 0}, {"q": 1, "answer": "z" * 70}, {}], ["ok", "bad", "ok"]) == ([1.0, -2.0, 1.0], 1)  # in series
     assert caller([{}] * 2, ["bad", "bad"]) == ([-2.0, -2.0], 2)
-    said = capsys.readouterr().out.splitlines()  # each kind of failure printed once, the first time
+    said = capsys.readouterr().out.splitlines()  # each kind of failure printed once, the first time, with its record
     assert said == ["reward function test_reward_caller_threads_timeouts_and_errors.<locals>.flaky failed on response 1 "
-                    "('bad'): ConnectionError('judge unreachable'); scored --reward_on_error=-2 (further "
-                    "ConnectionErrors are counted in val/reward_errors only)"], said
+                    f"('bad') to the prompt record {{'q': 1, 'answer': '{'z' * 59}}}: ConnectionError('judge "
+                    "unreachable'); scored --reward_on_error=-2 (further ConnectionErrors are counted in "
+                    "val/reward_errors only)"], said
     def kinds(record, response):
         raise {"v": ValueError, "k": KeyError}[response](response)
 
     assert RewardCaller(kinds, on_error=0.0)([{}] * 4, ["v", "k", "v", "k"]) == ([0.0] * 4, 4)
     said = capsys.readouterr().out  # each kind once: the first ValueError and the first KeyError
-    assert re.findall(r"failed on response (\d) \('(\w)'\): (\w+)", said) == [("0", "v", "ValueError"), ("1", "k", "KeyError")]
-    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\): "
-                                           r"ConnectionError\('judge unreachable'\); --reward_on_error"):
-        RewardCaller(flaky)([{}] * 2, ["ok", "bad"])
-    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\): TimeoutError\('no result after 0.2 s'\)"):
+    assert re.findall(r"failed on response (\d) \('(\w)'\) to the prompt record \{\}: (\w+)", said) == [
+        ("0", "v", "ValueError"), ("1", "k", "KeyError")]
+    with pytest.raises(RuntimeError, match=r"reward function test_reward_caller.*flaky failed on response 1 \('bad'\) to "
+                                           r"the prompt record \{'id': 7\}: ConnectionError\('judge unreachable'\); "
+                                           r"--reward_on_error"):
+        RewardCaller(flaky)([{}, {"id": 7}], ["ok", "bad"])
+    with pytest.raises(RuntimeError, match=r"flaky failed on response 0 \('slow'\) to the prompt record \{\}: "
+                                           r"TimeoutError\('no result after 0.2 s'\)"):
         RewardCaller(flaky, 2, timeout=0.2)([{}], ["slow"])
     # what is not a number is the function's bug: raised, whatever on_error says
     import numpy as np
@@ -6193,7 +6241,8 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
     def nan_on_bad(record, response):
         return float("nan") if response == "bad" else float("-inf") if response == "worse" else 1.0
 
-    with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\): FloatingPointError\('returned "
+    with pytest.raises(RuntimeError, match=r"nan_on_bad failed on response 1 \('bad'\) to the prompt record \{\}: "
+                                           r"FloatingPointError\('returned "
                                            r"nan, not a finite float32'\); --reward_on_error"):
         RewardCaller(nan_on_bad)([{}] * 2, ["ok", "bad"])
     assert RewardCaller(nan_on_bad, 2, on_error=0.0)([{}] * 3, ["bad", "ok", "worse"]) == ([0.0, 1.0, 0.0], 2)
@@ -6226,7 +6275,7 @@ def test_reward_caller_threads_timeouts_and_errors(capsys):
         done.start()
         done.join(10)
         assert out == [([-1.0, 1.0, -1.0], 2)], (workers, timeout)
-    with pytest.raises(RuntimeError, match=r"exits failed on response 0 \('exit'\): SystemExit\(1\)"):
+    with pytest.raises(RuntimeError, match=r"exits failed on response 0 \('exit'\) to the prompt record \{\}: SystemExit\(1\)"):
         RewardCaller(exits, 2)([{}], ["exit"])
 
     def interrupted(record, response):
@@ -6284,7 +6333,7 @@ def test_reward_caller_accepts_one_real_number():
     # the largest float32 is a score; the next double is beyond float32, a failed call (named, the error its cause)
     big = [FLOAT32_MAX, -FLOAT32_MAX, math.nextafter(FLOAT32_MAX, math.inf), -math.nextafter(FLOAT32_MAX, math.inf)]
     assert RewardCaller(lambda r, t: big[int(t)], on_error=0.0)([{}] * 4, "0123") == ([FLOAT32_MAX, -FLOAT32_MAX, 0.0, 0.0], 2)
-    with pytest.raises(RuntimeError, match=r"failed on response 1 \('3'\): FloatingPointError") as e:
+    with pytest.raises(RuntimeError, match=r"failed on response 1 \('3'\) to the prompt record \{\}: FloatingPointError") as e:
         RewardCaller(lambda r, t: big[int(t)])([{}] * 2, "03")
     assert isinstance(e.value.__cause__, FloatingPointError)
     # the settings: a callable, an int >= 1 of workers (not a bool), a timeout >= 0 (not NaN)
@@ -8110,6 +8159,54 @@ def test_a_group_estimator_of_a_fork_is_refused_without_groups():
     finally:
         del gae.ADVANTAGE_ESTIMATORS["median_of_group"]
     assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "rloo"]
+
+
+def test_a_forks_advantage_estimator_that_returns_the_wrong_shapes_is_named():
+    # ppo.py reads an estimator's (adv, ret) as (B, T) each, ret None without a critic. A fork's adv of one value a
+    # row broadcast against the micro-batch's mask, silently where its rows were as many as its tokens (6 x 6:
+    # trained on each row's advantage spread down a column); a lone adv, or targets without a critic, failed
+    # later in ppo.py (unpacking, or KeyError 'values'). Each is now named with the estimator
+    import gae
+    import ppo
+
+    B, T, cfg = 6, 6, ppo.Config(samples_per_prompt=2)
+    mask, score = _lengths_mask([6, 5, 6, 2, 6, 4], T), torch.arange(B, dtype=torch.float32)
+
+    def group_sign(score, cfg):
+        s = score.view(-1, cfg.samples_per_prompt)
+        return torch.sign(s - s.mean(1, keepdim=True)).flatten()  # (B,)
+
+    slips = {"per_row": lambda score, kl_reward, values, mask, cfg: (group_sign(score, cfg), None),
+             "adv_alone": lambda score, kl_reward, values, mask, cfg: torch.where(mask, group_sign(score, cfg)[:, None], 0.0),
+             "ret_without_critic": lambda score, kl_reward, values, mask, cfg: (kl_reward, kl_reward)}
+    got = {"per_row": "((6,), None)", "adv_alone": "(6, 6)", "ret_without_critic": "((6, 6), (6, 6))"}
+    try:
+        for name, fn in slips.items():
+            gae.advantage_estimator(name, groups=True)(fn)
+            with pytest.raises(ValueError, match=re.escape(f"advantage estimator '{name}' (test_a_forks_advantage_"
+                                                           f"estimator_that_returns_the_wrong_shapes_is_named.<locals>"
+                                                           f".<lambda>) returned {got[name]}, expected ((6, 6), None)")):
+                gae.ADVANTAGE_ESTIMATORS[name](score, torch.zeros(B, T), None, mask, cfg)
+
+        @gae.advantage_estimator("needs_targets", critic=True)
+        def no_targets(score, kl_reward, values, mask, cfg):
+            return values, None
+
+        with pytest.raises(ValueError, match=re.escape("'needs_targets' (test_a_forks_advantage_estimator_that_returns_"
+                                                       "the_wrong_shapes_is_named.<locals>.no_targets) returned ((6, 6), "
+                                                       "None), expected ((6, 6), (6, 6))")):
+            gae.ADVANTAGE_ESTIMATORS["needs_targets"](score, torch.zeros(B, T), torch.ones(B, T), mask, cfg)
+        # the README's estimator passes through as it returned, and keeps its registration
+        @gae.advantage_estimator("sign", groups=True)
+        def sign_advantages(score, kl_reward, values, mask, cfg):
+            return torch.where(mask, group_sign(score, cfg)[:, None], 0.0), None
+
+        adv, ret = sign_advantages(score, torch.zeros(B, T), None, mask, cfg)
+        assert ret is None and torch.equal(adv, torch.where(mask, torch.tensor([-1.0, 1.0] * 3)[:, None], 0.0))
+        assert sign_advantages.groups and not sign_advantages.critic and gae.ADVANTAGE_ESTIMATORS["sign"] is sign_advantages
+    finally:
+        for name in (*slips, "needs_targets", "sign"):
+            gae.ADVANTAGE_ESTIMATORS.pop(name, None)
 
 
 @slow
@@ -9982,6 +10079,53 @@ def test_flags_are_held_to_their_types():
     assert (cfg.non_stop_penalty, cfg.total_steps, cfg.wandb, cfg.lora_targets, cfg.stop_token_ids) == (
         None, 3, True, ("q_proj", "v_proj"), (5, 6))
     assert cfg.is_band == (1.0, 2.0) and all(type(v) is float for v in cfg.is_band) and cfg.wandb_project == "12"
+
+
+def test_a_forks_optional_config_field_is_held_to_its_type(monkeypatch):
+    # a fork's Config field of int | None or str | None (Optional[...] too) takes None or a value of its type, as
+    # non_stop_penalty's float | None does; the int | None was called as a type, a TypeError at every start of
+    # the forked ppo.py, whatever the flags. A type it cannot convert is named with its field
+    import dataclasses
+    import typing
+
+    @dataclasses.dataclass
+    class Forked:
+        n: int | None = None
+        name: str | None = None
+        k: typing.Optional[int] = None  # the older spelling, as a fork may write it
+        x: float | None = None
+
+        def __post_init__(self):
+            runtime.hold_to_types(self)
+
+    assert dataclasses.astuple(Forked()) == (None, None, None, None)
+    got = Forked(n=3, name=7, k=2, x=1)  # what fire hands over for --n=3 --name=7 --k=2 --x=1
+    assert dataclasses.astuple(got) == (3, "7", 2, 1.0) and type(got.x) is float and type(got.name) is str
+    for kw, match in ((dict(n=2.5), "--n=2.5: expected int"), (dict(n=True), "--n=True: expected int"),
+                      (dict(k="two"), "--k='two': expected int"), (dict(x="a"), "--x='a': expected float")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            Forked(**kw)
+
+    @dataclasses.dataclass
+    class Unheld:
+        lows: tuple[float, ...] = ()
+
+        def __post_init__(self):
+            runtime.hold_to_types(self)
+
+    with pytest.raises(TypeError, match=re.escape("Config field lows: type tuple[float, ...] is none that hold_to_types "
+                                                  "converts")):
+        Unheld()
+    # such a field's range in ppo.LIMITS holds for a value, and None is off (it was compared, a TypeError at every
+    # start at the default): non_stop_penalty, a float | None, stands in for the fork's field
+    import ppo
+
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(ppo.LIMITS, ">= 0", ppo.LIMITS[">= 0"] + ("non_stop_penalty",))
+    ppo.derive(ppo.Config(), 0, 1, cpu)
+    ppo.derive(ppo.Config(non_stop_penalty=0.5), 0, 1, cpu)
+    with pytest.raises(UsageError, match=re.escape("--non_stop_penalty must be >= 0, not -1.0")):
+        ppo.derive(ppo.Config(non_stop_penalty=-1), 0, 1, cpu)
 
 
 def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
