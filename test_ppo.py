@@ -4280,6 +4280,73 @@ def test_compile_report_counts_spills_inside_loops_only():
         "1 spill accesses in innermost loops"]
 
 
+class _LaunchSeen(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", ["default", "small"])
+def test_aot_launches_are_the_cuda_launchers_arguments(monkeypatch, dtype, chunk):
+    # aot compiles each kernel for the arguments launches() gives Triton's binder, which specialises the code on
+    # them (integers equal to 1 or divisible by 16, pointer dtypes, constexprs): they must be the arguments the
+    # three ops' launchers pass on CUDA. Each public op runs here with every kernel replaced by a stub that records
+    # its launch (the backwards' first vocab chunk), the split count as on an H100's 132 SMs. N and V divide by no
+    # tile; V spans one backward chunk (defaults: the chunk, 3072 or 3008 columns, is wider than V: the dz row
+    # stride is the chunk's, V the end column) or six (small: 512-column chunks)
+    from kernels import aot, kl as klm, logprob_entropy as lpe, utils
+    N, H, V = 1000, 64, 3001
+    cfg = None if chunk == "default" else TileConfig(gpu_chunk_elems=N * 512)
+    kernels = {"logprob+entropy fwd": (lpe, "_logprob_entropy_fwd_kernel"),
+               "logprob+entropy bwd": (lpe, "_logprob_entropy_bwd_kernel"), "kl fwd": (klm, "_kl_fwd_kernel"),
+               "kl bwd": (klm, "_kl_bwd_kernel"), "score fwd": (klm, "_score_fwd_kernel"),
+               "score bwd": (klm, "_score_bwd_kernel")}
+
+    def described(name, args, kwargs):  # tensors by dtype; the interpreter's UPCAST flags left out
+        args = [("ptr", a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        if name.endswith("bwd"):  # dz: float32 off CUDA, the weight dtype on CUDA (utils.triton_backward)
+            dz = max(i for i, a in enumerate(args) if isinstance(a, tuple))
+            args[dz] = "dz"
+        return args, {k: v for k, v in kwargs.items() if not k.endswith("UPCAST")}
+
+    want = {}
+    for name, kernel, args, kwargs in aot.launches(dtype, N, H, V, cfg, cfg):
+        assert kernel is getattr(*kernels[name]), name
+        if name.endswith("bwd"):
+            assert [a for a in args if isinstance(a, torch.Tensor)][-1].dtype == dtype, name  # dz as on CUDA
+        want[name] = described(name, args, kwargs)
+
+    seen = {}
+
+    class InterpretedFunction:  # the name kernels.utils.interpreted reads: backend="triton" runs on CPU tensors
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = described(self.name, args, kwargs)
+                if self.name.endswith("bwd"):
+                    raise _LaunchSeen  # the first chunk's launch is enough
+            return launch
+
+    for name, (module, attr) in kernels.items():
+        monkeypatch.setattr(module, attr, InterpretedFunction(name))
+    for module in (lpe, klm):
+        monkeypatch.setattr(module, "vocab_splits", lambda c, device, n, v: utils.vocab_splits(
+            c, torch.device("cuda"), n, v, sms=aot.H100_SMS))
+    hidden, weight, labels = make(N, H, V, dtype=dtype)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=1)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    for op in (lambda: linear_logprob_entropy(h, w, labels, backend="triton", config=cfg)[0],
+               lambda: linear_kl(h, w, ref_hidden, ref_weight, backend="triton", config=cfg),
+               lambda: linear_logprob_entropy_kl(h, w, labels, ref_hidden, ref_weight, backend="triton", config=cfg)[3]):
+        out = op()
+        with pytest.raises(_LaunchSeen):
+            out.sum().backward()
+    assert seen.keys() == want.keys()
+    for name in want:
+        assert seen[name] == want[name], name
+
+
 # -----------------------------------------------------------------------------
 # label check and the label term of the torch backward
 
