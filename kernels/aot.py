@@ -27,8 +27,8 @@ import torch
 
 from kernels import kl, logprob_entropy
 from kernels.kl import DEFAULT_KL_CONFIG
-from kernels.utils import (DEFAULT_CONFIG, TileConfig, default_config, dot_precision, interpreted, pipeline_stages,
-                           vocab_chunk, vocab_splits)
+from kernels.utils import (DEFAULT_CONFIG, TileConfig, cdiv, default_config, dot_precision, interpreted,
+                           pipeline_stages, vocab_chunk, vocab_splits)
 
 H100_SMS = 132
 H100_SMEM = 227 * 1024  # the most shared memory one block may hold on sm_90
@@ -216,18 +216,20 @@ def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None) -> list:
 
 
 def report(N=16384, H=4096, V=128256, candidates=CANDIDATES):
-    """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one, then the candidate
-    tiles in bf16 (all three ops), one row per launch."""
+    """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one (N and N + 7, or N rounded up
+    to 16 and N where N is ragged: the binder compiles one variant for each), then the candidate tiles in bf16 (all
+    three ops) at the first, one row per launch."""
     import triton
-    print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={N}, H={H}, V={V}. "
-        "regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in loops / in "
-        "innermost loops)")
+    aligned, ragged = (N, N + 7) if N % 16 == 0 else (cdiv(N, 16) * 16, N)
+    print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={aligned} (ragged: {ragged}), "
+        f"H={H}, V={V}. regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in "
+        "loops / in innermost loops)")
     head = (f"{'tiles':9s} {'dtype':5s} {'rows':7s} {'kernel':20s} {'n,v,h':11s} {'warps':>5s} {'stages':>6s} "
             f"{'regs':>4s} {'stack':>5s} {'shared':>6s} {'HGMMA':>5s} {'LDGSTS':>6s} {'local':>12s}  problems")
     print(head)
     print("-" * len(head))
-    runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (N, N + 7)]
-    runs += [("candidate", "bf16", N, tiles(*c)) for c in candidates]
+    runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (aligned, ragged)]
+    runs += [("candidate", "bf16", aligned, tiles(*c)) for c in candidates]
     for label, dt, n, cfg in runs:
         for r in compile_report(TRITON_DTYPES[dt], n, H, V, cfg, cfg):
             local = f"{r['local']} ({r['local_in_loops']}/{r['local_in_inner']})"
