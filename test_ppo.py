@@ -3915,6 +3915,81 @@ def test_triton_backward_chunk_is_never_wider_than_the_vocabulary():
                 assert vc % cfg.block_v == 0 and vc <= cdiv(V, cfg.block_v) * cfg.block_v, (cfg, N, V, vc)
 
 
+def test_vocab_splits_of_the_forwards_on_an_h100():
+    # the Triton forwards' grid over the vocabulary: about 4 programs an SM and at least 16 splits, no more than the
+    # vocab tiles, each a whole number of BLOCK_V tiles and each owning a column; one split off CUDA; an explicit
+    # num_splits capped at the tiles. By hand at an H100's 132 SMs (aot.H100_SMS), Llama-3's V = 128256
+    from dataclasses import replace
+    from kernels.utils import vocab_splits
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, fp32 = DEFAULT_CONFIG, default_config(torch.float32)  # 128 x 128 tiles; 32 rows x 64 columns
+    # 16384 rows: 128 row blocks, 4 x 132 / 128 = 5 splits, raised to 16: 8016 columns, 63 tiles of 128
+    assert vocab_splits(bf16, cuda, 16384, 128256, sms=132) == (16, 8064)
+    assert vocab_splits(bf16, cuda, 16391, 128256, sms=132) == (16, 8064)  # 129 row blocks
+    assert vocab_splits(fp32, cuda, 16384, 128256, sms=132) == (16, 8064)  # 126 tiles of 64
+    # 1000 rows: 8 row blocks, 528 / 8 = 66 splits of 1944 columns, rounded up to 16 tiles: 63 splits own a column
+    assert vocab_splits(bf16, cuda, 1000, 128256, sms=132) == (63, 2048)
+    # one row: 528 splits of 243 columns, 2 tiles each: 501 splits
+    assert vocab_splits(bf16, cuda, 1, 128256, sms=132) == (501, 256)
+    assert vocab_splits(bf16, cuda, 1, 128256, sms=8) == (32, 4096)  # 32 programs: 31.3 tiles a split, 32
+    # a vocabulary of fewer columns than a tile, and of three tiles: one split a tile
+    assert vocab_splits(bf16, cuda, 1, 50, sms=132) == (1, 128)
+    assert vocab_splits(bf16, cuda, 1, 300, sms=132) == (3, 128)
+    # off CUDA one split (a row's merge order then depends on V alone); an explicit count, at most the tiles
+    assert vocab_splits(bf16, cpu, 16384, 1000) == (1, 1024)
+    assert vocab_splits(replace(bf16, num_splits=3), cpu, 5, 1000) == (3, 384)
+    assert vocab_splits(replace(bf16, num_splits=7), cuda, 5, 1000, sms=132) == (4, 256)  # 2 tiles of 8 a split
+    assert vocab_splits(replace(bf16, num_splits=5), cpu, 5, 300) == (3, 128)
+    for cfg in (bf16, fp32, DEFAULT_KL_CONFIG, TILES):
+        for device in (cuda, cpu):
+            for N in (1, 7, 128, 1000, 16391):
+                for V in (1, 50, 127, 128, 129, 3001, 128256):
+                    splits, per = vocab_splits(cfg, device, N, V, sms=132)
+                    assert per % cfg.block_v == 0 and (splits - 1) * per < V <= splits * per, (cfg, N, V)
+                    assert splits <= cdiv(V, cfg.block_v), (cfg, N, V)
+
+
+def test_pipeline_stages_fit_the_operand_tiles_in_shared_memory():
+    # a stage holds a (BLOCK_N, BLOCK_H) and a (BLOCK_H, BLOCK_V) operand tile a pair; the stages asked for are
+    # lowered until they fit SMEM_BUDGET (160 KiB). The README's stages: bf16 3, the KL 3, the one pass 2, fp32 2
+    from dataclasses import replace
+    from kernels.utils import SMEM_BUDGET, pipeline_stages
+    assert pipeline_stages(DEFAULT_CONFIG, 2) == 3  # 32 KiB a stage
+    assert pipeline_stages(DEFAULT_KL_CONFIG, 2, 2) == 3  # 128 x 64 tiles, two pairs: 48 KiB a stage
+    assert pipeline_stages(DEFAULT_CONFIG, 2, 2) == 2  # the one pass: 64 KiB a stage, 3 of them over the budget
+    fp32 = default_config(torch.float32)
+    assert pipeline_stages(fp32, 4) == pipeline_stages(fp32, 4, 2) == 2  # 12 KiB a stage a pair
+    # float32 at the bf16 tiles: 64 KiB a stage; the KL's two pairs of 128 x 64: 96 KiB, one stage
+    assert pipeline_stages(DEFAULT_CONFIG, 4) == 2 and pipeline_stages(DEFAULT_KL_CONFIG, 4, 2) == 1
+    # at the budget exactly the stages stay: (512 + 128) x 64 x 2 bytes = 80 KiB, two stages 160 KiB
+    edge = TileConfig(block_n=512, block_v=128, block_h=64, num_stages=3)
+    assert 2 * (512 + 128) * 64 * 2 == SMEM_BUDGET and pipeline_stages(edge, 2) == 2
+    assert pipeline_stages(replace(edge, num_stages=2), 2) == 2
+    # never below one stage, nor above the stages asked for
+    assert pipeline_stages(TileConfig(block_n=1024, block_v=1024, block_h=256, num_stages=4), 4, 2) == 1
+    assert pipeline_stages(replace(DEFAULT_CONFIG, num_stages=1), 2) == 1
+    assert pipeline_stages(replace(fp32, num_stages=5), 2) == 5
+
+
+def test_default_tiles_per_dtype():
+    # the README's table: half inputs 128 x 128 x 64 tiles, 8 warps, 3 stages, the KL 128 x 64 with 4 warps; float32
+    # its own spill-free 32 x 64 x 32, 4 warps, 2 stages, for every op; nothing else changes with the dtype
+    from dataclasses import replace
+
+    def tiles(c):
+        return c.block_n, c.block_v, c.block_h, c.num_warps, c.num_stages
+
+    assert tiles(DEFAULT_CONFIG) == (128, 128, 64, 8, 3) and tiles(DEFAULT_KL_CONFIG) == (128, 64, 64, 4, 3)
+    for base in (DEFAULT_CONFIG, DEFAULT_KL_CONFIG):
+        for dt in (torch.bfloat16, torch.float16):
+            assert default_config(dt, base) == base
+        fp32 = default_config(torch.float32, base)
+        assert tiles(fp32) == (32, 64, 32, 4, 2)
+        assert replace(fp32, **{f: getattr(base, f) for f in ("block_n", "block_v", "block_h", "num_warps",
+                                                              "num_stages")}) == base
+    assert default_config(torch.bfloat16) == DEFAULT_CONFIG
+
+
 def test_chunk_width_is_a_function_of_the_config_only():
     for cfg, n_models in ((DEFAULT_CONFIG, 1), (DEFAULT_KL_CONFIG, 2), (SMALL, 1), (SMALL, 2), (SMALL_ODD, 1)):
         for V in (203, 49152, 151936):
@@ -4345,6 +4420,213 @@ def test_aot_launches_are_the_cuda_launchers_arguments(monkeypatch, dtype, chunk
     assert seen.keys() == want.keys()
     for name in want:
         assert seen[name] == want[name], name
+
+
+def test_aot_report_compiles_both_row_specialisations_and_prints_each_launch(monkeypatch, capsys):
+    # report(): the defaults in bf16 and fp32 at a row count divisible by 16 and a ragged one (the binder's two
+    # variants), then each candidate's tiles for every op in bf16 at the aligned count; one line a launch, its
+    # numbers under the header's columns. A ragged N (--gpu_n 1000) gave two ragged rows and no aligned one
+    from kernels import aot
+    calls = []
+    row = dict(kernel="kl fwd", tiles=(128, 64, 64), warps=4, stages=3, regs=255, stack=80, shared=73728, hgmma=16,
+               ldgsts=72, local=40, local_in_loops=20, local_in_inner=0, problems=[])
+
+    def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None):
+        calls.append((dtype, N, H, V, cfg, kl_cfg, only))
+        return [row, {**row, "kernel": "score fwd", "shared": 65536 + 600, "problems": ["a", "b"]}]
+
+    monkeypatch.setattr(aot, "compile_report", compile_report)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for N, aligned, ragged in ((16384, 16384, 16391), (1000, 1008, 1000), (16391, 16400, 16391)):
+        calls.clear()
+        aot.report(N=N, H=4096, V=128256, candidates=aot.CANDIDATES[:2])
+        c0, c1 = aot.tiles(*aot.CANDIDATES[0]), aot.tiles(*aot.CANDIDATES[1])
+        assert c0.block_v == 128 and c1.num_stages == 4 and c0.num_stages == 3
+        assert calls == [(bf16, aligned, 4096, 128256, None, None, None), (bf16, ragged, 4096, 128256, None, None, None),
+                         (fp32, aligned, 4096, 128256, None, None, None), (fp32, ragged, 4096, 128256, None, None, None),
+                         (bf16, aligned, 4096, 128256, c0, c0, None), (bf16, aligned, 4096, 128256, c1, c1, None)]
+        out = capsys.readouterr().out.splitlines()
+        assert f"N={aligned} (ragged: {ragged}), H=4096, V=128256" in out[0]
+        head, lines = out[1].split(), [line.split() for line in out[3:]]
+        assert head == ["tiles", "dtype", "rows", "kernel", "n,v,h", "warps", "stages", "regs", "stack", "shared",
+                        "HGMMA", "LDGSTS", "local", "problems"]
+        assert [(x[0], x[1], x[2]) for x in lines[::2]] == [
+            ("default", "bf16", "aligned"), ("default", "bf16", "ragged"), ("default", "fp32", "aligned"),
+            ("default", "fp32", "ragged"), ("candidate", "bf16", "aligned"), ("candidate", "bf16", "aligned")]
+        # (the kernel's name is two words)
+        assert lines[0][3:] == ["kl", "fwd", "128,64,64", "4", "3", "255", "80", "72", "16", "72", "40", "(20/0)", "-"]
+        assert lines[1][3:] == ["score", "fwd", "128,64,64", "4", "3", "255", "80", "65", "16", "72", "40", "(20/0)", "a;",
+                                "b"]  # 65 KiB: 64.6 rounded
+        assert len(out[1]) == len(out[2]) and out[3].index("(20/0)") + len("(20/0)") == out[1].index("local") + 5
+
+
+def test_kernels_benchmark_arguments(monkeypatch):
+    # python -m kernels: the README's CPU table (N=4096, H=576, V=49152, best of 2 rounds, both ops and dtypes), the
+    # GPU's (N=16384, median of 5 calls), --target's report at --gpu_n rows, refused without a compiled Triton (the
+    # tests' interpreter) as --device cuda is without a GPU
+    import kernels.__main__ as km
+    seen = {}
+    for name in ("cpu_table", "cuda_table", "cpu_worker"):
+        monkeypatch.setattr(km, name, lambda a, name=name: seen.update({name: a}))
+    monkeypatch.setattr(km.aot, "report", lambda **kw: seen.update(report=kw))
+
+    def main(*argv):
+        seen.clear()
+        monkeypatch.setattr(sys, "argv", ["kernels", *argv])
+        km.main()
+        return seen
+
+    a = main()["cpu_table"]
+    assert (a.n, a.h, a.v, a.rounds, a.ops, a.dtypes) == (4096, 576, 49152, 2, ["logprob+entropy", "kl"],
+                                                         ["float32", "bfloat16"])
+    a = main("--ops", "kl", "--dtypes", "bfloat16", "--n", "7", "--rounds", "1")["cpu_table"]
+    assert (a.n, a.rounds, a.ops, a.dtypes) == (7, 1, ["kl"], ["bfloat16"])
+    assert main("--worker", '{"op": "kl"}') == {"cpu_worker": {"op": "kl"}}
+    with pytest.raises(SystemExit, match="--target: needs a compiled"):
+        main("--target", "sm_90")
+    with pytest.raises(SystemExit):  # no other target
+        main("--target", "sm_80")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        main("--device", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    a = main("--device", "cuda")["cuda_table"]
+    assert (a.gpu_n, a.repeat, a.tiles, a.ops) == (16384, 5, False, ["logprob+entropy", "kl"])
+    assert main("--device", "cuda", "--tiles", "--gpu_n", "512")["cuda_table"].tiles
+    monkeypatch.setattr(km.aot, "available", lambda: True)
+    assert main("--target", "sm_90", "--gpu_n", "1000") == {"report": dict(N=1000)}
+    assert main("--target", "sm_90") == {"report": dict(N=16384)}
+
+
+def test_kernels_benchmark_cpu_table_keeps_the_best_time_and_the_largest_peak(monkeypatch, capsys):
+    # each cell runs in a fresh worker process once a round; the table shows the best time and the largest peak of
+    # its rounds, and the ratio row fused / naive of each column
+    import kernels.__main__ as km
+    from types import SimpleNamespace
+    specs = []
+
+    def run(cmd, **kw):
+        spec = json.loads(cmd[cmd.index("--worker") + 1])
+        assert cmd[:3] == [sys.executable, "-m", "kernels"] and spec["N"] == 64 and spec["V"] == 99
+        specs.append(spec)
+        r = sum(s == spec for s in specs)  # this cell's round, 1 or 2
+        t = {"naive": 4.0, "fused": 1.0}[spec["impl"]] * (2 if spec["pass"] == "fwd+bwd" else 1) * (3 - r)
+        mb = {"naive": 400.0, "fused": 10.0}[spec["impl"]] * (2 if spec["pass"] == "fwd+bwd" else 1) * r
+        return SimpleNamespace(returncode=0, stdout=f"noise\n{json.dumps(dict(time_s=t, peak_mb=mb))}\n", stderr="")
+
+    monkeypatch.setattr(km.subprocess, "run", run)
+    km.cpu_table(SimpleNamespace(n=64, h=8, v=99, rounds=2, ops=["kl"], dtypes=["bfloat16"]))
+    assert len(specs) == 8 and {(s["op"], s["dtype"], s["H"]) for s in specs} == {("kl", "bfloat16", 8)}
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:6]]
+    # best time: round 2's (1 x), largest peak: round 2's (2 x)
+    assert rows[0] == ["kl", "bfloat16", "naive", "4.00", "800", "8.00", "1600"]
+    assert rows[1] == ["kl", "bfloat16", "fused", "1.00", "20", "2.00", "40"]
+    assert rows[2] == ["bfloat16", "ratio", "0.25", "0.025", "0.25", "0.025"]
+    monkeypatch.setattr(km.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stdout="", stderr="boom"))
+    with pytest.raises(RuntimeError, match="benchmark worker .* failed:\nboom"):
+        km.cpu_table(SimpleNamespace(n=64, h=8, v=99, rounds=1, ops=["kl"], dtypes=["bfloat16"]))
+
+
+@pytest.mark.parametrize("op", ["logprob+entropy", "kl"])
+def test_kernels_benchmark_inputs_and_naive_paths(op):
+    # the benchmark's inputs (labels in [0, V), per-token upstream gradients, a reference near the actor), its
+    # naive GPU path (a matmul, float32 logits) against the float64 references, and step(): forward under no_grad,
+    # or forward and backward with the upstream gradients, the grads cleared after
+    import kernels.__main__ as km
+    N, H, V = 37, 16, 203
+    inputs, grads = km.make_inputs(op, N, H, V, torch.float64, "cpu", True)
+    hidden, weight = inputs[:2]
+    assert hidden.shape == (N, H) and weight.shape == (V, H) and hidden.requires_grad and weight.requires_grad
+    assert len(grads) == (2 if op == "logprob+entropy" else 1) and all(g.shape == (N,) for g in grads)
+    if op == "logprob+entropy":
+        labels = inputs[2]
+        assert labels.min() >= 0 and labels.max() < V and len(labels.unique()) > N // 2
+        ref = linear_logprob_entropy_reference(hidden.detach(), weight.detach(), labels)
+    else:
+        assert not inputs[2].requires_grad and (inputs[2] - hidden).abs().max() < 1.0
+        ref = (linear_kl_reference(hidden.detach(), weight.detach(), *inputs[2:]),)
+        assert (ref[0] > 0).all()
+    naive = km.naive_gpu(op)(*(t.detach() for t in inputs))
+    naive = naive if isinstance(naive, tuple) else (naive,)
+    for a, b in zip(naive, ref, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    assert km.implementation(op, "naive", "cpu") is (linear_logprob_entropy_reference if op == "logprob+entropy"
+                                                     else linear_kl_reference)
+    assert km.implementation(op, "fused", "cpu") is (linear_logprob_entropy if op == "logprob+entropy" else linear_kl)
+
+    got = {}
+
+    def fn(*args):
+        got["grad_enabled"] = torch.is_grad_enabled()
+        outs = km.implementation(op, "naive", "cpu")(*args)
+        return outs
+
+    km.step(fn, inputs, grads, backward=False)
+    assert not got["grad_enabled"] and hidden.grad is None
+    seen = []
+    hidden.register_hook(lambda g: seen.append(g))
+    km.step(fn, inputs, grads, backward=True)
+    assert got["grad_enabled"] and hidden.grad is None and weight.grad is None
+    outs = fn(*inputs)
+    want = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), hidden, grads)[0]
+    assert torch.equal(seen[0], want)
+
+
+def test_kernels_benchmark_worker_process():
+    # one CPU cell as cpu_table runs it: a fresh `python -m kernels --worker` process that times one call and reports
+    # its peak resident memory above the inputs (VmHWM reset just before the call) as JSON on its last line
+    spec = dict(op="kl", impl="fused", dtype="bfloat16", N=300, H=64, V=4099, **{"pass": "fwd+bwd"})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "kernels", "--worker", json.dumps(spec)], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out.keys() == {"time_s", "peak_mb"} and 0 < out["time_s"] < 60
+    assert 0 < out["peak_mb"] < 1000, out  # (a fresh process's first call also allocates oneDNN's and torch's own)
+
+
+def test_aot_machine_code_report_reads_cuobjdump(monkeypatch):
+    # the registers and stack of the kernel's own block of cuobjdump's resource report, the dynamic shared memory
+    # from the compiled kernel; wgmma, asynchronous copies and local-memory accesses counted in the SASS, whose
+    # lines end with the instruction's encoding; other loads and stores (LDS, STS, LDG, LDGDEPBAR) are none of them
+    from types import SimpleNamespace
+    from kernels import aot
+    usage = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _kl_fwd_kernel:
+  REG:239 STACK:80 SHARED:1024 LOCAL:0 CONSTANT[0]:620 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    sass = """
+        Function : _kl_fwd_kernel
+        /*0000*/                   STL [R1], R8 ;                                       /* 0x0000000801007387 */
+        /*0010*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR4][R4.64] ;  /* 0x0000000004037fae */
+        /*0020*/                   LDGDEPBAR ;                                          /* 0x00000000000079af */
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;       /* 0x00e00008181879f0 */
+        /*0040*/                   LDL.LU R2, [R1+0x4] ;                                /* 0x0000040001027983 */
+        /*0050*/                   LDS R5, [R6] ;                                       /* 0x0000000006057984 */
+        /*0060*/                   STS [R6], R5 ;                                       /* 0x0000000506007388 */
+        /*0070*/                   LDG.E R7, desc[UR4][R8.64] ;                         /* 0x0000000408077981 */
+        /*0080*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3+0x800], desc[UR4][R4.64+0x80] ;
+        /*0090*/              @!P6 BRA 0x30 ;                                           /* 0xfffffff800e8e947 */
+        /*00a0*/                   STL.64 [R1+0x8], R2 ;                                /* 0x0000080201007387 */
+        /*00b0*/                   EXIT ;                                               /* 0x000000000000794d */
+        /*00c0*/                   BRA 0xc0;                                            /* 0xfffffffc00fc7947 */
+"""
+    ttir = "%d = tt.addptr %s, %n : !tt.ptr<f32>, i32 loc(#loc4)\n"
+
+    def run(cmd, **kw):
+        assert cmd[0] == aot._bin("cuobjdump") and os.path.exists(cmd[-1]), cmd
+        return SimpleNamespace(stdout={"-res-usage": usage, "-sass": sass}[cmd[1]])
+
+    monkeypatch.setattr(aot.subprocess, "run", run)
+    compiled = SimpleNamespace(asm={"cubin": b"\x7fELF", "ttir": ttir}, metadata=SimpleNamespace(shared=73728))
+    # the loop 0x30-0x90 holds the LDL at 0x40 and 7 instructions; the trap's branch to itself at 0xc0 is no loop
+    assert aot.machine_code_report(compiled) == dict(
+        regs=239, stack=80, shared=73728, hgmma=1, ldgsts=2, local=3, local_in_loops=1, local_in_inner=1,
+        loop_instructions=7, i32_offsets=1)
 
 
 # -----------------------------------------------------------------------------
