@@ -3911,10 +3911,89 @@ def test_triton_backward_chunk_is_never_wider_than_the_vocabulary():
     # the Triton backward's dz buffer is (N, chunk): without the cap at the vocabulary a single row at the default
     # config took gpu_chunk_elems columns (a 4 GiB float32 buffer on a CPU, for V = 97)
     for cfg in (DEFAULT_CONFIG, default_config(torch.float32), DEFAULT_KL_CONFIG, TILES):
-        for N in (1, 7, 1000):
+        for N in (1, 7, 1000, 2**21):
             for V in (5, 97, 32000):
                 vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v)
                 assert vc % cfg.block_v == 0 and vc <= cdiv(V, cfg.block_v) * cfg.block_v, (cfg, N, V, vc)
+                # at least one tile, even where the budget holds less than a tile's columns of the rows (2^21)
+                assert vc >= cfg.block_v, (cfg, N, V, vc)
+
+
+def test_vocab_splits_of_the_forwards_on_an_h100():
+    # the Triton forwards' grid over the vocabulary: about 4 programs an SM and at least 16 splits, no more than the
+    # vocab tiles, each a whole number of BLOCK_V tiles and each owning a column; one split off CUDA; an explicit
+    # num_splits capped at the tiles. By hand at an H100's 132 SMs (aot.H100_SMS), Llama-3's V = 128256
+    from dataclasses import replace
+    from kernels.utils import vocab_splits
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, fp32 = DEFAULT_CONFIG, default_config(torch.float32)  # 128 x 128 tiles; 32 rows x 64 columns
+    # 16384 rows: 128 row blocks, 4 x 132 / 128 = 5 splits, raised to 16: 8016 columns, 63 tiles of 128
+    assert vocab_splits(bf16, cuda, 16384, 128256, sms=132) == (16, 8064)
+    assert vocab_splits(bf16, cuda, 16391, 128256, sms=132) == (16, 8064)  # 129 row blocks
+    assert vocab_splits(fp32, cuda, 16384, 128256, sms=132) == (16, 8064)  # 126 tiles of 64
+    # 1000 rows: 8 row blocks, 528 / 8 = 66 splits of 1944 columns, rounded up to 16 tiles: 63 splits own a column
+    assert vocab_splits(bf16, cuda, 1000, 128256, sms=132) == (63, 2048)
+    assert vocab_splits(bf16, cuda, 1024, 128256, sms=132) == (63, 2048)  # 8 row blocks exactly
+    assert vocab_splits(bf16, cuda, 1100, 128256, sms=132) == (59, 2176)  # 9 row blocks: 58.7 splits, 59
+    # one row: 528 splits of 243 columns, 2 tiles each: 501 splits
+    assert vocab_splits(bf16, cuda, 1, 128256, sms=132) == (501, 256)
+    assert vocab_splits(bf16, cuda, 1, 128256, sms=8) == (32, 4096)  # 32 programs: 31.3 tiles a split, 32
+    # a vocabulary of fewer columns than a tile, and of three tiles: one split a tile
+    assert vocab_splits(bf16, cuda, 1, 50, sms=132) == (1, 128)
+    assert vocab_splits(bf16, cuda, 1, 300, sms=132) == (3, 128)
+    # off CUDA one split (a row's merge order then depends on V alone); an explicit count, at most the tiles
+    assert vocab_splits(bf16, cpu, 16384, 1000) == (1, 1024)
+    assert vocab_splits(replace(bf16, num_splits=3), cpu, 5, 1000) == (3, 384)
+    assert vocab_splits(replace(bf16, num_splits=7), cuda, 5, 1000, sms=132) == (4, 256)  # 2 tiles of 8 a split
+    assert vocab_splits(replace(bf16, num_splits=5), cpu, 5, 300) == (3, 128)
+    for cfg in (bf16, fp32, DEFAULT_KL_CONFIG, TILES):
+        for device in (cuda, cpu):
+            for N in (1, 7, 128, 1000, 16391):
+                for V in (1, 50, 127, 128, 129, 3001, 128256):
+                    splits, per = vocab_splits(cfg, device, N, V, sms=132)
+                    assert per % cfg.block_v == 0 and (splits - 1) * per < V <= splits * per, (cfg, N, V)
+                    assert splits <= cdiv(V, cfg.block_v), (cfg, N, V)
+
+
+def test_pipeline_stages_fit_the_operand_tiles_in_shared_memory():
+    # a stage holds a (BLOCK_N, BLOCK_H) and a (BLOCK_H, BLOCK_V) operand tile a pair; the stages asked for are
+    # lowered until they fit SMEM_BUDGET (160 KiB). The README's stages: bf16 3, the KL 3, the one pass 2, fp32 2
+    from dataclasses import replace
+    from kernels.utils import SMEM_BUDGET, pipeline_stages
+    assert pipeline_stages(DEFAULT_CONFIG, 2) == 3  # 32 KiB a stage
+    assert pipeline_stages(DEFAULT_KL_CONFIG, 2, 2) == 3  # 128 x 64 tiles, two pairs: 48 KiB a stage
+    assert pipeline_stages(DEFAULT_CONFIG, 2, 2) == 2  # the one pass: 64 KiB a stage, 3 of them over the budget
+    fp32 = default_config(torch.float32)
+    assert pipeline_stages(fp32, 4) == pipeline_stages(fp32, 4, 2) == 2  # 12 KiB a stage a pair
+    # float32 at the bf16 tiles: 64 KiB a stage; the KL's two pairs of 128 x 64: 96 KiB, one stage
+    assert pipeline_stages(DEFAULT_CONFIG, 4) == 2 and pipeline_stages(DEFAULT_KL_CONFIG, 4, 2) == 1
+    # at the budget exactly the stages stay: (512 + 128) x 64 x 2 bytes = 80 KiB, two stages 160 KiB
+    edge = TileConfig(block_n=512, block_v=128, block_h=64, num_stages=3)
+    assert 2 * (512 + 128) * 64 * 2 == SMEM_BUDGET and pipeline_stages(edge, 2) == 2
+    assert pipeline_stages(replace(edge, num_stages=2), 2) == 2
+    # never below one stage, nor above the stages asked for
+    assert pipeline_stages(TileConfig(block_n=1024, block_v=1024, block_h=256, num_stages=4), 4, 2) == 1
+    assert pipeline_stages(replace(DEFAULT_CONFIG, num_stages=1), 2) == 1
+    assert pipeline_stages(replace(fp32, num_stages=5), 2) == 5
+
+
+def test_default_tiles_per_dtype():
+    # the README's table: half inputs 128 x 128 x 64 tiles, 8 warps, 3 stages, the KL 128 x 64 with 4 warps; float32
+    # its own spill-free 32 x 64 x 32, 4 warps, 2 stages, for every op; nothing else changes with the dtype
+    from dataclasses import replace
+
+    def tiles(c):
+        return c.block_n, c.block_v, c.block_h, c.num_warps, c.num_stages
+
+    assert tiles(DEFAULT_CONFIG) == (128, 128, 64, 8, 3) and tiles(DEFAULT_KL_CONFIG) == (128, 64, 64, 4, 3)
+    for base in (DEFAULT_CONFIG, DEFAULT_KL_CONFIG):
+        for dt in (torch.bfloat16, torch.float16):
+            assert default_config(dt, base) == base
+        fp32 = default_config(torch.float32, base)
+        assert tiles(fp32) == (32, 64, 32, 4, 2)
+        assert replace(fp32, **{f: getattr(base, f) for f in ("block_n", "block_v", "block_h", "num_warps",
+                                                              "num_stages")}) == base
+    assert default_config(torch.bfloat16) == DEFAULT_CONFIG
 
 
 def test_chunk_width_is_a_function_of_the_config_only():
@@ -4280,6 +4359,398 @@ def test_compile_report_counts_spills_inside_loops_only():
     assert i32_offsets(ttir) == 2  # the scalar and the tensor of i32 (a row x stride computed in 32 bits)
     assert problems({**report, "local_in_inner": 1, "loop_instructions": 200}, torch.bfloat16, 2) == [
         "1 spill accesses in innermost loops"]
+    # the edges: more than 1% of the loops' instructions, more than 227 KiB, no HGMMA in bf16 only (float32 takes
+    # FMAs), no LDGSTS with 2 stages or more
+    fine = {**report, "loop_instructions": 200}
+    assert problems({**fine, "loop_instructions": 199}, torch.bfloat16, 2) == [
+        "2 spill accesses in loops (1.0% of their instructions)"]
+    assert problems({**fine, "shared": 227 * 1024}, torch.bfloat16, 2) == []
+    assert problems({**fine, "shared": 227 * 1024 + 1}, torch.bfloat16, 2) == ["shared memory 232449 > 232448"]
+    assert problems({**fine, "hgmma": 0}, torch.float32, 2) == []
+    assert problems({**fine, "hgmma": 0}, torch.float16, 2) == ["no HGMMA"]
+    assert problems({**fine, "ldgsts": 0}, torch.float32, 1) == []
+    assert problems({**fine, "ldgsts": 0}, torch.float32, 2) == ["loads not pipelined"]
+
+
+class _LaunchSeen(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk,V", [("default", 3001), ("small", 50257)])
+def test_aot_launches_are_the_cuda_launchers_arguments(monkeypatch, dtype, chunk, V):
+    # aot compiles each kernel for the arguments launches() gives Triton's binder, which specialises the code on
+    # them (integers equal to 1 or divisible by 16, pointer dtypes, constexprs): they must be the arguments the
+    # three ops' launchers pass on CUDA. Each public op runs here with every kernel replaced by a stub that records
+    # its launch (the backwards' first vocab chunk), the split count as on an H100's 132 SMs. N and V divide by no
+    # tile; V spans one backward chunk (defaults: the chunk, 3072 or 3008 columns, is wider than V: the dz row
+    # stride is the chunk's, V the end column) or 99 (small: 512-column chunks; 66 splits asked for)
+    from kernels import aot, kl as klm, logprob_entropy as lpe, utils
+    N, H = 1000, 64
+    cfg = None if chunk == "default" else TileConfig(gpu_chunk_elems=N * 512)
+    kernels = {"logprob+entropy fwd": (lpe, "_logprob_entropy_fwd_kernel"),
+               "logprob+entropy bwd": (lpe, "_logprob_entropy_bwd_kernel"), "kl fwd": (klm, "_kl_fwd_kernel"),
+               "kl bwd": (klm, "_kl_bwd_kernel"), "score fwd": (klm, "_score_fwd_kernel"),
+               "score bwd": (klm, "_score_bwd_kernel")}
+
+    def described(name, args, kwargs):  # tensors by dtype; the interpreter's UPCAST flags left out
+        args = [("ptr", a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        if name.endswith("bwd"):  # dz: float32 off CUDA, the weight dtype on CUDA (utils.triton_backward)
+            dz = max(i for i, a in enumerate(args) if isinstance(a, tuple))
+            args[dz] = "dz"
+        return args, {k: v for k, v in kwargs.items() if not k.endswith("UPCAST")}
+
+    want = {}
+    for name, kernel, args, kwargs in aot.launches(dtype, N, H, V, cfg, cfg):
+        assert kernel is getattr(*kernels[name]), name
+        if name.endswith("bwd"):
+            assert [a for a in args if isinstance(a, torch.Tensor)][-1].dtype == dtype, name  # dz as on CUDA
+        want[name] = described(name, args, kwargs)
+
+    seen = {}
+
+    class InterpretedFunction:  # the name kernels.utils.interpreted reads: backend="triton" runs on CPU tensors
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = described(self.name, args, kwargs)
+                if self.name.endswith("bwd"):
+                    raise _LaunchSeen  # the first chunk's launch is enough
+            return launch
+
+    for name, (module, attr) in kernels.items():
+        monkeypatch.setattr(module, attr, InterpretedFunction(name))
+    for module in (lpe, klm):
+        monkeypatch.setattr(module, "vocab_splits", lambda c, device, n, v: utils.vocab_splits(
+            c, torch.device("cuda"), n, v, sms=132))
+    hidden, weight, labels = make(N, H, V, dtype=dtype)
+    ref_hidden, ref_weight = make_ref(hidden, weight, seed=1)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    for op in (lambda: linear_logprob_entropy(h, w, labels, backend="triton", config=cfg)[0],
+               lambda: linear_kl(h, w, ref_hidden, ref_weight, backend="triton", config=cfg),
+               lambda: linear_logprob_entropy_kl(h, w, labels, ref_hidden, ref_weight, backend="triton", config=cfg)[3]):
+        out = op()
+        with pytest.raises(_LaunchSeen):
+            out.sum().backward()
+    assert seen.keys() == want.keys()
+    for name in want:
+        assert seen[name] == want[name], name
+
+
+def test_aot_report_compiles_both_row_specialisations_and_prints_each_launch(monkeypatch, capsys):
+    # report(): the defaults in bf16 and fp32 at a row count divisible by 16 and a ragged one (the binder's two
+    # variants), then each candidate's tiles for every op in bf16 at the aligned count; one line a launch, its
+    # numbers under the header's columns. A ragged N (--gpu_n 1000) gave two ragged rows and no aligned one
+    from kernels import aot
+    calls = []
+    row = dict(kernel="kl fwd", tiles=(128, 64, 64), warps=4, stages=3, regs=255, stack=80, shared=73728, hgmma=16,
+               ldgsts=72, local=40, local_in_loops=20, local_in_inner=0, problems=[])
+
+    def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None):
+        calls.append((dtype, N, H, V, cfg, kl_cfg, only))
+        return [row, {**row, "kernel": "score fwd", "shared": 65536 + 600, "problems": ["a", "b"]}]
+
+    monkeypatch.setattr(aot, "compile_report", compile_report)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for N, aligned, ragged in ((16384, 16384, 16391), (1000, 1008, 1000), (16391, 16400, 16391)):
+        calls.clear()
+        aot.report(N=N, H=4096, V=128256, candidates=aot.CANDIDATES[:2])
+        c0, c1 = aot.tiles(*aot.CANDIDATES[0]), aot.tiles(*aot.CANDIDATES[1])
+        assert c0.block_v == 128 and c1.num_stages == 4 and c0.num_stages == 3
+        assert calls == [(bf16, aligned, 4096, 128256, None, None, None), (bf16, ragged, 4096, 128256, None, None, None),
+                         (fp32, aligned, 4096, 128256, None, None, None), (fp32, ragged, 4096, 128256, None, None, None),
+                         (bf16, aligned, 4096, 128256, c0, c0, None), (bf16, aligned, 4096, 128256, c1, c1, None)]
+        out = capsys.readouterr().out.splitlines()
+        assert f"N={aligned} (ragged: {ragged}), H=4096, V=128256" in out[0]
+        head, lines = out[1].split(), [line.split() for line in out[3:]]
+        assert head == ["tiles", "dtype", "rows", "kernel", "n,v,h", "warps", "stages", "regs", "stack", "shared",
+                        "HGMMA", "LDGSTS", "local", "problems"]
+        assert [(x[0], x[1], x[2]) for x in lines[::2]] == [
+            ("default", "bf16", "aligned"), ("default", "bf16", "ragged"), ("default", "fp32", "aligned"),
+            ("default", "fp32", "ragged"), ("candidate", "bf16", "aligned"), ("candidate", "bf16", "aligned")]
+        # (the kernel's name is two words)
+        assert lines[0][3:] == ["kl", "fwd", "128,64,64", "4", "3", "255", "80", "72", "16", "72", "40", "(20/0)", "-"]
+        assert lines[1][3:] == ["score", "fwd", "128,64,64", "4", "3", "255", "80", "65", "16", "72", "40", "(20/0)", "a;",
+                                "b"]  # 65 KiB: 64.6 rounded
+        assert len(out[1]) == len(out[2]) and out[3].index("(20/0)") + len("(20/0)") == out[1].index("local") + 5
+
+
+def test_aot_compile_report_rows(monkeypatch):
+    # compile_report(): one row a launch (only: that kernel's), the machine-code report with the launch's stages,
+    # warps and tiles, and its problems judged at the stages and dtype it was compiled for
+    from kernels import aot
+    compiled = []
+    monkeypatch.setattr(aot, "compile_sm90", lambda kernel, args, kwargs: compiled.append(kwargs) or kwargs)
+    monkeypatch.setattr(aot, "machine_code_report", lambda kw: dict(
+        regs=200, stack=0, shared=0, hgmma=0, ldgsts=0, local=0, local_in_loops=0, local_in_inner=0,
+        loop_instructions=100, i32_offsets=0))
+    rows = aot.compile_report(torch.bfloat16, 16391, 4096, 128256)
+    assert [r["kernel"] for r in rows] == ["logprob+entropy fwd", "logprob+entropy bwd", "kl fwd", "kl bwd",
+                                           "score fwd", "score bwd"] and len(compiled) == 6
+    assert [(r["tiles"], r["warps"], r["stages"]) for r in rows] == [((128, 128, 64), 8, 3)] * 2 + [
+        ((128, 64, 64), 4, 3)] * 2 + [((128, 128, 64), 8, 2)] * 2
+    assert all(r["problems"] == ["no HGMMA", "loads not pipelined"] and r["regs"] == 200 for r in rows)
+    compiled.clear()
+    fp32 = aot.compile_report(torch.float32, 16391, 4096, 128256, only="kl bwd")
+    assert len(compiled) == 1 and [(r["kernel"], r["tiles"], r["warps"], r["stages"]) for r in fp32] == [
+        ("kl bwd", (32, 64, 32), 4, 2)]
+    assert fp32[0]["problems"] == ["loads not pipelined"]  # float32's dots take no HGMMA
+    one = aot.tiles(64, 128, 64, 4, 1)
+    assert all(r["problems"] == ["no HGMMA"] for r in aot.compile_report(torch.bfloat16, 64, 64, 1000, one, one))
+
+
+def test_kernels_benchmark_arguments(monkeypatch):
+    # python -m kernels: the README's CPU table (N=4096, H=576, V=49152, best of 2 rounds, both ops and dtypes), the
+    # GPU's (N=16384, median of 5 calls), --target's report at --gpu_n rows, refused without a compiled Triton (the
+    # tests' interpreter) as --device cuda is without a GPU
+    import kernels.__main__ as km
+    seen = {}
+    for name in ("cpu_table", "cuda_table", "cpu_worker"):
+        monkeypatch.setattr(km, name, lambda a, name=name: seen.update({name: a}))
+    monkeypatch.setattr(km.aot, "report", lambda **kw: seen.update(report=kw))
+
+    def main(*argv):
+        seen.clear()
+        monkeypatch.setattr(sys, "argv", ["kernels", *argv])
+        km.main()
+        return seen
+
+    a = main()["cpu_table"]
+    assert (a.n, a.h, a.v, a.rounds, a.ops, a.dtypes) == (4096, 576, 49152, 2, ["logprob+entropy", "kl"],
+                                                         ["float32", "bfloat16"])
+    a = main("--ops", "kl", "--dtypes", "bfloat16", "--n", "7", "--rounds", "1")["cpu_table"]
+    assert (a.n, a.rounds, a.ops, a.dtypes) == (7, 1, ["kl"], ["bfloat16"])
+    assert main("--worker", '{"op": "kl"}') == {"cpu_worker": {"op": "kl"}}
+    with pytest.raises(SystemExit, match="--target: needs a compiled"):
+        main("--target", "sm_90")
+    with pytest.raises(SystemExit):  # no other target
+        main("--target", "sm_80")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        main("--device", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    a = main("--device", "cuda")["cuda_table"]
+    assert (a.gpu_n, a.repeat, a.tiles, a.ops) == (16384, 5, False, ["logprob+entropy", "kl"])
+    assert main("--device", "cuda", "--tiles", "--gpu_n", "512")["cuda_table"].tiles
+    monkeypatch.setattr(km.aot, "available", lambda: True)
+    assert main("--target", "sm_90", "--gpu_n", "1000") == {"report": dict(N=1000)}
+    assert main("--target", "sm_90") == {"report": dict(N=16384)}
+
+
+def test_kernels_benchmark_cpu_table_keeps_the_best_time_and_the_largest_peak(monkeypatch, capsys):
+    # each cell runs in a fresh worker process once a round; the table shows the best time and the largest peak of
+    # its rounds, and the ratio row fused / naive of each column
+    import kernels.__main__ as km
+    from types import SimpleNamespace
+    specs = []
+
+    def run(cmd, **kw):
+        spec = json.loads(cmd[cmd.index("--worker") + 1])
+        assert cmd[:3] == [sys.executable, "-m", "kernels"] and spec["N"] == 64 and spec["V"] == 99
+        specs.append(spec)
+        r = sum(s == spec for s in specs)  # this cell's round, 1 or 2
+        t = {"naive": 4.0, "fused": 1.0}[spec["impl"]] * (2 if spec["pass"] == "fwd+bwd" else 1) * r
+        mb = {"naive": 400.0, "fused": 10.0}[spec["impl"]] * (2 if spec["pass"] == "fwd+bwd" else 1) * r
+        return SimpleNamespace(returncode=0, stdout=f"noise\n{json.dumps(dict(time_s=t, peak_mb=mb))}\n", stderr="")
+
+    monkeypatch.setattr(km.subprocess, "run", run)
+    km.cpu_table(SimpleNamespace(n=64, h=8, v=99, rounds=2, ops=["kl"], dtypes=["bfloat16"]))
+    assert len(specs) == 8 and {(s["op"], s["dtype"], s["H"]) for s in specs} == {("kl", "bfloat16", 8)}
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:6]]
+    # best time: round 1's (1 x), largest peak: round 2's (2 x)
+    assert rows[0] == ["kl", "bfloat16", "naive", "4.00", "800", "8.00", "1600"]
+    assert rows[1] == ["kl", "bfloat16", "fused", "1.00", "20", "2.00", "40"]
+    assert rows[2] == ["bfloat16", "ratio", "0.25", "0.025", "0.25", "0.025"]
+    monkeypatch.setattr(km.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stdout="", stderr="boom"))
+    with pytest.raises(RuntimeError, match="benchmark worker .* failed:\nboom"):
+        km.cpu_table(SimpleNamespace(n=64, h=8, v=99, rounds=1, ops=["kl"], dtypes=["bfloat16"]))
+
+
+@pytest.mark.parametrize("op", ["logprob+entropy", "kl"])
+def test_kernels_benchmark_inputs_and_naive_paths(op):
+    # the benchmark's inputs (labels in [0, V), per-token upstream gradients, a reference near the actor), its
+    # naive GPU path (a matmul, float32 logits) against the float64 references, and step(): forward under no_grad,
+    # or forward and backward with the upstream gradients, the grads cleared after
+    import kernels.__main__ as km
+    N, H, V = 37, 16, 203
+    inputs, grads = km.make_inputs(op, N, H, V, torch.float64, "cpu", True)
+    hidden, weight = inputs[:2]
+    assert hidden.shape == (N, H) and weight.shape == (V, H) and hidden.requires_grad and weight.requires_grad
+    assert len(grads) == (2 if op == "logprob+entropy" else 1) and all(g.shape == (N,) for g in grads)
+    if op == "logprob+entropy":
+        labels = inputs[2]
+        assert labels.min() >= 0 and labels.max() < V and len(labels.unique()) > N // 2
+        ref = linear_logprob_entropy_reference(hidden.detach(), weight.detach(), labels)
+    else:
+        d = (inputs[2] - hidden).detach()  # the reference: the actor's hidden states plus noise of std 0.1
+        assert not inputs[2].requires_grad and (d != 0).all() and 0.05 < d.std() < 0.2
+        ref = (linear_kl_reference(hidden.detach(), weight.detach(), *inputs[2:]),)
+        assert (ref[0] > 0).all()
+    naive = km.naive_gpu(op)(*(t.detach() for t in inputs))
+    naive = naive if isinstance(naive, tuple) else (naive,)
+    for a, b in zip(naive, ref, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    assert km.implementation(op, "naive", "cpu") is (linear_logprob_entropy_reference if op == "logprob+entropy"
+                                                     else linear_kl_reference)
+    assert km.implementation(op, "fused", "cpu") is (linear_logprob_entropy if op == "logprob+entropy" else linear_kl)
+
+    got = {}
+
+    def fn(*args):
+        got["grad_enabled"] = torch.is_grad_enabled()
+        outs = km.implementation(op, "naive", "cpu")(*args)
+        return outs
+
+    km.step(fn, inputs, grads, backward=False)
+    assert not got["grad_enabled"] and hidden.grad is None
+    seen = []
+    hidden.register_hook(lambda g: seen.append(g))
+    km.step(fn, inputs, grads, backward=True)
+    assert got["grad_enabled"] and hidden.grad is None and weight.grad is None
+    outs = fn(*inputs)
+    want = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), hidden, grads)[0]
+    assert torch.equal(seen[0], want)
+
+
+def test_kernels_benchmark_flops_are_the_fused_ops_products():
+    # the GPU table's TFLOP/s count FLOPS[op] x N H V: logprob+entropy 2 forward, 8 forward and backward (the
+    # logits, again, dh, dW), the KL 4 and 12 (two models' logits each time). Counted here: the products the fused
+    # torch path runs in float64 (torch.mm, addmm_; no row padding at N = 32), in the benchmark's own step()
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import kernels.__main__ as km
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.flops, self.names = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "mm" in name or "linear" in name or "matmul" in name:
+                self.names.add(name)
+                a, b = args[:2] if name == "mm" else args[1:3]  # mm(a, b, out=); addmm_(self, a, b)
+                self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            return func(*args, **(kwargs or {}))
+
+    N, H, V = 32, 16, 203
+    for op in km.FLOPS:
+        fused = km.implementation(op, "fused", "cpu")
+        for backward in (False, True):
+            inputs, grads = km.make_inputs(op, N, H, V, torch.float64, "cpu", backward)
+            with Products() as counted:
+                km.step(lambda *a: fused(*a, backend="torch"), inputs, grads, backward)
+            assert counted.names <= {"mm", "addmm_"}, counted.names
+            assert counted.flops == km.FLOPS[op][backward] * N * H * V, (op, backward)
+
+
+def test_kernels_benchmark_gpu_table_rates(monkeypatch, capsys):
+    # the GPU table's numbers from its measured times (cuda_measure stubbed, the tensors on the CPU): each row's
+    # TFLOP/s is FLOPS[op] x N H V / time, %mm its share of the cuBLAS matmul's 2 N H V / time; an OOM cell says so;
+    # --tiles adds one row a candidate of aot.CANDIDATES, named n,v,h/warps/stages
+    import kernels.__main__ as km
+    from types import SimpleNamespace
+    from kernels import aot
+    calls = []
+
+    def cuda_measure(fn, inputs, grads, backward, reps):
+        assert reps == 3
+        calls.append((fn, backward))
+        if grads is None and not backward and len(inputs) == 2 and inputs[0].shape[1] == inputs[1].shape[1]:
+            return 2.0, 0.0  # the matmul
+        return (None, None) if len(calls) == 3 else (0.5 * len(calls), 10.0 * len(calls))
+
+    monkeypatch.setattr(km, "cuda_measure", cuda_measure)
+    monkeypatch.setattr(km, "liger_fn", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "stub")
+    N, H, V = 2**20, 16, 2003  # (rates of tens of TFLOP/s at the stub's times)
+    km.cuda_table(SimpleNamespace(gpu_n=N, ops=["logprob+entropy", "kl"], repeat=3, tiles=True),
+                  dev=torch.device("cpu"), shapes=((H, V),))
+    out = capsys.readouterr().out.splitlines()
+    mm = 2 * N * H * V / 2.0 / 1e9
+    assert f"cuBLAS bf16 ({N}, {H}) @ ({H}, {V}): 2.00 ms = {mm:.0f} TFLOP/s" in out
+    rows = [line.split() for line in out if line.startswith(f"{H:5d} {V:7d}")]
+    impls = ["naive", "fused"] + [f"{n},{v},{h}/{w}/{s}" for n, v, h, w, s in aot.CANDIDATES]
+    assert [(r[2], r[3]) for r in rows] == [(op, impl) for op in ("logprob+entropy", "kl") for impl in impls]
+    i = 1  # calls[0] is the matmul
+    for r in rows:
+        cells = r[4:]
+        for backward in (False, True):
+            assert calls[i][1] == backward
+            i += 1
+            if i - 1 == 2:  # the third call: out of memory
+                assert cells[0] == "OOM"
+                cells = cells[1:]
+                continue
+            ms = 0.5 * i
+            tflops = km.FLOPS[r[2]][backward] * N * H * V / ms / 1e9
+            assert cells[:4] == [f"{ms:.1f}", f"{tflops:.0f}", f"{100 * tflops / mm:.0f}", f"{10.0 * i:.0f}"], (r, i)
+            cells = cells[4:]
+    assert i == len(calls)
+    fused = [fn for fn, _ in calls if isinstance(fn, functools.partial)]
+    assert [f.keywords["config"] for f in fused[::2]] == [aot.tiles(*c) for c in aot.CANDIDATES] * 2
+
+
+def test_kernels_benchmark_worker_process():
+    # one CPU cell as cpu_table runs it: a fresh `python -m kernels --worker` process that times one call and reports
+    # its peak resident memory above the inputs (VmHWM reset just before the call) as JSON on its last line
+    spec = dict(op="kl", impl="fused", dtype="bfloat16", N=300, H=64, V=4099, **{"pass": "fwd+bwd"})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "kernels", "--worker", json.dumps(spec)], capture_output=True, text=True,
+                       cwd=REPO, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out.keys() == {"time_s", "peak_mb"} and 0 < out["time_s"] < 60
+    # above the inputs: some 50 MB (the first call also sets up oneDNN and torch's own), where the process holds 350
+    assert 0 < out["peak_mb"] < 250, out
+
+
+def test_aot_machine_code_report_reads_cuobjdump(monkeypatch):
+    # the registers and stack of the kernel's own block of cuobjdump's resource report, the dynamic shared memory
+    # from the compiled kernel; wgmma, asynchronous copies and local-memory accesses counted in the SASS, whose
+    # lines end with the instruction's encoding; other loads and stores (LDS, STS, LDG, LDGDEPBAR) are none of them
+    from types import SimpleNamespace
+    from kernels import aot
+    usage = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _kl_fwd_kernel:
+  REG:239 STACK:80 SHARED:1024 LOCAL:0 CONSTANT[0]:620 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    sass = """
+        Function : _kl_fwd_kernel
+        /*0000*/                   STL [R1], R8 ;                                       /* 0x0000000801007387 */
+        /*0010*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR4][R4.64] ;  /* 0x0000000004037fae */
+        /*0020*/                   LDGDEPBAR ;                                          /* 0x00000000000079af */
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;       /* 0x00e00008181879f0 */
+        /*0040*/                   LDL.LU R2, [R1+0x4] ;                                /* 0x0000040001027983 */
+        /*0050*/                   LDS R5, [R6] ;                                       /* 0x0000000006057984 */
+        /*0060*/                   STS [R6], R5 ;                                       /* 0x0000000506007388 */
+        /*0070*/                   LDG.E R7, desc[UR4][R8.64] ;                         /* 0x0000000408077981 */
+        /*0080*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3+0x800], desc[UR4][R4.64+0x80] ;
+        /*0090*/                   LD.E R9, [R10.64] ;                                  /* 0x000000000a097980 */
+        /*00a0*/                   ST.E [R10.64], R9 ;                                  /* 0x000000090a007985 */
+        /*00b0*/                   BRA.U !UP0, 0x30 ;                                   /* 0xfffffff800e8e947 */
+        /*00c0*/                   STL.64 [R1+0x8], R2 ;                                /* 0x0000080201007387 */
+        /*00d0*/                   EXIT ;                                               /* 0x000000000000794d */
+        /*00e0*/                   BRA 0xe0;                                            /* 0xfffffffc00fc7947 */
+"""
+    ttir = "%d = tt.addptr %s, %n : !tt.ptr<f32>, i32 loc(#loc4)\n"
+
+    def run(cmd, **kw):
+        assert cmd[0] == aot._bin("cuobjdump") and os.path.exists(cmd[-1]), cmd
+        return SimpleNamespace(stdout={"-res-usage": usage, "-sass": sass}[cmd[1]])
+
+    monkeypatch.setattr(aot.subprocess, "run", run)
+    compiled = SimpleNamespace(asm={"cubin": b"\x7fELF", "ttir": ttir}, metadata=SimpleNamespace(shared=73728))
+    # the loop 0x30-0xb0 (a uniform predicate's branch) holds the LDL at 0x40 and 9 instructions; the trap's branch
+    # to itself at 0xe0 is no loop
+    assert aot.machine_code_report(compiled) == dict(
+        regs=239, stack=80, shared=73728, hgmma=1, ldgsts=2, local=3, local_in_loops=1, local_in_inner=1,
+        loop_instructions=9, i32_offsets=1)
 
 
 # -----------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import torch
 
 from kernels import kl, logprob_entropy
 from kernels.kl import DEFAULT_KL_CONFIG
-from kernels.utils import (DEFAULT_CONFIG, TileConfig, default_config, dot_precision, interpreted, pipeline_stages,
-                           vocab_chunk, vocab_splits)
+from kernels.utils import (DEFAULT_CONFIG, TileConfig, cdiv, default_config, dot_precision, interpreted,
+                           pipeline_stages, vocab_chunk, vocab_splits)
 
 H100_SMS = 132
 H100_SMEM = 227 * 1024  # the most shared memory one block may hold on sm_90
@@ -81,30 +81,34 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
     for op, c, pairs in (("logprob+entropy", cfg, 1), ("kl", kl_cfg, 2)):
         BN, BV = c.block_n, c.block_v
         _, per_split = vocab_splits(c, torch.device("cuda"), N, V, sms=H100_SMS)  # as the launchers split V
-        vc = min(vocab_chunk(c, N, V, c.gpu_chunk_elems, BV), V)  # the backward's vocab chunk
+        # the backward's first vocab chunk [0, v1): dz's rows are vc apart, vc a whole number of tiles, which
+        # passes V when the chunk holds all of V (then V is its end)
+        vc = vocab_chunk(c, N, V, c.gpu_chunk_elems, BV)
+        v1 = min(vc, V)
         flags = dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=c.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
                      num_warps=c.num_warps, num_stages=pipeline_stages(c, dtype.itemsize, pairs))
         if op == "logprob+entropy":
             yield (f"{op} fwd", logprob_entropy._logprob_entropy_fwd_kernel,
                    (h, w, labels, f32, N, V, H, per_split, *strides, 1.0), flags)
             yield (f"{op} bwd", logprob_entropy._logprob_entropy_bwd_kernel,
-                   (h, w, labels, f32, f32, f32, f32, f32, ptr(dtype), N, H, 0, vc, *strides, vc, 1.0), flags)
+                   (h, w, labels, f32, f32, f32, f32, f32, ptr(dtype), N, H, 0, v1, *strides, vc, 1.0), flags)
         else:
             flags.update(REF_DOT_PRECISION=dot_precision(dtype), REF_UPCAST=False)
             yield (f"{op} fwd", kl._kl_fwd_kernel,
                    (h, w, h, w, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
             yield (f"{op} bwd", kl._kl_bwd_kernel,
-                   (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0), flags)
+                   (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, v1, *strides, *strides, vc, 1.0), flags)
     # the one pass over both heads (scoring, training with the KL loss): linear_logprob_entropy's tiles and splits,
     # two operand pairs in flight
     _, per_split = vocab_splits(cfg, torch.device("cuda"), N, V, sms=H100_SMS)
-    vc = min(vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v), V)
+    vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v)
+    v1 = min(vc, V)
     flags = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype),
                  UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2))
     yield ("score fwd", kl._score_fwd_kernel,
            (h, w, h, w, labels, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
     yield ("score bwd", kl._score_bwd_kernel,
-           (h, w, h, w, labels, f32, f32, f32, f32, f32, f32, ptr(dtype), N, H, H, 0, vc, *strides, *strides, vc, 1.0),
+           (h, w, h, w, labels, f32, f32, f32, f32, f32, f32, ptr(dtype), N, H, H, 0, v1, *strides, *strides, vc, 1.0),
            flags)
 
 
@@ -212,18 +216,20 @@ def compile_report(dtype, N, H, V, cfg=None, kl_cfg=None, only=None) -> list:
 
 
 def report(N=16384, H=4096, V=128256, candidates=CANDIDATES):
-    """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one, then the candidate
-    tiles in bf16 (all three ops), one row per launch."""
+    """The defaults in bf16 and fp32, at a row count divisible by 16 and a ragged one (N and N + 7, or N rounded up
+    to 16 and N where N is ragged: the binder compiles one variant for each), then the candidate tiles in bf16 (all
+    three ops) at the first, one row per launch."""
     import triton
-    print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={N}, H={H}, V={V}. "
-        "regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in loops / in "
-        "innermost loops)")
+    aligned, ragged = (N, N + 7) if N % 16 == 0 else (cdiv(N, 16) * 16, N)
+    print(f"sm_90a machine code, Triton {triton.__version__}, compiled without a GPU; N={aligned} (ragged: {ragged}), "
+        f"H={H}, V={V}. regs: per thread; stack: bytes per thread; shared: KiB per program; local: LDL/STL (in "
+        "loops / in innermost loops)")
     head = (f"{'tiles':9s} {'dtype':5s} {'rows':7s} {'kernel':20s} {'n,v,h':11s} {'warps':>5s} {'stages':>6s} "
             f"{'regs':>4s} {'stack':>5s} {'shared':>6s} {'HGMMA':>5s} {'LDGSTS':>6s} {'local':>12s}  problems")
     print(head)
     print("-" * len(head))
-    runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (N, N + 7)]
-    runs += [("candidate", "bf16", N, tiles(*c)) for c in candidates]
+    runs = [("default", dt, n, None) for dt in TRITON_DTYPES for n in (aligned, ragged)]
+    runs += [("candidate", "bf16", aligned, tiles(*c)) for c in candidates]
     for label, dt, n, cfg in runs:
         for r in compile_report(TRITON_DTYPES[dt], n, H, V, cfg, cfg):
             local = f"{r['local']} ({r['local_in_loops']}/{r['local_in_inner']})"
