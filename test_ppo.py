@@ -887,15 +887,18 @@ def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
         stop_and_pad_ids(str(tmp_path / "nowhere"), tok)
 
 
-def write_tiny_gguf(path, weights=(), **ids):
+def write_tiny_gguf(path, weights=(), arch="llama", head_dim=None, **ids):
     """A GGUF file with a 16-token byte-level BPE tokenizer (<unk> <s> </s> <pad> <eot>, then a-i, "ab", "cd") and
     the special ids given as tokenizer.ggml.<key>=id (hf.GGUF_IDS names the keys); weights: (name, float32 array)
-    pairs in llama.cpp's names (tiny_gguf_weights: a whole one-block Llama), none by default."""
+    pairs in llama.cpp's names (tiny_gguf_weights: a whole one-block Llama), none by default. The model's metadata:
+    arch's, one block, 16 wide, 2 heads, 1 KV head (attention.key_length head_dim, if given)."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(16), w.add_feed_forward_length(32)
     w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(16)
+    if head_dim:
+        w.add_key_length(head_dim), w.add_value_length(head_dim)
     w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default")
     w.add_token_list(["<unk>", "<s>", "</s>", "<pad>", "<eot>", *"abcdefghi", "ab", "cd"])
     w.add_token_types([gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * 11)
@@ -933,6 +936,53 @@ def test_nan_or_inf_gguf_weights_are_refused_at_load(tmp_path):
         path = write_tiny_gguf(tmp_path / f"{what}.gguf", broken, eos_token_id=2)
         with pytest.raises(UsageError, match=re.escape(f"checkpoint holds {what} in model.norm.weight ({path})")):
             Transformer.from_pretrained(path)
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py permutation of a Llama q or k projection (out, in) for GGML's RoPE: each
+    head's rows, its two rotary halves in transformers' layout, interleaved in pairs (n_head: that projection's)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("family,over", [("llama", dict(tie_word_embeddings=True)), ("llama", {}), ("qwen2", {}),
+                                         ("qwen3", dict(head_dim=16)), ("qwen3", dict(head_dim=8))])
+def test_gguf_of_a_transformers_model_gives_its_logits(tmp_path, family, over):
+    # a tiny transformers model (write_tiny_gguf's shapes) written as llama.cpp's converter writes it (a Llama's q and
+    # k permuted, k by its one KV head; Qwen's not; a Qwen3 head_dim as attention.key_length), read back through
+    # read_checkpoint: its logits at every real position. The other GGUF tests compare with transformers' reading
+    # of the same file, right or wrong alike. transformers' reader drops Qwen3's key_length, and its Qwen3Config's
+    # default head_dim of 128 failed to load any other (a size mismatch; the Qwen3 releases' own is 128)
+    import gguf
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cfg = cls[family](**{**dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False), **over})
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms and biases too (transformers' are ones and zeros)
+        for name, p in hf.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name else torch.randn(p.shape, generator=g) / 2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], 1)
+    weights = []
+    for name, t in hf.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t, (base, kind) = t.numpy(), name.rsplit(".", 1)
+        if family == "llama" and kind == "weight" and base.endswith(("q_proj", "k_proj")):
+            t = llama_cpp_permute(t, 2 if base.endswith("q_proj") else 1)
+        weights.append((f"{names.get_name(base)}.{kind}", t.copy()))
+    path = write_tiny_gguf(tmp_path / "m.gguf", weights, family, over.get("head_dim"), eos_token_id=2)
+    model = Transformer.from_pretrained(path).eval()
+    got = model.config
+    assert (got.head_dim, got.tie_word_embeddings) == (over.get("head_dim", 8), cfg.tie_word_embeddings)
+    assert model.config.checkpoint_dtype is None  # GGUF records none: the export's float32, not a loading's request
+    assert Transformer.from_pretrained(path, device="meta").config == model.config  # the metadata alone: the same
+    idx, mask, pos = left_padded_batch(16, T=11)
+    with torch.no_grad():
+        a = model(idx, attention_mask=mask, position_ids=pos)
+        b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+    assert (a - b).abs()[mask.bool()].max() < 1e-5
 
 
 def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
