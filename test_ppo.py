@@ -844,6 +844,8 @@ def test_stop_and_pad_ids_from_generation_config(tmp_path):
     set_config_field(tmp_path / "none", "eos_token_id", [3, 6])
     assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3, 6], 0)
     # pad: the tokenizer's, else the generation config's (else config.json's), else the tokenizer's EOS
+    transformers.GenerationConfig(eos_token_id=[3, 5], pad_token_id=7).save_pretrained(tmp_path)
+    assert stop_and_pad_ids(str(tmp_path), tok) == ([3, 5], 0)
     tok.pad_token = None
     assert tok.pad_token_id is None
     transformers.GenerationConfig(eos_token_id=[3, 5], pad_token_id=7).save_pretrained(tmp_path)
@@ -1010,7 +1012,7 @@ def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
     assert data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[3]))[1:3] == ([3], 3)
 
 
-def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
+def test_stop_and_pad_ids_from_gguf_metadata(tmp_path, monkeypatch):
     # the metadata is the source, whichever transformers reads it (5.17 builds the EOS from bos_token_id and
     # no pad); like llama.cpp, eot_token_id (Llama-3's <|eot_id|>) ends a response as well as eos_token_id
     path = write_tiny_gguf(tmp_path / "t.gguf", bos_token_id=1, eos_token_id=2, padding_token_id=3, eot_token_id=4)
@@ -1032,6 +1034,19 @@ def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
         H.stop_and_pad_ids(path, tok)
     with pytest.raises(UsageError, match="missing.gguf"):
         H.stop_and_pad_ids(str(tmp_path / "missing.gguf"), tok)
+    # transformers before 5.23 built the EOS from the BOS id and no pad, and load_tokenizer sets the metadata's BOS,
+    # EOS and pad on it; the installed transformers reads them itself, so its reading is made the old one here
+    path, from_pretrained = tmp_path / "t.gguf", transformers.AutoTokenizer.from_pretrained
+
+    def old_reading(*a, **kw):
+        t = from_pretrained(*a, **kw)
+        t.bos_token, t.eos_token, t.pad_token = "<eot>", "<eot>", None
+        return t
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", old_reading)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf").eos_token_id == 4
+    tok = H.load_tokenizer(str(path))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
 
 
 def test_stop_and_pad_ids_gguf_smollm2():
@@ -2142,7 +2157,8 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     lax = json.loads((tmp_path / "lax" / "generation_config.json").read_text())
     assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": 5}
     (tmp_path / "src" / "generation_config.json").unlink()
-    model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
+    # no ids given, no file: the config's own, as transformers derives them (the tokenizer's EOS, 3, where it has none)
+    model.save_pretrained(tmp_path / "plain", make_tiny_tokenizer(tmp_path / "tok"))
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
     assert (plain.eos_token_id, plain.pad_token_id, plain.bos_token_id) == (2, 0, 1)
     x = torch.tensor([prompt])
@@ -2177,11 +2193,12 @@ def test_export_of_value_heads(tmp_path):
     tensors, _ = exported(tmp_path / "critic")
     assert "score.bias" not in tensors and torch.equal(tensors["score.weight"], critic.score.weight)
     before = folder_bytes(tmp_path / "critic")
-    with torch.no_grad():
-        critic.score.bias.fill_(1e-30)
-    with pytest.raises(ValueError, match="bias is non-zero"):
-        critic.save_pretrained(tmp_path / "critic")
-    assert folder_bytes(tmp_path / "critic") == before
+    for bias in (1e-30, -1e-30):  # of either sign
+        with torch.no_grad():
+            critic.score.bias.fill_(bias)
+        with pytest.raises(ValueError, match="bias is non-zero"):
+            critic.save_pretrained(tmp_path / "critic")
+        assert folder_bytes(tmp_path / "critic") == before
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
 
 
@@ -2485,6 +2502,11 @@ def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group, m
         with safetensors.safe_open(path, "pt") as f:
             written += sum(f.get_tensor(k).nbytes for k in f.keys())
     assert asked == [written]
+    # each rank's share, which check_space sums over the ranks: a W-th (the group's one rank counted as 3 here)
+    monkeypatch.setattr(H.dist, "get_world_size", lambda *a: 3)
+    H.save_hf(actor, None, str(tmp_path / "bf16" / "actor"))
+    monkeypatch.undo()
+    assert asked == [written, written / 3]
     H.save_hf(C.shard(Transformer.from_pretrained(str(tmp_path / "src")), init_device_mesh("cpu", (1,)),
                       torch.float32), None, str(tmp_path / "full" / "actor"))
     assert os.listdir(tmp_path / "full") == ["actor"]  # no adapters, no adapter folder
@@ -8615,6 +8637,13 @@ def test_finish_write_completes_a_folder_swap_killed_anywhere(tmp_path):
         assert H.finish_write(str(tmp_path / folder)) == (state != (("folder", "F"),))
         assert sorted(n for n in os.listdir(tmp_path) if n.startswith(folder)) == [folder], state
         assert (tmp_path / folder / "f").read_text() == after, state
+    # a write into a folder that a kill left mid-swap completes that swap first: else the .new in the way fails the
+    # rename of the new write onto it (a folder that holds files)
+    make("y.new", "N"), make("y", "F")
+    with H._written_beside(str(tmp_path / "y"), True) as tmp:
+        (tmp_path / tmp / "f").write_text("W")
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("y")) == ["y"]
+    assert (tmp_path / "y" / "f").read_text() == "W"
 
 
 @slow
