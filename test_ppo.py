@@ -985,6 +985,12 @@ def test_gguf_of_a_transformers_model_gives_its_logits(tmp_path, family, over):
         a = model(idx, attention_mask=mask, position_ids=pos)
         b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
     assert (a - b).abs()[mask.bool()].max() < 1e-5
+    # exported (float32: the source records no dtype) and read back by transformers, the model's own weights
+    model.save_pretrained(tmp_path / "out", H.load_tokenizer(path))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == torch.float32
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in hf.state_dict().items())
+    assert H.load_tokenizer(str(tmp_path / "out")).eos_token_id == 2
 
 
 def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
