@@ -331,6 +331,10 @@ def test_model_files_checked_by_their_headers(tmp_path):
     H.check_model(str(tmp_path / "ok"))
     assert len(os.listdir(tmp_path / "sh")) > 4
     H.check_model(str(tmp_path / "sh"))  # every shard the index lists
+    H.check_model(str(tmp_path / "ok"), architectures=("qwen2", "llama"))
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'ok' / 'config.json'}: model_type 'llama', an "
+                                                   "architecture this code does not implement (it implements qwen2)")):
+        H.check_model(str(tmp_path / "ok"), architectures=("qwen2",))
     data = (tmp_path / "ok" / "model.safetensors").read_bytes()
     n = 8 + int.from_bytes(data[:8], "little")  # header end: the data follows
     for cut in (0, 5, 8, n // 2, n - 1, n, n + 100, len(data) - 1):
@@ -540,6 +544,8 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         H.check_model(path, architectures=("qwen3", "qwen2"))
     assert H.check_gguf(path)[1] == [t.name for t in reader.tensors] == ["a", "b", "c"]
     data = open(path, "rb").read()
+    (tmp_path / "exact.gguf").write_bytes(data[:end])  # nothing past the last tensor (SmolLM2's file): complete
+    H.check_model(str(tmp_path / "exact.gguf"))
     first = min(t.data_offset for t in reader.tensors)
     for cut in sorted({0, 3, 4, 10, 24, 60, first // 2, first - 1, first, (first + end) // 2, end - 1}):
         bad = tmp_path / f"cut{cut}.gguf"
@@ -979,7 +985,8 @@ def test_gguf_of_a_transformers_model_gives_its_logits(tmp_path, family, over):
     got = model.config
     assert (got.head_dim, got.tie_word_embeddings) == (over.get("head_dim", 8), cfg.tie_word_embeddings)
     assert model.config.checkpoint_dtype is None  # GGUF records none: the export's float32, not a loading's request
-    assert Transformer.from_pretrained(path, device="meta").config == model.config  # the metadata alone: the same
+    meta = Transformer.from_pretrained(path, device="meta")  # the metadata alone: the same config, no quantization
+    assert meta.config == model.config and meta.hf_config.to_dict() == model.hf_config.to_dict()
     idx, mask, pos = left_padded_batch(16, T=11)
     with torch.no_grad():
         a = model(idx, attention_mask=mask, position_ids=pos)
@@ -2135,6 +2142,12 @@ def test_export_in_several_shards_with_index(tmp_path):
     model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="10KB")  # 2 bytes a parameter
     with open(tmp_path / "bf16" / "model.safetensors.index.json") as f:
         assert json.load(f)["metadata"]["total_size"] == sum(t.numel() * 2 for t in state.values())
+    # its files split at 2 bytes a parameter, greedy: none could take the next file's first tensor (split at float32's
+    # 4 bytes, each file was about half full)
+    tensors, where = exported(tmp_path / "bf16")
+    files = [[k for k in state if where[k] == fn] for fn in sorted(set(where.values()))]
+    size = lambda keys: sum(tensors[k].nbytes for k in keys)  # noqa: E731
+    assert len(files) >= 3 and all(size(a) <= 10_000 < size(a + b[:1]) or len(a) == 1 for a, b in zip(files, files[1:]))
     # a new export with fewer files replaces the old one whole
     model.save_pretrained(tmp_path / "out")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -2228,6 +2241,14 @@ def test_export_crash_keeps_previous_export(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         model.save_pretrained(tmp_path / "out", tok, max_shard_size="20KB")
     assert len(written) == 1 and not os.path.exists(written[0])  # the first file was written, then removed
+    assert folder_bytes(tmp_path / "out") == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
+    def interrupted(*a, **kw):  # Ctrl-C, no Exception: the temporary folder is removed all the same
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "out", tok, max_shard_size="20KB")
     assert folder_bytes(tmp_path / "out") == before
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
@@ -8635,6 +8656,7 @@ def test_finish_write_completes_a_folder_swap_killed_anywhere(tmp_path):
         (("folder", "N"), ("old", "F")): "N",  # the new one moved in, the old one not yet removed
         (("old", "F"),): "F",  # between two renames with no .new (an export written before .new existed)
         (("folder", "F"),): "F",  # nothing to complete
+        (("new", "N"), ("folder", "F"), ("old", "O")): "N",  # an .old whose removal failed (ignore_errors) in the way
     }
     for i, (state, after) in enumerate(cases.items()):
         folder = f"x{i}"
