@@ -115,10 +115,20 @@ def _gguf_file(path):
 
 @functools.lru_cache(maxsize=4)
 def _gguf_config(folder, fname):
-    """A GGUF file's config, parsed once per process (transformers reads the file's tensor table: seconds)."""
+    """A GGUF file's config, parsed once per process (transformers reads the file's tensor table: seconds), its
+    head_dim the metadata's attention.key_length where it has one: transformers' reader drops it for Qwen2 and
+    Qwen3, whose config then derives it (Qwen2) or takes Qwen3's default of 128, and any other failed to load."""
+    import mmap
+
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder, gguf_file=fname)
+    hf = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    with open(os.path.join(folder, fname), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        scalars = _gguf_walk(buf)[1]
+    head_dim = scalars.get(f"{scalars.get('general.architecture')}.attention.key_length")
+    if head_dim is not None:
+        hf.head_dim = head_dim
+    return hf
 
 
 @contextlib.contextmanager

@@ -331,6 +331,10 @@ def test_model_files_checked_by_their_headers(tmp_path):
     H.check_model(str(tmp_path / "ok"))
     assert len(os.listdir(tmp_path / "sh")) > 4
     H.check_model(str(tmp_path / "sh"))  # every shard the index lists
+    H.check_model(str(tmp_path / "ok"), architectures=("qwen2", "llama"))
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'ok' / 'config.json'}: model_type 'llama', an "
+                                                   "architecture this code does not implement (it implements qwen2)")):
+        H.check_model(str(tmp_path / "ok"), architectures=("qwen2",))
     data = (tmp_path / "ok" / "model.safetensors").read_bytes()
     n = 8 + int.from_bytes(data[:8], "little")  # header end: the data follows
     for cut in (0, 5, 8, n // 2, n - 1, n, n + 100, len(data) - 1):
@@ -540,6 +544,8 @@ def test_gguf_checked_by_its_header(tmp_path, alignment):
         H.check_model(path, architectures=("qwen3", "qwen2"))
     assert H.check_gguf(path)[1] == [t.name for t in reader.tensors] == ["a", "b", "c"]
     data = open(path, "rb").read()
+    (tmp_path / "exact.gguf").write_bytes(data[:end])  # nothing past the last tensor (SmolLM2's file): complete
+    H.check_model(str(tmp_path / "exact.gguf"))
     first = min(t.data_offset for t in reader.tensors)
     for cut in sorted({0, 3, 4, 10, 24, 60, first // 2, first - 1, first, (first + end) // 2, end - 1}):
         bad = tmp_path / f"cut{cut}.gguf"
@@ -844,6 +850,8 @@ def test_stop_and_pad_ids_from_generation_config(tmp_path):
     set_config_field(tmp_path / "none", "eos_token_id", [3, 6])
     assert stop_and_pad_ids(str(tmp_path / "none"), tok) == ([3, 6], 0)
     # pad: the tokenizer's, else the generation config's (else config.json's), else the tokenizer's EOS
+    transformers.GenerationConfig(eos_token_id=[3, 5], pad_token_id=7).save_pretrained(tmp_path)
+    assert stop_and_pad_ids(str(tmp_path), tok) == ([3, 5], 0)
     tok.pad_token = None
     assert tok.pad_token_id is None
     transformers.GenerationConfig(eos_token_id=[3, 5], pad_token_id=7).save_pretrained(tmp_path)
@@ -887,15 +895,18 @@ def test_stop_and_pad_ids_reject_bad_ids(tmp_path):
         stop_and_pad_ids(str(tmp_path / "nowhere"), tok)
 
 
-def write_tiny_gguf(path, weights=(), **ids):
+def write_tiny_gguf(path, weights=(), arch="llama", head_dim=None, **ids):
     """A GGUF file with a 16-token byte-level BPE tokenizer (<unk> <s> </s> <pad> <eot>, then a-i, "ab", "cd") and
     the special ids given as tokenizer.ggml.<key>=id (hf.GGUF_IDS names the keys); weights: (name, float32 array)
-    pairs in llama.cpp's names (tiny_gguf_weights: a whole one-block Llama), none by default."""
+    pairs in llama.cpp's names (tiny_gguf_weights: a whole one-block Llama), none by default. The model's metadata:
+    arch's, one block, 16 wide, 2 heads, 1 KV head (attention.key_length head_dim, if given)."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(16), w.add_feed_forward_length(32)
     w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(16)
+    if head_dim:
+        w.add_key_length(head_dim), w.add_value_length(head_dim)
     w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default")
     w.add_token_list(["<unk>", "<s>", "</s>", "<pad>", "<eot>", *"abcdefghi", "ab", "cd"])
     w.add_token_types([gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * 11)
@@ -935,6 +946,60 @@ def test_nan_or_inf_gguf_weights_are_refused_at_load(tmp_path):
             Transformer.from_pretrained(path)
 
 
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py permutation of a Llama q or k projection (out, in) for GGML's RoPE: each
+    head's rows, its two rotary halves in transformers' layout, interleaved in pairs (n_head: that projection's)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("family,over", [("llama", dict(tie_word_embeddings=True)), ("llama", {}), ("qwen2", {}),
+                                         ("qwen3", dict(head_dim=16)), ("qwen3", dict(head_dim=8))])
+def test_gguf_of_a_transformers_model_gives_its_logits(tmp_path, family, over):
+    # a tiny transformers model (write_tiny_gguf's shapes) written as llama.cpp's converter writes it (a Llama's q and
+    # k permuted, k by its one KV head; Qwen's not; a Qwen3 head_dim as attention.key_length), read back through
+    # read_checkpoint: its logits at every real position. The other GGUF tests compare with transformers' reading
+    # of the same file, right or wrong alike. transformers' reader drops Qwen3's key_length, and its Qwen3Config's
+    # default head_dim of 128 failed to load any other (a size mismatch; the Qwen3 releases' own is 128)
+    import gguf
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cfg = cls[family](**{**dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False), **over})
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms and biases too (transformers' are ones and zeros)
+        for name, p in hf.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if "norm" in name else torch.randn(p.shape, generator=g) / 2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], 1)
+    weights = []
+    for name, t in hf.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t, (base, kind) = t.numpy(), name.rsplit(".", 1)
+        if family == "llama" and kind == "weight" and base.endswith(("q_proj", "k_proj")):
+            t = llama_cpp_permute(t, 2 if base.endswith("q_proj") else 1)
+        weights.append((f"{names.get_name(base)}.{kind}", t.copy()))
+    path = write_tiny_gguf(tmp_path / "m.gguf", weights, family, over.get("head_dim"), eos_token_id=2)
+    model = Transformer.from_pretrained(path).eval()
+    got = model.config
+    assert (got.head_dim, got.tie_word_embeddings) == (over.get("head_dim", 8), cfg.tie_word_embeddings)
+    assert model.config.checkpoint_dtype is None  # GGUF records none: the export's float32, not a loading's request
+    meta = Transformer.from_pretrained(path, device="meta")  # the metadata alone: the same config, no quantization
+    assert meta.config == model.config and meta.hf_config.to_dict() == model.hf_config.to_dict()
+    idx, mask, pos = left_padded_batch(16, T=11)
+    with torch.no_grad():
+        a = model(idx, attention_mask=mask, position_ids=pos)
+        b = hf(input_ids=idx, attention_mask=mask, position_ids=pos).logits
+    assert (a - b).abs()[mask.bool()].max() < 1e-5
+    # exported (float32: the source records no dtype) and read back by transformers, the model's own weights
+    model.save_pretrained(tmp_path / "out", H.load_tokenizer(path))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == torch.float32
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in hf.state_dict().items())
+    assert H.load_tokenizer(str(tmp_path / "out")).eos_token_id == 2
+
+
 def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
     # no EOS in the tokenizer, config.json or generation_config.json: accepted, and no response ever ended; without a
     # pad either, the pad id was None, which async_rollout's rows could not be filled with on resume
@@ -960,7 +1025,7 @@ def test_a_model_naming_no_eos_needs_stop_token_ids(tmp_path):
     assert data.load_inputs(dataclasses.replace(cfg, stop_token_ids=[3]))[1:3] == ([3], 3)
 
 
-def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
+def test_stop_and_pad_ids_from_gguf_metadata(tmp_path, monkeypatch):
     # the metadata is the source, whichever transformers reads it (5.17 builds the EOS from bos_token_id and
     # no pad); like llama.cpp, eot_token_id (Llama-3's <|eot_id|>) ends a response as well as eos_token_id
     path = write_tiny_gguf(tmp_path / "t.gguf", bos_token_id=1, eos_token_id=2, padding_token_id=3, eot_token_id=4)
@@ -982,6 +1047,19 @@ def test_stop_and_pad_ids_from_gguf_metadata(tmp_path):
         H.stop_and_pad_ids(path, tok)
     with pytest.raises(UsageError, match="missing.gguf"):
         H.stop_and_pad_ids(str(tmp_path / "missing.gguf"), tok)
+    # transformers before 5.23 built the EOS from the BOS id and no pad, and load_tokenizer sets the metadata's BOS,
+    # EOS and pad on it; the installed transformers reads them itself, so its reading is made the old one here
+    path, from_pretrained = tmp_path / "t.gguf", transformers.AutoTokenizer.from_pretrained
+
+    def old_reading(*a, **kw):
+        t = from_pretrained(*a, **kw)
+        t.bos_token, t.eos_token, t.pad_token = "<eot>", "<eot>", None
+        return t
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", old_reading)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf").eos_token_id == 4
+    tok = H.load_tokenizer(str(path))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
 
 
 def test_stop_and_pad_ids_gguf_smollm2():
@@ -2064,6 +2142,12 @@ def test_export_in_several_shards_with_index(tmp_path):
     model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size="10KB")  # 2 bytes a parameter
     with open(tmp_path / "bf16" / "model.safetensors.index.json") as f:
         assert json.load(f)["metadata"]["total_size"] == sum(t.numel() * 2 for t in state.values())
+    # its files split at 2 bytes a parameter, greedy: none could take the next file's first tensor (split at float32's
+    # 4 bytes, each file was about half full)
+    tensors, where = exported(tmp_path / "bf16")
+    files = [[k for k in state if where[k] == fn] for fn in sorted(set(where.values()))]
+    size = lambda keys: sum(tensors[k].nbytes for k in keys)  # noqa: E731
+    assert len(files) >= 3 and all(size(a) <= 10_000 < size(a + b[:1]) or len(a) == 1 for a, b in zip(files, files[1:]))
     # a new export with fewer files replaces the old one whole
     model.save_pretrained(tmp_path / "out")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -2092,7 +2176,8 @@ def test_export_generation_config_stops_transformers_generate_at_every_stop_id(t
     lax = json.loads((tmp_path / "lax" / "generation_config.json").read_text())
     assert lax == {"do_sample": False, "temperature": 0.6, "eos_token_id": stop, "bos_token_id": 1, "pad_token_id": 5}
     (tmp_path / "src" / "generation_config.json").unlink()
-    model.save_pretrained(tmp_path / "plain")  # no ids given, no file: the config's own, as transformers derives them
+    # no ids given, no file: the config's own, as transformers derives them (the tokenizer's EOS, 3, where it has none)
+    model.save_pretrained(tmp_path / "plain", make_tiny_tokenizer(tmp_path / "tok"))
     plain = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
     assert (plain.eos_token_id, plain.pad_token_id, plain.bos_token_id) == (2, 0, 1)
     x = torch.tensor([prompt])
@@ -2127,11 +2212,12 @@ def test_export_of_value_heads(tmp_path):
     tensors, _ = exported(tmp_path / "critic")
     assert "score.bias" not in tensors and torch.equal(tensors["score.weight"], critic.score.weight)
     before = folder_bytes(tmp_path / "critic")
-    with torch.no_grad():
-        critic.score.bias.fill_(1e-30)
-    with pytest.raises(ValueError, match="bias is non-zero"):
-        critic.save_pretrained(tmp_path / "critic")
-    assert folder_bytes(tmp_path / "critic") == before
+    for bias in (1e-30, -1e-30):  # of either sign
+        with torch.no_grad():
+            critic.score.bias.fill_(bias)
+        with pytest.raises(ValueError, match="bias is non-zero"):
+            critic.save_pretrained(tmp_path / "critic")
+        assert folder_bytes(tmp_path / "critic") == before
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
 
 
@@ -2155,6 +2241,14 @@ def test_export_crash_keeps_previous_export(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         model.save_pretrained(tmp_path / "out", tok, max_shard_size="20KB")
     assert len(written) == 1 and not os.path.exists(written[0])  # the first file was written, then removed
+    assert folder_bytes(tmp_path / "out") == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
+    def interrupted(*a, **kw):  # Ctrl-C, no Exception: the temporary folder is removed all the same
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "out", tok, max_shard_size="20KB")
     assert folder_bytes(tmp_path / "out") == before
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-") or p.endswith(".old")]
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
@@ -2435,6 +2529,11 @@ def test_save_hf_of_lora_actor_writes_merged_and_peft_folders(tmp_path, group, m
         with safetensors.safe_open(path, "pt") as f:
             written += sum(f.get_tensor(k).nbytes for k in f.keys())
     assert asked == [written]
+    # each rank's share, which check_space sums over the ranks: a W-th (the group's one rank counted as 3 here)
+    monkeypatch.setattr(H.dist, "get_world_size", lambda *a: 3)
+    H.save_hf(actor, None, str(tmp_path / "bf16" / "actor"))
+    monkeypatch.undo()
+    assert asked == [written, written / 3]
     H.save_hf(C.shard(Transformer.from_pretrained(str(tmp_path / "src")), init_device_mesh("cpu", (1,)),
                       torch.float32), None, str(tmp_path / "full" / "actor"))
     assert os.listdir(tmp_path / "full") == ["actor"]  # no adapters, no adapter folder
@@ -9125,6 +9224,7 @@ def test_finish_write_completes_a_folder_swap_killed_anywhere(tmp_path):
         (("folder", "N"), ("old", "F")): "N",  # the new one moved in, the old one not yet removed
         (("old", "F"),): "F",  # between two renames with no .new (an export written before .new existed)
         (("folder", "F"),): "F",  # nothing to complete
+        (("new", "N"), ("folder", "F"), ("old", "O")): "N",  # an .old whose removal failed (ignore_errors) in the way
     }
     for i, (state, after) in enumerate(cases.items()):
         folder = f"x{i}"
@@ -9133,6 +9233,13 @@ def test_finish_write_completes_a_folder_swap_killed_anywhere(tmp_path):
         assert H.finish_write(str(tmp_path / folder)) == (state != (("folder", "F"),))
         assert sorted(n for n in os.listdir(tmp_path) if n.startswith(folder)) == [folder], state
         assert (tmp_path / folder / "f").read_text() == after, state
+    # a write into a folder that a kill left mid-swap completes that swap first: else the .new in the way fails the
+    # rename of the new write onto it (a folder that holds files)
+    make("y.new", "N"), make("y", "F")
+    with H._written_beside(str(tmp_path / "y"), True) as tmp:
+        (tmp_path / tmp / "f").write_text("W")
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("y")) == ["y"]
+    assert (tmp_path / "y" / "f").read_text() == "W"
 
 
 @slow
