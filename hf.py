@@ -276,6 +276,11 @@ def check_model(name_or_path, architectures=None):
                     raise UsageError(f"{file}: no \"model_type\" (the architecture: \"llama\", \"qwen2\", ...)")
                 if name == "config.json":
                     known(obj["model_type"], file, "model_type")
+                    if obj.get("quantization_config"):  # else refused later by its weights' extra keys or dtypes
+                        q = obj["quantization_config"]
+                        raise UsageError(f"{file}: a quantized checkpoint (quantization_config, quant_method "
+                                         f"{q.get('quant_method') if isinstance(q, dict) else q!r}); this code reads "
+                                         "float weights (float32, bf16, fp16): give the model's unquantized folder")
                     read_config(path)  # its values: a later reader (the tokenizer's) would blame itself
         shapes, file_of = {}, {}
         for p in _safetensors_files(path):

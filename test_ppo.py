@@ -365,6 +365,21 @@ def test_model_files_checked_by_their_headers(tmp_path):
 
 
 
+def test_a_quantized_checkpoint_is_named_as_one(tmp_path):
+    # an FP8 or GPTQ folder (quantization_config in config.json) was refused only at the weights' check, by a list
+    # of unexpected keys (weight_scale_inv, qweight, ...) or a dtype, which did not say the model is quantized
+    make_checkpoint(tmp_path / "m", "llama2")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    H.check_model(str(tmp_path / "m"))
+    for q, shown in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "'fp8'"), ("gptq", "'gptq'")):
+        (tmp_path / "m" / "config.json").write_text(json.dumps(dict(config, quantization_config=q)))
+        with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'm' / 'config.json'}: a quantized checkpoint "
+                                                       f"(quantization_config, quant_method {shown}); this code reads "
+                                                       "float weights")):
+            H.check_model(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(config, quantization_config=None)))
+    H.check_model(str(tmp_path / "m"))  # null: none
+
 def test_config_json_values_transformers_refuses_are_named(tmp_path):
     # transformers 5 validates config.json's values (heads dividing the hidden size, field types); its error named
     # no file and came from the tokenizer's loading ("its tokenizer does not load"), and --dry_run showed a traceback
