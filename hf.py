@@ -4,7 +4,8 @@ writing the HF export (what transformers' save_pretrained writes). File formats 
 Transformer from what read_config / read_checkpoint return, checkpoint.py loads it into FSDP2 shards.
 
 Reading. read_checkpoint gives a transformers config and a state dict with the checkpoint's own parameter names
-(safetensors, sharded or not; a GGUF file through transformers, which dequantizes its tensors and undoes
+(safetensors, sharded or not: the files transformers would read, those the index lists, else model.safetensors,
+and a Hub id downloads those alone; a GGUF file through transformers, which dequantizes its tensors and undoes
 llama.cpp's q/k permutation); read_config gives the config alone (config.json, or a GGUF file's metadata),
 which is all a model built on the meta device, and the --dry_run memory plan, need. Inside gguf_parsed_once, the
 tokenizer, config and weights of a GGUF file share one parse of its header.
@@ -86,7 +87,7 @@ def read_checkpoint(name_or_path):
         if hasattr(hf, "quantization_config"):
             del hf.quantization_config
         return hf, _finite(dict(hf_model.state_dict()), path)
-    path = _hf_folder(name_or_path, path, ["*.json", "*.safetensors", "*.model", "*.txt"])
+    path = _hf_folder(name_or_path, path, ["*.json", "*.model", "*.txt"], weights=True)
     return AutoConfig.from_pretrained(path), read_safetensors(path)
 
 
@@ -170,35 +171,61 @@ def gguf_parsed_once():
         maps.clear()
 
 
-def _hf_folder(name_or_path, path, patterns):
-    """A local folder with a config.json: `path` itself, or the Hub id's files matching `patterns`, downloaded."""
+def _hf_folder(name_or_path, path, patterns, weights=False):
+    """A local folder with a config.json: `path` itself, or the Hub id's files matching `patterns`, downloaded, and
+    with weights=True the safetensors files _safetensors_files reads there, no others (a Mistral repo's
+    consolidated.safetensors holds the same weights again under its own names: 14 GB more for a 7B model)."""
     if not os.path.isdir(path):
         check_hub_id(path)
-        from huggingface_hub import snapshot_download
-
-        try:
-            path = snapshot_download(path, allow_patterns=patterns)
-        except Exception as e:
-            raise UsageError(f"could not download {name_or_path!r} from the Hub: {e}") from e
+        repo, path = path, _download(name_or_path, path, patterns)
+        if weights:  # the index, among the *.json, names the shards
+            shards = _indexed_shards(path)
+            path = _download(name_or_path, repo, shards or [WEIGHTS_FILE])
+            if shards is None and not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+                path = _download(name_or_path, repo, ["*.safetensors"])
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"{path}: no config.json: expected a model folder as save_pretrained writes it "
                          "(config.json, *.safetensors, tokenizer files), a .gguf file or a Hub id")
     return path
 
 
+def _download(name_or_path, repo, patterns):
+    """The local snapshot folder of the Hub repo, with its files matching `patterns` downloaded (or cached)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, allow_patterns=patterns)
+    except Exception as e:
+        raise UsageError(f"could not download {name_or_path!r} from the Hub: {e}") from e
+
+
+WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"  # as save_pretrained names them
+
+
+def _indexed_shards(folder):
+    """The weights files the folder's safetensors index lists, sorted; None without an index."""
+    index = os.path.join(folder, WEIGHTS_INDEX)
+    if not os.path.isfile(index):
+        return None
+    try:
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"{index}: not a safetensors index (expected JSON with a weight_map): {e}") from None
+
+
 def _safetensors_files(folder):
-    """The weights files of a folder: those its index lists (each must be there), else every *.safetensors."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"{index}: not a safetensors index (expected JSON with a weight_map): {e}") from None
+    """The weights files of a folder, as transformers picks them: those its index lists (each must be there), else
+    model.safetensors, else every *.safetensors (a Mistral folder's consolidated.safetensors beside model.safetensors
+    holds the same weights under other names)."""
+    files = _indexed_shards(folder)
+    if files is not None:
         missing = [fn for fn in files if not os.path.isfile(os.path.join(folder, fn))]
         if missing:
             raise UsageError(f"{folder}: shards listed in the index are missing: {missing}")
         paths = [os.path.join(folder, fn) for fn in files]
+    elif os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+        paths = [os.path.join(folder, WEIGHTS_FILE)]
     else:
         paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not paths:
@@ -560,12 +587,7 @@ def _hf_generation_ids(path):
     A Hub id: those files, fetched as read_checkpoint fetches the weights."""
     if not os.path.isdir(path):
         check_hub_id(path)
-        from huggingface_hub import snapshot_download
-
-        try:
-            path = snapshot_download(path, allow_patterns=["generation_config.json", "config.json"])
-        except Exception as e:
-            raise UsageError(f"could not download {path!r} from the Hub: {e}") from e
+        path = _download(path, path, ["generation_config.json", "config.json"])
     for fname in ("generation_config.json", "config.json"):
         file = os.path.join(path, fname)
         if os.path.isfile(file):
@@ -708,7 +730,7 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
         if "score.bias" in tensors and _gather(tensors.pop("score.bias")).abs().max() != 0:  # on every rank
             raise ValueError("the value head's bias is non-zero: transformers' score layer has none")
     plan = plan_shards([(k, t.numel() * dtype.itemsize) for k, t in tensors.items()], size_in_bytes(max_shard_size))
-    names = (["model.safetensors"] if len(plan) == 1 else
+    names = ([WEIGHTS_FILE] if len(plan) == 1 else
              [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
     with _written_beside(folder, master) as tmp:
         for fname, keys in zip(names, plan):
@@ -731,7 +753,7 @@ def write_pretrained(model, folder, tokenizer=None, dtype=None, max_shard_size=M
             index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()),
                                   "total_size": sum(t.numel() for t in tensors.values()) * dtype.itemsize},
                      "weight_map": {k: fname for fname, keys in zip(names, plan) for k in keys}}
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(tmp, WEIGHTS_INDEX), "w") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         hf.save_pretrained(tmp)
         if model.head != "value":

@@ -309,6 +309,51 @@ def test_loading_errors_name_the_problem(tmp_path):
 
 
 
+def test_only_the_weights_files_transformers_reads_are_read_or_downloaded(tmp_path, monkeypatch):
+    # a Mistral repo holds its weights twice: model-*.safetensors (an index) or model.safetensors, and
+    # consolidated.safetensors under Mistral's own names. Every *.safetensors was downloaded (14 GB more for a 7B),
+    # and a folder without an index read both: refused for the second copy's keys
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    hf = make_checkpoint(tmp_path / "one", "llama2")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    want = {k: v.float() for k, v in hf.state_dict().items()}
+    for repo in ("one", "sharded"):  # Mistral's names for the same weights, in a file of their own
+        safetensors.torch.save_file({f"layers.{k}": v.contiguous() for k, v in want.items()},
+                                    str(tmp_path / repo / "consolidated.safetensors"))
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):  # the Hub as a folder; a cache that keeps what it fetched
+        asked.append(list(allow_patterns))
+        cache = tmp_path / "cache" / repo_id
+        cache.mkdir(parents=True, exist_ok=True)
+        for f in os.listdir(tmp_path / repo_id.split("/")[1]):
+            if any(fnmatch.fnmatch(f, p) for p in allow_patterns):
+                shutil.copy(tmp_path / repo_id.split("/")[1] / f, cache / f)
+        return str(cache)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(H, "_ask_hub", lambda repo_id: None)
+    for repo, files in (("one", ["model.safetensors"]), ("sharded", sorted(f for f in os.listdir(tmp_path / "sharded")
+                                                                          if f.startswith("model-")))):
+        assert len(files) == 1 if repo == "one" else len(files) > 1
+        for source in (str(tmp_path / repo), f"org/{repo}"):  # a local folder, a Hub id
+            asked.clear()
+            _, state = H.read_checkpoint(source)
+            assert state.keys() == want.keys() and all(torch.equal(state[k].float(), want[k]) for k in want)
+            if source.startswith("org/"):
+                assert asked == [["*.json", "*.model", "*.txt"], files]
+                assert not os.path.exists(tmp_path / "cache" / source / "consolidated.safetensors")
+    os.remove(tmp_path / "one" / "model.safetensors")  # no index, no model.safetensors: every *.safetensors
+    shutil.rmtree(tmp_path / "cache")
+    asked.clear()
+    assert H.read_checkpoint("org/one")[1].keys() == {f"layers.{k}" for k in want}
+    assert asked == [["*.json", "*.model", "*.txt"], ["model.safetensors"], ["*.safetensors"]]
+    assert os.listdir(tmp_path / "cache" / "org" / "one").count("consolidated.safetensors") == 1
+
 def test_nan_or_inf_weights_are_refused_at_load(tmp_path):
     # they loaded silently, and the run failed steps later with a NaN loss that pointed at --lr
     make_checkpoint(tmp_path / "m", "llama2")
@@ -482,10 +527,12 @@ def test_checkpoint_tensors_checked_against_the_config_from_headers(tmp_path):
         with pytest.raises(UsageError, match=re.escape(match(bad, os.path.join(bad, "model.safetensors")))):
             data.load_inputs(dataclasses.replace(cfg, model=bad))
         assert not os.path.exists(cfg.out_dir)
+    # files of other names, no index: each is read (model.safetensors would be the one read, as transformers does)
+    os.rename(tmp_path / "swapped" / "model.safetensors", tmp_path / "swapped" / "new.safetensors")
     shutil.copy(os.path.join(policy, "model.safetensors"), os.path.join(tmp_path / "swapped", "old.safetensors"))
     for f in (lambda: H.check_model(str(tmp_path / "swapped")), lambda: H.read_safetensors(str(tmp_path / "swapped"))):
         with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'swapped' / 'old.safetensors'}: tensor ")
-                           + f".* is in {re.escape(str(tmp_path / 'swapped' / 'model.safetensors'))} too"):
+                           + f".* is in {re.escape(str(tmp_path / 'swapped' / 'new.safetensors'))} too"):
             f()
 
 
