@@ -14,6 +14,7 @@ val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
+import copy
 import functools
 import numbers
 import os
@@ -99,7 +100,7 @@ class RewardCaller:
     inf or a number beyond float32 (the scores' dtype) is scored on_error and counted; with on_error None it stops
     the run, naming the function, the response and the error. A call that returns something other than one real
     number (a string, a complex number, a list) is a TypeError whatever on_error says: that is a bug of the function,
-    not a flaky verifier."""
+    not a flaky verifier. Each call gets a copy of its record, so what a function does to it stays in that call."""
 
     SLOW_S = 60.0  # without a timeout, a call running this long is reported (once)
 
@@ -121,7 +122,9 @@ class RewardCaller:
         records, responses = list(records), list(responses)
         if len(records) != len(responses):
             raise ValueError(f"{len(records)} prompt records for {len(responses)} responses")
-        calls = list(zip(records, responses))
+        # each call its own copy of its record: a function that pops or edits a field would otherwise change it for
+        # the other samples of its prompt (in other threads too) and for every later pass over the prompts
+        calls = list(zip(map(copy.deepcopy, records), responses))
         if not self.timeout and self.watcher is None:  # started here, not by the workers: two could each start one
             self.watcher = threading.Thread(target=RewardCaller._watch, args=(weakref.ref(self),),
                                             name=f"reward-watch-{self.name}", daemon=True)

@@ -6982,6 +6982,27 @@ def test_reward_caller_accepts_one_real_number():
             RewardCaller(**{"fn": lambda r, t: 1.0, **bad})
 
 
+def test_reward_caller_gives_each_call_its_own_record():
+    # a function that pops the field it checks, or marks the record: the next sample of the same prompt (the same
+    # record object, in series or in threads) and the next pass over the prompts see the record as loaded
+    from reward import RewardCaller
+
+    def verifier(record, response):
+        answer = record.pop("answer")
+        record["tags"].append(response)
+        return float(response == answer)
+
+    rec = {"prompt": "2 + 2 =", "answer": "4", "tags": []}
+    for workers, timeout in [(1, 0.0), (3, 0.0), (2, 30.0)]:
+        caller = RewardCaller(verifier, workers=workers, timeout=timeout)
+        for _ in range(2):  # two passes over the prompts
+            assert caller([rec] * 3, ["4", "5", "4"]) == ([1.0, 0.0, 1.0], 0)
+    assert rec == {"prompt": "2 + 2 =", "answer": "4", "tags": []}
+    with pytest.raises(RuntimeError, match=r"to the prompt record \{'prompt': '2 \+ 2 =', 'answer': '4', 'tags': \[\]\}: "
+                                           "ZeroDivisionError"):  # the record as given, not as the call left it
+        RewardCaller(lambda r, t: r.clear() or 1 / 0)([rec], ["4"])
+
+
 def test_reward_caller_runs_its_workers_at_once():
     # a judge that answers only when `workers` calls wait on it at once: in series, or in fewer threads, the barrier
     # breaks (after 5 s, so that no test hangs); and no more than `workers` calls run at once
