@@ -561,6 +561,9 @@ def verify(folder, legacy_ok=False):
         if steps:  # a run's out_dir, or its checkpoints folder
             return (f"not a checkpoint but a folder of them: pass one ({steps[-1]}, the newest), or --resume=auto "
                     "with that run's --out_dir")
+        if legacy_ok:  # resumed by name (a checkpoint older than manifests would have passed): not one
+            return (f"not a training checkpoint: no {MANIFEST}, and {missing[0]} is missing (a checkpoint is "
+                    "out_dir/checkpoints/step-N)")
         return (f"no {MANIFEST} (the write was cut short, or the checkpoint predates manifests: resume it with "
                 f"--resume={folder})" + (f", and {missing[0]} is missing" if missing else ""))
     try:

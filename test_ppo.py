@@ -10041,6 +10041,13 @@ def test_verify_names_a_folder_of_checkpoints_and_a_malformed_manifest(tmp_path)
         with open(manifest, "w") as f:
             json.dump(dict(run_id="r", step=2, files=files), f)
         assert C.verify(newest).startswith("manifest.json is unreadable"), files  # (--resume=auto skips it)
+    # a folder that holds no checkpoint, passed by name, is named as such (it was told to resume with itself)
+    stray = tmp_path / "notes"
+    stray.mkdir()
+    (stray / "trainer.pt").write_text("x")
+    assert C.verify(str(stray), legacy_ok=True) == ("not a training checkpoint: no manifest.json, and .metadata is "
+                                                    "missing (a checkpoint is out_dir/checkpoints/step-N)")
+    assert C.verify(str(stray)).startswith("no manifest.json (the write was cut short")  # --resume=auto's view
 
 
 def test_verify_names_a_file_that_differs_from_its_manifest(tmp_path, monkeypatch):
