@@ -465,8 +465,8 @@ def save(folder, modules, trainer, cfg):
     trainer["run_id"] names the run); cfg: the Config dataclass. Every rank calls it. Written to folder.tmp, the
     manifest last, then renamed: a folder named step-N is always complete. Keeps the newest cfg.keep_checkpoints
     of this run that verify (rotate; another run's checkpoints are never deleted). Refuses to start when the disk
-    cannot hold it."""
-    tmp, rank = folder + ".tmp", dist.get_rank()
+    cannot hold it. Prints where it is, its size and the seconds it took: a pause between two step lines."""
+    tmp, rank, start = folder + ".tmp", dist.get_rank(), time.time()
     state = {}
     for name, (model, opt) in modules.items():
         state[name], state[name + "_optim"] = get_state_dict(model, opt, options=trained_only(cfg))
@@ -484,11 +484,13 @@ def save(folder, modules, trainer, cfg):
                            python_reward_recorded=True), f, indent=1)
     dist.barrier()
     if rank == 0:
-        write_manifest(tmp, trainer["run_id"], trainer["step"])
+        size = write_manifest(tmp, trainer["run_id"], trainer["step"])
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(tmp, folder)  # the commit point
         rotate(folder, trainer["run_id"], cfg.keep_checkpoints)
+        size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        print0(f"checkpoint {folder}: {size} in {time.time() - start:.1f} s")  # (its time is outside time/step)
     dist.barrier()
 
 
@@ -532,7 +534,8 @@ def _files(folder):
 
 
 def write_manifest(folder, run_id, step):
-    """folder/manifest.json: every file's size, and the sha256 of those under HASH_BELOW bytes; written last."""
+    """folder/manifest.json: every file's size, and the sha256 of those under HASH_BELOW bytes; written last.
+    Returns the bytes the files take."""
     files = {}
     for name in _files(folder):
         size = os.path.getsize(os.path.join(folder, name))
@@ -543,6 +546,7 @@ def write_manifest(folder, run_id, step):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, MANIFEST))
+    return sum(f["size"] for f in files.values())
 
 
 def verify(folder, legacy_ok=False):

@@ -9546,7 +9546,7 @@ def test_lr_schedule_by_hand():
     assert C.lr_lambda(dataclasses.replace(cfg, warmup_steps=0))(0) == 1.0
 
 
-def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_path):
+def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_path, capsys):
     # a round trip through save and load, in process on one rank: the weights, AdamW's moments and step, the
     # schedulers' positions, the trainer dict and the global RNGs come back bit for bit, and the restored run's next
     # updates equal the uninterrupted one's. The learning rates are the resuming cfg's at the schedule's position
@@ -9608,6 +9608,9 @@ def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_p
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     C.save(folder, {n: (a[n], a[n + "_opt"]) for n in run.trained}, trainer(a), cfg)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000001"] and C.verify(folder) is None
+    size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n != "manifest.json")
+    said = capsys.readouterr().out.splitlines()[-1]  # where it is, its size, its seconds (a pause in the step lines)
+    assert re.fullmatch(re.escape(f"checkpoint {folder}: {size / 2**20:.1f} MiB in ") + r"\d+\.\d s", said), said
     with open(os.path.join(folder, "config.json")) as f:  # what check_config compares a resume's inputs with
         written = json.load(f)
     with open(cfg.prompts, "rb") as f:
