@@ -8,9 +8,9 @@ must pass it again. A reward model, when given (--reward_model), replaces the fu
 each through RewardCaller, which refuses anything but one number, naming the function and what it returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
-verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised or timed out is
-scored with a fixed value and counted (ppo.py: --reward_workers, --reward_timeout, --reward_on_error,
-val/reward_errors).
+verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised, timed out or returned
+NaN, inf or a number beyond float32 is scored with a fixed value and counted (ppo.py: --reward_workers,
+--reward_timeout, --reward_on_error, val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
