@@ -8,9 +8,9 @@ must pass it again. A reward model, when given (--reward_model), replaces the fu
 each through RewardCaller, which refuses anything but one number, naming the function and what it returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
-verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised or timed out is
-scored with a fixed value and counted (ppo.py: --reward_workers, --reward_timeout, --reward_on_error,
-val/reward_errors).
+verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised, timed out or returned
+NaN, inf or a number beyond float32 is scored with a fixed value and counted (ppo.py: --reward_workers,
+--reward_timeout, --reward_on_error, val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
 """
@@ -175,8 +175,8 @@ class RewardCaller:
     @staticmethod
     def _watch(caller):
         """A daemon thread: names a call that runs past SLOW_S with no timeout to end it. On several ranks the
-        others wait for this one in their next collective, until the process group's timeout (30 minutes) ends
-        the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
+        others wait for this one in their next collective, until the process group's timeout (PyTorch's default: 10
+        minutes on NCCL, 30 on gloo) ends the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
         function, and whatever it holds, lived as long as the process: a thread for each caller)."""
         reported = set()
         while (rc := caller()) is not None:
