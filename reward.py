@@ -175,8 +175,8 @@ class RewardCaller:
     @staticmethod
     def _watch(caller):
         """A daemon thread: names a call that runs past SLOW_S with no timeout to end it. On several ranks the
-        others wait for this one in their next collective, until the process group's timeout (PyTorch's default: 10
-        minutes on NCCL, 30 on gloo) ends the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
+        others wait for this one in their next collective, until the process group's timeout (30 minutes) ends
+        the job and names one of them. It holds its RewardCaller by a weak reference, and ends with it (else the
         function, and whatever it holds, lived as long as the process: a thread for each caller)."""
         reported = set()
         while (rc := caller()) is not None:
