@@ -4,6 +4,7 @@ torchrun), printing on rank 0, sums over ranks, the free disk, the phase timer, 
 log and stopping on a signal. Plumbing that ppo.py calls so that its main loop reads as the algorithm; nothing here
 knows about models.
 """
+import datetime
 import inspect
 import json
 import math
@@ -22,6 +23,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 
+PG_TIMEOUT_MIN = 30  # a collective waiting longer ends the job: ranks that wait on one rank's slow reward call,
+# its checkpoint or export write. Said, not left to PyTorch, whose default is 10 minutes for "nccl" alone
+
+
 def setup_distributed():
     """Starts a process group whether or not torchrun did: nccl on GPU, gloo on CPU."""
     cuda = torch.cuda.is_available()
@@ -33,11 +38,12 @@ def setup_distributed():
                                "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU")
         torch.cuda.set_device(local_rank)
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # gloo for CPU tensors: metrics, offloaded shards
+    timeout = datetime.timedelta(minutes=PG_TIMEOUT_MIN)
     if not dist.is_initialized():
         if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 

@@ -8908,6 +8908,25 @@ def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
     assert runtime.setup_distributed() == (0, 1, torch.device("cuda", 1)) and chosen == [0, 1]
 
 
+def test_the_process_group_waits_30_minutes_on_nccl_too(monkeypatch):
+    # under torchrun on GPUs the group is "cuda:nccl,cpu:gloo" with a 30-minute timeout, given, not PyTorch's default
+    # (10 minutes for nccl alone): ranks wait that long on one rank's slow reward call or export before the job ends
+    import datetime
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **kw: started.append((a, kw)))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("RANK", "3")
+    assert runtime.setup_distributed() == (3, 8, torch.device("cuda", 3))
+    assert started == [(("cuda:nccl,cpu:gloo",), dict(timeout=datetime.timedelta(minutes=30)))]
+
+
 def test_ratio_variance_is_each_minibatchs_own_averaged():
     # val/ratio_var: the variance of the ratio over a minibatch's tokens, averaged over the minibatches as val/ratio
     # is. Minibatches of 100 tokens at r = 1 and of 2 tokens at r = 1 and 3: variances 0 and 1, so 0.5 (pooling the
