@@ -55,6 +55,7 @@ and the gradients in flight are estimates of the largest set of tensors live at 
     python ppo.py --dry_run=8 --model=meta-llama/Llama-3.1-8B-Instruct --reward_model=path/to/rm \
         --rollout_batch_size=512 --max_prompt_len=1024 --max_new_tokens=1024 --mini_batch_size=64
 """
+import dataclasses
 import math
 
 import torch
@@ -539,6 +540,21 @@ def dry_run(cfg, run):
     text, fits = report(cfg, run)
     print(text)
     return dict(fits=fits)
+
+
+def preflight(cfg, run, gpu_bytes):
+    """The line a CUDA run prints before any model loads: its plan's peak against the memory of the GPU at hand
+    (gpu_bytes, as torch.cuda reports it), so that a run that cannot fit says so in its first seconds, not after
+    loading. The plan is a worst case (every prompt and response at its limit): a run it does not fit may go on
+    for a while on shorter ones, and runs out of memory at the first batch that comes near it."""
+    gb = math.floor(gpu_bytes / GiB * 10) / 10
+    text, fits = report(dataclasses.replace(cfg, gpu_memory_gb=gb), run)
+    peak = text.rsplit("\n", 1)[-1]  # "peak 61.3 GiB per GPU of 79.1: fits"
+    if fits:
+        return f"memory plan: {peak} (the worst case; --dry_run={run.world} prints the plan)"
+    return (f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): the first "
+            f"batch near it will run out of memory. `python ppo.py --dry_run={run.world} --gpu_memory_gb={gb:g}` with "
+            "this run's flags prints the plan and which flags shrink its largest lines")
 
 
 def report(cfg, run):

@@ -9098,6 +9098,7 @@ def test_cuda_tiny_run_ratio_one_and_resume(tiny_run, tmp_path):
                    "TORCHINDUCTOR_CUDAGRAPH_OR_ERROR": "1"})
     p, full = run_ppo(tiny_run, tmp_path / "full", total_steps=2, **kw)
     assert "device cuda" in p.stdout and "dtype torch.bfloat16" in p.stdout, p.stdout[-2000:]
+    assert re.search(r"^memory plan: peak \d+\.\d GiB per GPU of \d+\.\d: fits", p.stdout, re.M), p.stdout[-2000:]
     m = full[1]
     assert m["val/ratio"] == 1.0 and m["policy/clipfrac_avg"] == 0.0 and m["objective/kl"] == 0.0
     assert all(0 < m[f"mem/{phase}_peak_gib"] < 80 for phase in ("rollout", "score", "train"))  # CUDA only
@@ -13201,6 +13202,30 @@ def test_readme_cases(tmp_path, name, gpus, fits):
     for gb, fit in ((edge, True), (math.nextafter(edge, 0), False)):
         assert plan.report(plan_config(model=policy, reward_model=rm, gpu_memory_gb=gb),
                            ppo.derive(plan_config(model=policy, reward_model=rm), 0, gpus, torch.device("cuda")))[1] is fit
+
+
+def test_a_cuda_run_prints_its_plan_against_its_gpu_before_loading(tmp_path):
+    # plan.preflight: the plan's peak against the memory torch.cuda reports (an "80 GB" H100: 81559 MiB, of which
+    # 79.6 GiB, rounded down), fits or not as --dry_run decides at that size; where it does not fit, a warning with
+    # the --dry_run command that shows why
+    import ppo
+
+    h100 = 81559 * 2**20
+    for name, gpus, fits in (("Llama-3.1-8B", 8, True), ("Llama-3.1-70B", 8, False)):
+        policy, rm = write_configs(tmp_path, name)
+        cfg = plan_config(model=policy, reward_model=rm)
+        run = ppo.derive(cfg, 0, gpus, torch.device("cuda"))
+        text, ok = plan.report(plan_config(model=policy, reward_model=rm, gpu_memory_gb=79.6), run)
+        assert ok is fits
+        peak = text.splitlines()[-1]
+        assert re.fullmatch(r"peak \d+\.\d GiB per GPU of 79.6: " + ("fits" if fits else "does not fit"), peak)
+        said = plan.preflight(cfg, run, h100)
+        assert said == (f"memory plan: {peak} (the worst case; --dry_run=8 prints the plan)" if fits else
+                        f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): "
+                        "the first batch near it will run out of memory. `python ppo.py --dry_run=8 "
+                        "--gpu_memory_gb=79.6` with this run's flags prints the plan and which flags shrink its "
+                        "largest lines"), said
+    assert " per GPU of 79.9: " in plan.preflight(cfg, run, 80 * 2**30 - 1)  # rounded down, never up
 
 
 def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
