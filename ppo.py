@@ -110,11 +110,11 @@ class Config:
     reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
     reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
     reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
-    advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
+    advantage_estimator: str = "gae"  # gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # held-out evaluation (evaluate.py)
-    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl when training on the shipped prompts.jsonl; "": none
+    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl if --prompts is the shipped one; "": none
     eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
     eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     # PPO
@@ -129,26 +129,26 @@ class Config:
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
-    is_correction: str = "tis"  # weight on each token's policy gradient for sampler != trainer, a key of gae.IS_CORRECTIONS: tis | icepop | seq_mask | none
+    is_correction: str = "tis"  # pg weights for sampler != trainer (gae.IS_CORRECTIONS): tis | icepop | seq_mask | none
     is_cap: float = 2.0  # tis, seq_mask: w = min(r, is_cap), r = exp(old_logp - sampler_logp)
     is_band: tuple[float, float] = (0.5, 5.0)  # icepop: w = r inside [lo, hi], else 0
-    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: a response whose geometric-mean r leaves [lo, hi] gets w = 0
+    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: w = 0 if a response's geometric-mean r leaves [lo, hi]
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     lr_schedule: str = "constant"  # constant | linear (decays to 0 after the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
-    # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model the critic starts from, are "adapters off"
+    # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model under the critic, are "adapters off"
     lora_rank: int = 0  # rank r of the actor's and the critic's adapters; 0: full fine-tuning
-    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
+    lora_alpha: float = 16.0  # adapters' output scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
     lora_dropout: float = 0.0  # dropout on the adapters' input in training forwards (PPO keeps dropout off)
-    lora_targets: tuple[str, ...] = TARGETS  # the projections of each block that get adapters, e.g. q_proj,v_proj (default: all seven)
+    lora_targets: tuple[str, ...] = TARGETS  # each block's adapted projections, e.g. q_proj,v_proj (default: all seven)
     # system
-    activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
+    activation_checkpointing: str = "auto"  # recompute each block in the backward: on | off | auto (on on CUDA)
     offload_frozen: bool = False  # keep the reference and reward model shards on the CPU between forwards (CUDA)
-    offload_optimizer: bool = False  # the trained models' shards, grads and AdamW states in pinned CPU memory; AdamW steps there (CUDA)
-    dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where it is fast (see cpu_has_bf16)
+    offload_optimizer: bool = False  # trained models' shards, grads, AdamW states pinned on CPU, stepped there (CUDA)
+    dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where fast (model.cpu_has_bf16)
     seed: int = 1  # seeds everything: sampling noise, minibatch order, the critic's fresh head
     log_every: int = 1  # metrics line every N steps
     sample_every: int = 4  # print one prompt/response every N steps; 0 disables
