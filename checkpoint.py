@@ -1,6 +1,6 @@
 """
 Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), their
-optimizers (add_optimizers), and its training checkpoints (save, find, resume).
+optimizers (add_optimizers), and its training checkpoints (save_step, find, resume).
 
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
@@ -35,6 +35,7 @@ import re
 import shutil
 import socket
 import time
+import uuid
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -492,6 +493,13 @@ def save(folder, modules, trainer, cfg):
     dist.barrier()
 
 
+def save_step(cfg, step, models, stateful, **trainer):
+    """save() of step `step` to out_dir/checkpoints/step-N: the models and optimizers, and in trainer.pt the state of
+    each object of `stateful` (None for one the run does not have), the step and `trainer`'s entries (run_id, ...)."""
+    state = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
+    save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models, dict(state, step=step, **trainer), cfg)
+
+
 def rotate(folder, run_id, keep):
     """After the checkpoint `folder` (step-N) is written: of run_id's checkpoints beside it up to step N, the newest
     `keep` that verify are kept, `folder` among them, and the older ones removed. Later ones (one that --resume=auto
@@ -735,4 +743,15 @@ def load(folder, modules, cfg, stateful=None):
             for g, f in zip(opt.param_groups, sched.lr_lambdas):
                 g["initial_lr"], g["lr"] = lr, lr * f(sched.last_epoch)
             sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return trainer
+
+
+def resume(ckpt, models, cfg, stateful):
+    """The trainer dict a run starts from: the checkpoint ckpt's (find()), once load() has restored the models,
+    optimizers and `stateful` from it; with ckpt None, a new run's: step 0, no metrics, a new run_id (rotate deletes
+    the checkpoints of its own run_id alone)."""
+    trainer = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)
+    if ckpt:
+        trainer = dict(trainer, **load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
+        print0(f"resumed from {ckpt} at step {trainer['step']}")
     return trainer

@@ -49,7 +49,6 @@ import os
 import random
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -66,7 +65,7 @@ from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKL
                  estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once, save_hf
 from lora import TARGETS, LoRAConfig, seed_dropout
-from metrics import step_metrics
+from metrics import counters, learning_rates, phase_times, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, python_name
 from rollout import MIN_TEMPERATURE, generate
@@ -448,15 +447,15 @@ def main(cfg: Config, reward_fn=None):
     with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
         tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
+        # the same seeds on every rank: the critic's fresh head must agree before sharding
+        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
         release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite, ckpt)  # out_dir is this run's, or a refusal
         print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
                f"micro-batch {run.local_micro}")
 
         # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
-        m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
+        mesh = init_device_mesh(device.type, (world,))
+        m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, mesh), cfg, run)
     if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
         keep_freed_memory()
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
@@ -465,31 +464,28 @@ def main(cfg: Config, reward_fn=None):
            f"stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0
+              else FixedKLController(cfg.kl_coef))
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
     estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
+    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
+                                    run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
+                                    generate=rollouts.generate_beside)
+    export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
+                               base_model=cfg.model)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
-    tr = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)  # run_id: whose checkpoints rotation may delete
-    if ckpt:
-        tr = dict(tr, **checkpoint.load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
-        print0(f"resumed from {ckpt} at step {tr['step']}")
-    history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr["run_id"]
-    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal(), tr.get("bad_in_a_row", 0)
-    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg, run=run,
-                                    tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id, generate=rollouts.generate_beside)
-    export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
-                               base_model=cfg.model)
-    counters = lambda step: dict(episode=step * cfg.rollout_batch_size,  # noqa: E731 -- prompts, passes over them
-                                 epoch=sampler.passes(back=int(cfg.async_rollout and step > 0)))  # async: 1 batch ahead
+    tr = checkpoint.resume(ckpt, models, cfg, stateful)  # (ckpt None: a new run at step 0)
+    history, first_step, run_id, bad_in_a_row = tr["metrics"], tr["step"] + 1, tr["run_id"], tr.get("bad_in_a_row", 0)
+    log, stop = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal()
 
     try:
         done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
         if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
-            log.log_eval(*evaluate_at(done, counters(done)))
+            log.log_eval(*evaluate_at(done, counters(done, cfg, sampler)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -509,7 +505,8 @@ def main(cfg: Config, reward_fn=None):
                 scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
                 sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
-                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: {sc['score'].tolist()}")
+                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: "
+                                         f"{sc['score'].tolist()}")
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
             score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used
@@ -537,9 +534,9 @@ def main(cfg: Config, reward_fn=None):
                     if bad_in_a_row >= cfg.max_bad_updates:
                         raise FloatingPointError(
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
-                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
-                            "is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
-            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, is not kept into the rollout
+                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/"
+                            "checkpoints is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
+            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, not kept into the rollout
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
@@ -547,31 +544,28 @@ def main(cfg: Config, reward_fn=None):
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
                                    run.rows, run.trained, cfg)
             kl_ctl.update(metrics["objective/kl"], run.rows)
-            counted = counters(step)
+            counted = counters(step, cfg, sampler)
             metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
-            t4 = time.time()
-            metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
-                                             for name in run.trained}, **counted,
-                            "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
+            times = phase_times(t0, t1, t2, t3, time.time(), metrics["val/response_length"] * run.rows)
+            metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics)
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
-                trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
-                checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                                dict(trainer, step=step, run_id=run_id, bad_in_a_row=bad_in_a_row, **log.state()), cfg)
+                checkpoint.save_step(cfg, step, models, stateful, run_id=run_id, bad_in_a_row=bad_in_a_row,
+                                     **log.state())
                 export()
-            if evalset and due(step, cfg) and not stopping:  # after the checkpoint (if due): a failed evaluation loses no step
+            if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counted))
             if stopping:
-                print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
-                       f"resume with --resume=auto --out_dir={cfg.out_dir}")
+                print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} "
+                       f"after step {step}; resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
-            print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): exporting its actor again")
+            print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): "
+                   "exporting its actor again")
             export()
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
