@@ -1,6 +1,6 @@
 """
 Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), their
-optimizers (add_optimizers), and its training checkpoints (save_step, find, resume).
+optimizers (add_optimizers), and its training checkpoints (save_step, find, resume) and the HF-format actor (export).
 
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import finish_write, read_checkpoint, resolve
+from hf import finish_write, read_checkpoint, resolve, save_hf
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
 from runtime import UsageError, check_space, print0
@@ -498,6 +498,11 @@ def save_step(cfg, step, models, stateful, **trainer):
     each object of `stateful` (None for one the run does not have), the step and `trainer`'s entries (run_id, ...)."""
     state = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
     save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models, dict(state, step=step, **trainer), cfg)
+
+
+def export(actor, tokenizer, cfg, stop_ids, pad_id):
+    """The actor in HF format to out_dir/actor (hf.save_hf), which records cfg.model as its base model."""
+    save_hf(actor, tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
 
 
 def rotate(folder, run_id, keep):

@@ -63,7 +63,7 @@ from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
-from hf import gguf_parsed_once, save_hf
+from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
@@ -473,8 +473,6 @@ def main(cfg: Config, reward_fn=None):
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
                                     generate=rollouts.generate_beside)
-    export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
-                               base_model=cfg.model)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
@@ -555,7 +553,7 @@ def main(cfg: Config, reward_fn=None):
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
                 checkpoint.save_step(cfg, step, models, stateful, run_id=run_id, bad_in_a_row=bad_in_a_row,
                                      **log.state())
-                export()
+                checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
             if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counted))
@@ -566,7 +564,7 @@ def main(cfg: Config, reward_fn=None):
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
             print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): "
                    "exporting its actor again")
-            export()
+            checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
         rollouts.close()
