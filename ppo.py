@@ -200,8 +200,8 @@ LIMITS = {
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
-IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1,
-            "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "in [0, 2**32)": lambda v: 0 <= v < 2**32,
+            "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 
 
 def derive(cfg, rank, W, device):
@@ -212,8 +212,8 @@ def derive(cfg, rank, W, device):
             need(v is None or IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
-    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
-        need(getattr(cfg, k) is None or abs(getattr(cfg, k)) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {getattr(cfg, k)}")
+    for k, v in ((k, getattr(cfg, k)) for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error")):
+        need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
                            is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
                            dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
@@ -238,34 +238,41 @@ def derive(cfg, rank, W, device):
          "--ptx_coef > 0, or leave --sft_data out")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for i, t in enumerate(cfg.lora_targets) if t not in TARGETS or t in cfg.lora_targets[:i]] or "none"
-    need(cfg.lora_targets and bad == "none", f"--lora_targets must be some of {','.join(TARGETS)}, each once, not {bad}")
+    need(cfg.lora_targets and bad == "none",
+         f"--lora_targets must be some of {','.join(TARGETS)}, each once, not {bad}")
     for k, (lo, hi) in (("is_band", cfg.is_band), ("is_seq_band", cfg.is_seq_band)):
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
-    for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
-                           (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
-                            "with --reward_model, which scores in place of a reward function"), (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
-                           (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"), (cfg.wandb, ("wandb_project",), "without --wandb"),
-                           (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
-                           (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
-                           (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}")):
+    for on, flags, why in (  # flags read only while `on`: set with it off, they would do nothing, and are refused
+        (cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
+        (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
+         "with --reward_model, which scores in place of a reward function"),
+        (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
+        (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
+        (cfg.wandb, ("wandb_project",), "without --wandb"),
+        (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"),
+        (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+        (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
+        (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}"),
+    ):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
-    need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows, f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
+    need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows,
+         f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
          f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
-    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with --async_rollout"
-         " on a GPU: the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
-    ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
+    cuda = device.type == "cuda"
+    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and cuda), "--lora_dropout with --async_rollout on a GPU: "
+         "the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if cuda or cpu_has_bf16() else "fp32"
+    ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and cuda
     local_rollout = cfg.rollout_batch_size // W
-    rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout * n)
+    lora = (LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank
+            else None)
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
                cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
-               rollout_micro, ac, cfg.offload_frozen and device.type == "cuda",
-               cfg.offload_optimizer and device.type == "cuda",
-               LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank else None,
-               ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
+               min(cfg.rollout_micro_batch_size, local_rollout * n), ac, cfg.offload_frozen and cuda,
+               cfg.offload_optimizer and cuda, lora, ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
 
 
 # -----------------------------------------------------------------------------
