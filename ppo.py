@@ -17,11 +17,11 @@ Each step:
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, rloo, reinforce_pp (gae.py)
-    5. optimise  ppo_epochs x minibatches x micro-batches:
+    5. optimise  ppo_epochs x minibatches x micro-batches (w: the sampler-trainer importance weight, gae.is_weights):
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
-                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
+                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
     7. evaluate  every eval_every steps, before the first and after the last; after the checkpoint (evaluate.py)
 
@@ -276,17 +276,7 @@ def derive(cfg, rank, W, device):
 
 
 # -----------------------------------------------------------------------------
-# optimizer helpers
-
-
-def grad_norm(model, max_norm):
-    """Clips in place; returns the norm before clipping, a 0-dim tensor (no host sync)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-# -----------------------------------------------------------------------------
-# the forward passes PPO needs, on a batch dict (one micro-batch at a time)
+# the forward passes PPO needs, and its update, on a batch dict (one micro-batch at a time)
 #   tokens, attention_mask, position_ids (B, P+R); response_mask (B, R); P = prompt width
 
 
@@ -344,15 +334,14 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
 
 
 def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
-    """Step 5 on one micro-batch -> (actor_loss, critic_loss (None without a critic), stats: dict of 0-dim
-    float64 sums).
+    """Step 5 on one micro-batch -> (actor_loss, critic_loss (None: no critic), stats: dict of 0-dim float64 sums).
 
-    Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens,
-    the minibatch's response-token count over all ranks, then multiplied by the world size
-    because FSDP averages gradients over ranks: summed over micro-batches and ranks this is the
-    token mean over the minibatch. Rollout tensors are cleaned outside the mask first, so a NaN
-    in a padded slot reaches neither the loss nor the gradient. Each token's policy term carries its importance
-    weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still counts in n_tokens."""
+    Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens, the minibatch's
+    response-token count over all ranks, then multiplied by the world size because FSDP averages gradients over ranks:
+    summed over micro-batches and ranks this is the token mean over the minibatch. Rollout tensors are cleaned outside
+    the mask first, so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term
+    carries its importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still
+    counts in n_tokens."""
     mask = mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
@@ -384,7 +373,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
         vpred = torch.where(mask, value_forward(critic, mb), 0.0)
         vf_losses = (vpred - ret).square()
         if cfg.loss_clip_val > 0:
-            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)  # vpred inside
+            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)
             vf_losses2 = (vclipped - ret).square()
             vf = 0.5 * torch.max(vf_losses, vf_losses2)
         else:
@@ -402,6 +391,12 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     for b, (p, r) in enumerate(pairs):  # position t predicts token t+1: the response tokens
         labels[b, T - len(r) - 1 : T - 1] = tokens[b, T - len(r) :]
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)
+
+
+def grad_norm(model, max_norm):
+    """Clips in place; returns the norm before clipping, a 0-dim tensor (no host sync)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
