@@ -493,9 +493,11 @@ def save(folder, modules, trainer, cfg):
     dist.barrier()
 
 
-def save_step(cfg, step, models, stateful, **trainer):
-    """save() of step `step` to out_dir/checkpoints/step-N: the models and optimizers, and in trainer.pt the state of
-    each object of `stateful` (None for one the run does not have), the step and `trainer`'s entries (run_id, ...)."""
+def save_step(cfg, step, m, trained, stateful, **trainer):
+    """save() of step `step` to out_dir/checkpoints/step-N: the `trained` models of m and their optimizers (m[name],
+    m[name + "_opt"]), and in trainer.pt the state of each object of `stateful` (None for one the run does not have),
+    the step and `trainer`'s entries (run_id, ...)."""
+    models = {name: (m[name], m[name + "_opt"]) for name in trained}
     state = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
     save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models, dict(state, step=step, **trainer), cfg)
 
@@ -751,12 +753,13 @@ def load(folder, modules, cfg, stateful=None):
     return trainer
 
 
-def resume(ckpt, models, cfg, stateful):
-    """The trainer dict a run starts from: the checkpoint ckpt's (find()), once load() has restored the models,
-    optimizers and `stateful` from it; with ckpt None, a new run's: step 0, no metrics, a new run_id (rotate deletes
-    the checkpoints of its own run_id alone)."""
+def resume(ckpt, m, trained, cfg, stateful):
+    """The trainer dict a run starts from: the checkpoint ckpt's (find()), once load() has restored from it the
+    `trained` models of m, their optimizers and `stateful`; with ckpt None, a new run's: step 0, no metrics, a new
+    run_id (rotate deletes the checkpoints of its own run_id alone)."""
     trainer = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)
     if ckpt:
+        models = {name: (m[name], m[name + "_opt"]) for name in trained}
         trainer = dict(trainer, **load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
         print0(f"resumed from {ckpt} at step {trainer['step']}")
     return trainer

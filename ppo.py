@@ -477,8 +477,7 @@ def main(cfg: Config, reward_fn=None):
                                     generate=rollouts.generate_beside)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
-    models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
-    tr = checkpoint.resume(ckpt, models, cfg, stateful)  # (ckpt None: a new run at step 0)
+    tr = checkpoint.resume(ckpt, m, run.trained, cfg, stateful)  # (ckpt None: a new run at step 0)
     history, first_step, run_id, bad_in_a_row = tr["metrics"], tr["step"] + 1, tr["run_id"], tr.get("bad_in_a_row", 0)
     log, stop = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal()
 
@@ -553,7 +552,7 @@ def main(cfg: Config, reward_fn=None):
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
-                checkpoint.save_step(cfg, step, models, stateful, run_id=run_id, bad_in_a_row=bad_in_a_row,
+                checkpoint.save_step(cfg, step, m, run.trained, stateful, run_id=run_id, bad_in_a_row=bad_in_a_row,
                                      **log.state())
                 checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
             if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
