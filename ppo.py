@@ -471,7 +471,6 @@ def main(cfg: Config, reward_fn=None):
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
-    estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
                                     generate=rollouts.generate_beside)
@@ -514,7 +513,7 @@ def main(cfg: Config, reward_fn=None):
 
             # ---- 4. advantages (GAE with the critic's values by default; gae.ADVANTAGE_ESTIMATORS)
             kl_reward = torch.where(mask, -kl_ctl.value * kl, 0.0)  # (B, R), the reward's KL part
-            adv, ret = estimate_advantages(score, kl_reward, sc.get("values"), mask, cfg)
+            adv, ret = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](score, kl_reward, sc.get("values"), mask, cfg)
             batch.update(old_logp=sc["old_logp"], adv=adv)
             if ret is not None:
                 batch.update(old_values=sc["values"], ret=ret)
@@ -539,14 +538,13 @@ def main(cfg: Config, reward_fn=None):
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
-            beta = kl_ctl.value
-            metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                                   run.rows, run.trained, cfg)
+            metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, kl_ctl.value,
+                                   run.rows, run.trained, cfg)  # kl_ctl.value: the step's beta, before the update
             kl_ctl.update(metrics["objective/kl"], run.rows)
-            counted = counters(step, cfg, sampler)
-            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
+            counted = counters(step, cfg, sampler)
+            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
             times = phase_times(t0, t1, t2, t3, time.time(), metrics["val/response_length"] * run.rows)
             metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics)
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
@@ -563,8 +561,7 @@ def main(cfg: Config, reward_fn=None):
                        f"after step {step}; resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
-            print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): "
-                   "exporting its actor again")
+            print0(f"no step left after step {done} (total_steps {cfg.total_steps}): exporting its actor again")
             checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
