@@ -1,6 +1,6 @@
 """
 Sharded state in and out: the run's models loaded from HF checkpoints into FSDP2 shards (build_models), their
-optimizers (add_optimizers), and its training checkpoints (save, find, resume).
+optimizers (add_optimizers), and its training checkpoints (save_step, find, resume) and the HF-format actor (export).
 
 Loading. Every model is built on the meta device from its config alone, sharded (each transformer block one FSDP2
 unit, the root another), and filled from one read of the checkpoint on rank 0, broadcast a tensor at a time: no
@@ -35,6 +35,7 @@ import re
 import shutil
 import socket
 import time
+import uuid
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from hf import finish_write, read_checkpoint, resolve
+from hf import finish_write, read_checkpoint, resolve, save_hf
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
 from runtime import UsageError, check_space, print0
@@ -494,6 +495,20 @@ def save(folder, modules, trainer, cfg):
     dist.barrier()
 
 
+def save_step(cfg, step, m, trained, stateful, **trainer):
+    """save() of step `step` to out_dir/checkpoints/step-N: the `trained` models of m and their optimizers (m[name],
+    m[name + "_opt"]), and in trainer.pt the state of each object of `stateful` (None for one the run does not have),
+    the step and `trainer`'s entries (run_id, ...)."""
+    models = {name: (m[name], m[name + "_opt"]) for name in trained}
+    state = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
+    save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models, dict(state, step=step, **trainer), cfg)
+
+
+def export(actor, tokenizer, cfg, stop_ids, pad_id):
+    """The actor in HF format to out_dir/actor (hf.save_hf), which records cfg.model as its base model."""
+    save_hf(actor, tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id, base_model=cfg.model)
+
+
 def rotate(folder, run_id, keep):
     """After the checkpoint `folder` (step-N) is written: of run_id's checkpoints beside it up to step N, the newest
     `keep` that verify are kept, `folder` among them, and the older ones removed. Later ones (one that --resume=auto
@@ -742,4 +757,16 @@ def load(folder, modules, cfg, stateful=None):
             for g, f in zip(opt.param_groups, sched.lr_lambdas):
                 g["initial_lr"], g["lr"] = lr, lr * f(sched.last_epoch)
             sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return trainer
+
+
+def resume(ckpt, m, trained, cfg, stateful):
+    """The trainer dict a run starts from: the checkpoint ckpt's (find()), once load() has restored from it the
+    `trained` models of m, their optimizers and `stateful`; with ckpt None, a new run's: step 0, no metrics, a new
+    run_id (rotate deletes the checkpoints of its own run_id alone)."""
+    trainer = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)
+    if ckpt:
+        models = {name: (m[name], m[name + "_opt"]) for name in trained}
+        trainer = dict(trainer, **load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
+        print0(f"resumed from {ckpt} at step {trainer['step']}")
     return trainer

@@ -3,6 +3,7 @@ The step's metrics from its tensors: the names of README's metrics table (object
 perf/*), each a sum over this rank's rows, summed over ranks (runtime.all_sum), so 1 and N ranks log the same numbers.
 Per-minibatch statistics (the losses, clip fractions, ratios) are token means over each minibatch, then averaged
 over every minibatch of the step, not the last one's (CleanRL logs the last minibatch's and calls it the mean).
+Beside them, the step's bookkeeping: episode and epoch (counters), lr and critic_lr, the phases' seconds (time/*).
 """
 import functools
 from math import nan
@@ -69,3 +70,21 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     named = {"policy_loss", "entropy", "approxkl", "clipfrac", "ratio", "ratio_sq", "value_loss", "vf_clipfrac"}
     out.update({f"loss/{k}_avg": v for k, v in avg.items() if k not in named})  # ptx, and a fork's own terms
     return out
+
+
+def counters(step, cfg, sampler):
+    """episode: the prompts the run has trained on after `step` steps; epoch: its passes over the prompt set (the
+    sampler's; --async_rollout draws a batch ahead after step 0)."""
+    return dict(episode=step * cfg.rollout_batch_size, epoch=sampler.passes(back=int(cfg.async_rollout and step > 0)))
+
+
+def learning_rates(m, trained):
+    """Each trained model's learning rate from its scheduler: lr (the actor's), critic_lr."""
+    return {("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0] for name in trained}
+
+
+def phase_times(t0, t1, t2, t3, t4, tokens):
+    """time/*: the seconds of each phase of the step from the ends t1-t3 of rollout, score and train (t0: the step's
+    start, t4: its end), and the response tokens of the step per second."""
+    return {"time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
+            "time/tokens_per_sec": tokens / (t4 - t0)}

@@ -17,11 +17,11 @@ Each step:
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, rloo, reinforce_pp (gae.py)
-    5. optimise  ppo_epochs x minibatches x micro-batches:
+    5. optimise  ppo_epochs x minibatches x micro-batches (w: the sampler-trainer importance weight, gae.is_weights):
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
-                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]   [w: gae.is_weights]
+                   actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
     7. evaluate  every eval_every steps, before the first and after the last; after the checkpoint (evaluate.py)
 
@@ -49,7 +49,6 @@ import os
 import random
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -64,9 +63,9 @@ from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
                  estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
-from hf import gguf_parsed_once, save_hf
+from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
-from metrics import step_metrics
+from metrics import counters, learning_rates, phase_times, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, python_name
 from rollout import MIN_TEMPERATURE, generate
@@ -110,11 +109,11 @@ class Config:
     reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
     reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
     reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
-    advantage_estimator: str = "gae"  # a key of gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
+    advantage_estimator: str = "gae"  # gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # held-out evaluation (evaluate.py)
-    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl when training on the shipped prompts.jsonl; "": none
+    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl if --prompts is the shipped one; "": none
     eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
     eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     # PPO
@@ -129,26 +128,26 @@ class Config:
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
-    is_correction: str = "tis"  # weight on each token's policy gradient for sampler != trainer, a key of gae.IS_CORRECTIONS: tis | icepop | seq_mask | none
+    is_correction: str = "tis"  # pg weights for sampler != trainer (gae.IS_CORRECTIONS): tis | icepop | seq_mask | none
     is_cap: float = 2.0  # tis, seq_mask: w = min(r, is_cap), r = exp(old_logp - sampler_logp)
     is_band: tuple[float, float] = (0.5, 5.0)  # icepop: w = r inside [lo, hi], else 0
-    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: a response whose geometric-mean r leaves [lo, hi] gets w = 0
+    is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: w = 0 if a response's geometric-mean r leaves [lo, hi]
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     lr_schedule: str = "constant"  # constant | linear (decays to 0 after the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
-    # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model the critic starts from, are "adapters off"
+    # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model under the critic, are "adapters off"
     lora_rank: int = 0  # rank r of the actor's and the critic's adapters; 0: full fine-tuning
-    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
+    lora_alpha: float = 16.0  # adapters' output scaled by lora_alpha / lora_rank (16: OpenRLHF's and verl's default)
     lora_dropout: float = 0.0  # dropout on the adapters' input in training forwards (PPO keeps dropout off)
-    lora_targets: tuple[str, ...] = TARGETS  # the projections of each block that get adapters, e.g. q_proj,v_proj (default: all seven)
+    lora_targets: tuple[str, ...] = TARGETS  # each block's adapted projections, e.g. q_proj,v_proj (default: all seven)
     # system
-    activation_checkpointing: str = "auto"  # recompute each transformer block in the backward: on | off | auto (on on CUDA)
+    activation_checkpointing: str = "auto"  # recompute each block in the backward: on | off | auto (on on CUDA)
     offload_frozen: bool = False  # keep the reference and reward model shards on the CPU between forwards (CUDA)
-    offload_optimizer: bool = False  # the trained models' shards, grads and AdamW states in pinned CPU memory; AdamW steps there (CUDA)
-    dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where it is fast (see cpu_has_bf16)
+    offload_optimizer: bool = False  # trained models' shards, grads, AdamW states pinned on CPU, stepped there (CUDA)
+    dtype: str = "auto"  # compute dtype: bf16 (fp32 master weights) | fp32 | auto: bf16 where fast (model.cpu_has_bf16)
     seed: int = 1  # seeds everything: sampling noise, minibatch order, the critic's fresh head
     log_every: int = 1  # metrics line every N steps
     sample_every: int = 4  # print one prompt/response every N steps; 0 disables
@@ -201,8 +200,8 @@ LIMITS = {
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
-IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1,
-            "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 2**32)": lambda v: 0 <= v < 2**32}
+IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "in [0, 2**32)": lambda v: 0 <= v < 2**32,
+            "> 0": lambda v: v > 0, "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 
 
 def derive(cfg, rank, W, device):
@@ -213,8 +212,8 @@ def derive(cfg, rank, W, device):
             need(v is None or IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
-    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
-        need(getattr(cfg, k) is None or abs(getattr(cfg, k)) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {getattr(cfg, k)}")
+    for k, v in ((k, getattr(cfg, k)) for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error")):
+        need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
                            is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
                            dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
@@ -239,48 +238,45 @@ def derive(cfg, rank, W, device):
          "--ptx_coef > 0, or leave --sft_data out")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for i, t in enumerate(cfg.lora_targets) if t not in TARGETS or t in cfg.lora_targets[:i]] or "none"
-    need(cfg.lora_targets and bad == "none", f"--lora_targets must be some of {','.join(TARGETS)}, each once, not {bad}")
+    need(cfg.lora_targets and bad == "none",
+         f"--lora_targets must be some of {','.join(TARGETS)}, each once, not {bad}")
     for k, (lo, hi) in (("is_band", cfg.is_band), ("is_seq_band", cfg.is_seq_band)):
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
-    for on, flags, why in ((cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
-                           (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
-                            "with --reward_model, which scores in place of a reward function"), (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
-                           (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"), (cfg.wandb, ("wandb_project",), "without --wandb"),
-                           (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"), (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
-                           (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
-                           (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}")):
+    for on, flags, why in (  # flags read only while `on`: set with it off, they would do nothing, and are refused
+        (cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
+        (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
+         "with --reward_model, which scores in place of a reward function"),
+        (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
+        (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
+        (cfg.wandb, ("wandb_project",), "without --wandb"),
+        (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"),
+        (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+        (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
+        (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}"),
+    ):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
-    need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows, f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
+    need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows,
+         f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
          f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
-    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with --async_rollout"
-         " on a GPU: the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device.type == "cuda" or cpu_has_bf16() else "fp32"
-    ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and device.type == "cuda"
+    cuda = device.type == "cuda"
+    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and cuda), "--lora_dropout with --async_rollout on a GPU: "
+         "the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if cuda or cpu_has_bf16() else "fp32"
+    ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and cuda
     local_rollout = cfg.rollout_batch_size // W
-    rollout_micro = min(cfg.rollout_micro_batch_size, local_rollout * n)
+    lora = (LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank
+            else None)
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
                cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
-               rollout_micro, ac, cfg.offload_frozen and device.type == "cuda",
-               cfg.offload_optimizer and device.type == "cuda",
-               LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank else None,
-               ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
+               min(cfg.rollout_micro_batch_size, local_rollout * n), ac, cfg.offload_frozen and cuda,
+               cfg.offload_optimizer and cuda, lora, ADVANTAGE_ESTIMATORS[cfg.advantage_estimator].critic, rows)
 
 
 # -----------------------------------------------------------------------------
-# optimizer helpers
-
-
-def grad_norm(model, max_norm):
-    """Clips in place; returns the norm before clipping, a 0-dim tensor (no host sync)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-# -----------------------------------------------------------------------------
-# the forward passes PPO needs, on a batch dict (one micro-batch at a time)
+# the forward passes PPO needs, and its update, on a batch dict (one micro-batch at a time)
 #   tokens, attention_mask, position_ids (B, P+R); response_mask (B, R); P = prompt width
 
 
@@ -338,15 +334,14 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
 
 
 def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
-    """Step 5 on one micro-batch -> (actor_loss, critic_loss (None without a critic), stats: dict of 0-dim
-    float64 sums).
+    """Step 5 on one micro-batch -> (actor_loss, critic_loss (None: no critic), stats: dict of 0-dim float64 sums).
 
-    Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens,
-    the minibatch's response-token count over all ranks, then multiplied by the world size
-    because FSDP averages gradients over ranks: summed over micro-batches and ranks this is the
-    token mean over the minibatch. Rollout tensors are cleaned outside the mask first, so a NaN
-    in a padded slot reaches neither the loss nor the gradient. Each token's policy term carries its importance
-    weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still counts in n_tokens."""
+    Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens, the minibatch's
+    response-token count over all ranks, then multiplied by the world size because FSDP averages gradients over ranks:
+    summed over micro-batches and ranks this is the token mean over the minibatch. Rollout tensors are cleaned outside
+    the mask first, so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term
+    carries its importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still
+    counts in n_tokens."""
     mask = mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
@@ -378,7 +373,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
         vpred = torch.where(mask, value_forward(critic, mb), 0.0)
         vf_losses = (vpred - ret).square()
         if cfg.loss_clip_val > 0:
-            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)  # vpred inside
+            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)
             vf_losses2 = (vclipped - ret).square()
             vf = 0.5 * torch.max(vf_losses, vf_losses2)
         else:
@@ -396,6 +391,12 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     for b, (p, r) in enumerate(pairs):  # position t predicts token t+1: the response tokens
         labels[b, T - len(r) - 1 : T - 1] = tokens[b, T - len(r) :]
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)
+
+
+def grad_norm(model, max_norm):
+    """Clips in place; returns the norm before clipping, a 0-dim tensor (no host sync)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
@@ -448,15 +449,15 @@ def main(cfg: Config, reward_fn=None):
     with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
         tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)  # same on every rank: the critic's fresh head must agree before sharding
+        # the same seeds on every rank: the critic's fresh head must agree before sharding
+        random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
         release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite, ckpt)  # out_dir is this run's, or a refusal
         print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
                f"micro-batch {run.local_micro}")
 
         # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
-        m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, init_device_mesh(device.type, (world,))), cfg, run)
+        mesh = init_device_mesh(device.type, (world,))
+        m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, mesh), cfg, run)
     if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
         keep_freed_memory()
     reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
@@ -465,31 +466,24 @@ def main(cfg: Config, reward_fn=None):
            f"stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0 else FixedKLController(cfg.kl_coef)
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0
+              else FixedKLController(cfg.kl_coef))
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
-    estimate_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
+    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
+                                    run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
+                                    generate=rollouts.generate_beside)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
-    models = {name: (m[name], m[name + "_opt"]) for name in run.trained}
-    tr = dict(metrics=[], step=0, run_id=uuid.uuid4().hex)  # run_id: whose checkpoints rotation may delete
-    if ckpt:
-        tr = dict(tr, **checkpoint.load(ckpt, models, cfg, stateful))  # + schedulers, samplers, the KL controller
-        print0(f"resumed from {ckpt} at step {tr['step']}")
-    history, first_step, run_id = tr["metrics"], tr["step"] + 1, tr["run_id"]
-    log, stop, bad_in_a_row = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal(), tr.get("bad_in_a_row", 0)
-    evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg, run=run,
-                                    tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id, generate=rollouts.generate_beside)
-    export = functools.partial(save_hf, m["actor"], tokenizer, os.path.join(cfg.out_dir, "actor"), stop_ids, pad_id,
-                               base_model=cfg.model)
-    counters = lambda step: dict(episode=step * cfg.rollout_batch_size,  # noqa: E731 -- prompts, passes over them
-                                 epoch=sampler.passes(back=int(cfg.async_rollout and step > 0)))  # async: 1 batch ahead
+    tr = checkpoint.resume(ckpt, m, run.trained, cfg, stateful)  # (ckpt None: a new run at step 0)
+    history, first_step, run_id, bad_in_a_row = tr["metrics"], tr["step"] + 1, tr["run_id"], tr.get("bad_in_a_row", 0)
+    log, stop = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal()
 
     try:
         done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
         if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
-            log.log_eval(*evaluate_at(done, counters(done)))
+            log.log_eval(*evaluate_at(done, counters(done, cfg, sampler)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
             t0 = phase_end(device, peaks, None)
@@ -509,7 +503,8 @@ def main(cfg: Config, reward_fn=None):
                 scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
                 sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
-                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: {sc['score'].tolist()}")
+                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: "
+                                         f"{sc['score'].tolist()}")
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
             score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used
@@ -518,7 +513,7 @@ def main(cfg: Config, reward_fn=None):
 
             # ---- 4. advantages (GAE with the critic's values by default; gae.ADVANTAGE_ESTIMATORS)
             kl_reward = torch.where(mask, -kl_ctl.value * kl, 0.0)  # (B, R), the reward's KL part
-            adv, ret = estimate_advantages(score, kl_reward, sc.get("values"), mask, cfg)
+            adv, ret = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator](score, kl_reward, sc.get("values"), mask, cfg)
             batch.update(old_logp=sc["old_logp"], adv=adv)
             if ret is not None:
                 batch.update(old_values=sc["values"], ret=ret)
@@ -537,42 +532,37 @@ def main(cfg: Config, reward_fn=None):
                     if bad_in_a_row >= cfg.max_bad_updates:
                         raise FloatingPointError(
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
-                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/checkpoints "
-                            "is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
-            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, is not kept into the rollout
+                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/"
+                            "checkpoints is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
+            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, not kept into the rollout
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward
-            beta = kl_ctl.value
-            metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, beta,
-                                   run.rows, run.trained, cfg)
+            metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, kl_ctl.value,
+                                   run.rows, run.trained, cfg)  # kl_ctl.value: the step's beta, before the update
             kl_ctl.update(metrics["objective/kl"], run.rows)
-            counted = counters(step)
-            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
-            t4 = time.time()
-            metrics.update({"step": step, **{("lr" if name == "actor" else f"{name}_lr"): m[name + "_sched"].get_last_lr()[0]
-                                             for name in run.trained}, **counted,
-                            "time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
-                            "time/tokens_per_sec": metrics["val/response_length"] * run.rows / (t4 - t0), **peaks, **rollouts.metrics})
+            counted = counters(step, cfg, sampler)
+            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
+            times = phase_times(t0, t1, t2, t3, time.time(), metrics["val/response_length"] * run.rows)
+            metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics)
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:
-                trainer = {k: (v.state_dict() if v is not None else None) for k, v in stateful.items()}
-                checkpoint.save(os.path.join(cfg.out_dir, "checkpoints", f"step-{step:06d}"), models,
-                                dict(trainer, step=step, run_id=run_id, bad_in_a_row=bad_in_a_row, **log.state()), cfg)
-                export()
-            if evalset and due(step, cfg) and not stopping:  # after the checkpoint (if due): a failed evaluation loses no step
+                checkpoint.save_step(cfg, step, m, run.trained, stateful, run_id=run_id, bad_in_a_row=bad_in_a_row,
+                                     **log.state())
+                checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
+            if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
                 rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counted))
             if stopping:
-                print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} after step {step}; "
-                       f"resume with --resume=auto --out_dir={cfg.out_dir}")
+                print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} "
+                       f"after step {step}; resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
-            print0(f"no step left after step {first_step - 1} (total_steps {cfg.total_steps}): exporting its actor again")
-            export()
+            print0(f"no step left after step {done} (total_steps {cfg.total_steps}): exporting its actor again")
+            checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
         rollouts.close()
