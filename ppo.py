@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import checkpoint
+import plan
 from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
@@ -441,8 +442,6 @@ def main(cfg: Config, reward_fn=None):
          "Python: pass it again, ppo.main(cfg, reward_fn=...)")
     cfg = replace(cfg, reward_fn=python_name(reward_fn)) if given else cfg  # what the saved config records
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
-        import plan
-
         return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
@@ -454,6 +453,8 @@ def main(cfg: Config, reward_fn=None):
         release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite, ckpt)  # out_dir is this run's, or a refusal
         print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
                f"micro-batch {run.local_micro}")
+        if device.type == "cuda" and rank == 0:  # the plan's peak against this GPU, before any model loads
+            print(plan.preflight(cfg, run, torch.cuda.get_device_properties(device).total_memory), flush=True)
 
         # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
         mesh = init_device_mesh(device.type, (world,))
