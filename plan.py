@@ -548,7 +548,10 @@ def preflight(cfg, run, gpu_bytes):
     loading. The plan is a worst case (every prompt and response at its limit): a run it does not fit may go on
     for a while on shorter ones, and runs out of memory at the first batch that comes near it."""
     gb = math.floor(gpu_bytes / GiB * 10) / 10
-    text, fits = report(dataclasses.replace(cfg, gpu_memory_gb=gb), run)
+    try:
+        text, fits = report(dataclasses.replace(cfg, gpu_memory_gb=gb), run)
+    except Exception as e:  # noqa: BLE001 -- advice, not worth the run (load_inputs has checked what the user gave)
+        return f"memory plan: not computed ({type(e).__name__}: {e}); the run goes on"
     peak = text.rsplit("\n", 1)[-1]  # "peak 61.3 GiB per GPU of 79.1: fits"
     if fits:
         return f"memory plan: {peak} (the worst case; --dry_run={run.world} prints the plan)"

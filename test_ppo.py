@@ -13208,6 +13208,8 @@ def test_a_cuda_run_prints_its_plan_against_its_gpu_before_loading(tmp_path):
     # plan.preflight: the plan's peak against the memory torch.cuda reports (an "80 GB" H100: 81559 MiB, of which
     # 79.6 GiB, rounded down), fits or not as --dry_run decides at that size; where it does not fit, a warning with
     # the --dry_run command that shows why
+    import dataclasses
+
     import ppo
 
     h100 = 81559 * 2**20
@@ -13226,6 +13228,8 @@ def test_a_cuda_run_prints_its_plan_against_its_gpu_before_loading(tmp_path):
                         "--gpu_memory_gb=79.6` with this run's flags prints the plan and which flags shrink its "
                         "largest lines"), said
     assert " per GPU of 79.9: " in plan.preflight(cfg, run, 80 * 2**30 - 1)  # rounded down, never up
+    broken = dataclasses.replace(cfg, model=str(tmp_path / "gone"))  # a plan that fails is said, not the run's end
+    assert plan.preflight(broken, run, h100).startswith("memory plan: not computed (UsageError: ")
 
 
 def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
