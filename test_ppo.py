@@ -3535,6 +3535,41 @@ def test_logprob_entropy_noncontiguous_inputs(backend):
     close(dw, r_dw, 1e-4, 1e-5, "d weight")
 
 
+def test_triton_offsets_past_int32_are_int64():
+    # a row offset row * stride past 2^31 elements (Llama-3's 128k vocabulary x 16k hidden, or 16k tokens x a
+    # 128k-wide dz): computed in int32 it wraps and the kernel reads another row. Three rows of a bf16 hidden state
+    # 2^30 elements apart, in an 8 GiB buffer of which only the rows' pages are touched: a program's row 2 lies at
+    # 2^31 from its pointer, and int32 arithmetic lands on zeros inside the buffer. Every Triton forward and
+    # backward must give what it gives on dense copies of the same values, bit for bit (the interpreter's loop
+    # variables are int64 whatever the kernel says, so a vocabulary column's offset cannot be checked this way)
+    interpreter_or_skip("triton", "cpu")
+    N, H, V, T = 3, 16, 97, 0.7
+    try:
+        big = torch.empty(2**32 + 2**26, dtype=torch.bfloat16)  # address space only, never written whole
+    except RuntimeError:
+        pytest.skip("cannot reserve 8 GiB of address space")
+    hidden = big.as_strided((N, H), (2**30, 1), 2**31)
+    ref_h = big.as_strided((N, H), (2**30, 1), 2**31 + 4 * H)
+    weight = big.as_strided((V, H), (2**25, 1), 4 * H)  # its rows between the hidden states' (and apart from them)
+    g = torch.Generator().manual_seed(0)
+    for x, scale in ((hidden, 1.0), (ref_h, 1.0), (weight, 0.25)):
+        x.copy_(torch.randn(x.shape, generator=g) * scale)
+    labels, g_lp = torch.tensor([5, 96, 40]), torch.tensor([1.0, -2.0, 3.0])
+
+    def run(h, w, rh):
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+        lp, ent = linear_logprob_entropy(h, w, labels, T, backend="triton", config=TILES)
+        kl = linear_kl(h, w, rh, w.detach(), T, backend="triton", config=TILES)
+        four = linear_logprob_entropy_kl(h, w, labels, rh, w.detach(), T, backend="triton", config=TILES)
+        loss = (g_lp * lp).sum() + ent.sum() + kl.sum() + (g_lp * four[0] + four[1] + four[3]).sum()
+        return (lp, ent, kl, *four, *torch.autograd.grad(loss, [h, w]))
+
+    got, want = run(hidden, weight, ref_h), run(hidden.contiguous(), weight.contiguous(), ref_h.contiguous())
+    for name, x, y in zip(("logprob", "entropy", "kl", "score logprob", "score entropy", "ref logprob", "score kl",
+                           "d hidden", "d weight"), got, want):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprob_entropy_bf16(monkeypatch, backend):
     # the reference sees the same bf16-rounded values, upcast exactly; the outputs are float32 (never a
