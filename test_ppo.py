@@ -7476,6 +7476,45 @@ def length(record, response):  # a score that varies: the clip binds on some row
     assert all(sorted(o.tolist()) == list(range(8)) for o in orders) and not torch.equal(orders[0], orders[1])
 
 
+def test_the_kl_controller_steps_on_the_kl_that_went_into_the_reward(tiny_run, tmp_path):
+    # --target_kl: each step's update gets the mean over the step's responses of the summed per-token KL that
+    # shape_rewards put in the reward (here k3), over all the step's rows, and the next step's reward takes the beta
+    # it returns; objective/kl logs that KL and objective/kl_coef that beta. Feeding it k1 (or any other logged KL)
+    # passed test_resume_is_exact, whose KL lies so far under its target that any KL clips the step to -0.2
+    out = tmp_path / "record.pt"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
+            "total_steps": 3, "kl_estimator": "k3", "target_kl": 3.5, "kl_horizon": 40, "ppo_epochs": 1}
+    setup = """
+import torch, gae
+rec = dict(reward=[], update=[])
+shape_rewards, update = ppo.shape_rewards, gae.AdaptiveKLController.update
+def recorded_rewards(score, logp, ref_logp, mask, kl_coef, *a, **kw):
+    out = shape_rewards(score, logp, ref_logp, mask, kl_coef, *a, **kw)
+    rec["reward"].append((kl_coef, out[1].clone(), mask.clone()))
+    return out
+def recorded_update(self, current_kl, n_steps):
+    rec["update"].append((current_kl, n_steps, update(self, current_kl, n_steps)))
+    return rec["update"][-1][2]
+ppo.shape_rewards, gae.AdaptiveKLController.update = recorded_rewards, recorded_update
+"""
+    p = run_script(ppo_script(args, setup, after=f"torch.save(rec, {str(out)!r})"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec, logged = torch.load(out), read_metrics(tmp_path / "run")
+    assert len(rec["reward"]) == len(rec["update"]) == len(logged) == 3
+    beta = 0.05  # Config.kl_coef
+    for (kl_coef, kl, mask), (current_kl, n_steps, new_beta), m in zip(rec["reward"], rec["update"], logged):
+        want = kl[mask].double().sum().item() / 8  # summed per response, averaged over the step's 8 rows
+        assert kl_coef == beta == m["objective/kl_coef"] and n_steps == 8
+        assert current_kl == m["objective/kl"] == pytest.approx(want, rel=1e-6)
+        error = min(max(current_kl / 3.5 - 1, -0.2), 0.2)
+        assert new_beta == pytest.approx(beta * (1 + error * 8 / 40), rel=1e-12)
+        beta = new_beta
+    # after the first step (actor == reference: every KL 0) k3 and k1 part, and the target lets the step follow the
+    # KL's value: about 3.7 and 3.4 against 3.5, where k1's 1.8 and 2.8 would have stepped otherwise
+    assert all(abs(m["objective/kl"] - m["objective/kl_k1"]) > 0.1 for m in logged[1:])
+    assert all(abs(current_kl / 3.5 - 1) < 0.15 for current_kl, _, _ in rec["update"][1:])
+
+
 @slow
 def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     # the sentiment lexicon includes words of the tiny vocabulary ("good", "happy", "love", ...)
