@@ -9127,6 +9127,30 @@ def test_step_metrics_hand_computed():
     assert planted.keys() == out.keys() and all(planted[k] == pytest.approx(out[k]) for k in out)
 
 
+def test_objective_kl_is_the_kl_given_not_an_estimator_of_the_scored_logprobs():
+    # objective/kl (and non_score_reward, and through them the KL controller) is the KL the reward used, as given;
+    # every objective/kl_* entry is recomputed from the scored logprobs. hand_step's reward KL and its exact KL
+    # both sum to 1.2, so objective/kl read from kl_exact passed it; here the five differ
+    from metrics import step_metrics
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    d = torch.tensor([[0.5, -0.25, 9.0], [1.0, 9.0, 9.0]])  # old_logp - ref_logp; 9 off the mask
+    sc = dict(score=torch.zeros(2), old_logp=d, ref_logp=torch.zeros(2, 3), kl_exact=torch.full((2, 3), 0.125),
+              entropy=torch.zeros(2, 3), slots=6, pad=3)
+    kl = torch.tensor([[0.75, 0.5, 0.0], [2.0, 0.0, 0.0]])  # the reward's, some other estimator or |k1| scaled
+    sums = {k: torch.zeros((), dtype=torch.float64) for k in ("policy_loss", "entropy", "approxkl", "clipfrac", "ratio",
+                                                              "ratio_sq")}
+    upd = dict(sums=sums, n_tokens=3, norms=torch.zeros(1, dtype=torch.float64), skipped=False, slots=[0, 0])
+    cfg = types.SimpleNamespace(is_correction="none", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
+    out = step_metrics(mask, sc, torch.zeros(2), kl, torch.zeros(2, 3), None, torch.ones(2, dtype=torch.bool),
+                       sc["old_logp"], [upd], 0.1, 2, ("actor",), cfg)
+    k3 = lambda x: math.exp(-x) - 1 + x  # noqa: E731
+    want = {"objective/kl": 3.25 / 2, "objective/kl_k1": 1.25 / 2, "objective/kl_k2": (0.125 + 0.03125 + 0.5) / 2,
+            "objective/kl_k3": (k3(0.5) + k3(-0.25) + k3(1.0)) / 2, "objective/kl_exact": 3 * 0.125 / 2,
+            "objective/non_score_reward": -0.1 * 3.25 / 2}
+    assert {k: out[k] for k in want} == pytest.approx(want, rel=1e-6)
+
+
 def _step_metrics_worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
