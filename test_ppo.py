@@ -8035,6 +8035,30 @@ def test_ppo_losses_hand_computed(monkeypatch):
     torch.testing.assert_close(vpred.grad[0], torch.tensor([-0.5, 1.0, -1.0, 1.0, 8.0, 0.0]) * scale, rtol=1e-5, atol=1e-7)
 
 
+def test_the_entropy_bonus_is_in_the_gradient(monkeypatch):
+    # the actor loss's - entropy_coef x H term reaches the policy's entropy with gradient -coef x world / n_tokens on
+    # each response token (no importance weight on it), 0 on a padded slot holding NaN; detached, it changed only
+    # the logged loss: test_ppo_losses_hand_computed's entropy needs no gradient, and the models' tests compare
+    # gradients of one code path split in different ways
+    import ppo
+
+    nan = float("nan")
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    logp = torch.tensor([[-1.0, -2.0, nan], [-0.5, nan, nan]], requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0, nan], [0.5, nan, nan]], requires_grad=True)
+    monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(logp=logp, entropy=entropy))
+    old = torch.where(mask, torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]), nan)  # the ratio is 1
+    mb = dict(response_mask=mask, old_logp=old, sampler_logp=old - torch.where(mask, math.log(4), nan),  # tis: 4 -> 2
+              adv=torch.where(mask, torch.tensor([[1.0, -2.0, 0.0], [3.0, 0.0, 0.0]]), nan))
+    loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(entropy_coef=0.25), n_tokens=6, world=2)
+    loss.backward()
+    scale = 2 / 6
+    assert loss.item() == pytest.approx((2 * -(1.0 - 2.0 + 3.0) - 0.25 * 3.5) * scale, rel=1e-6)
+    torch.testing.assert_close(entropy.grad, torch.where(mask, -0.25 * scale, 0.0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(logp.grad, torch.where(mask, -2 * mb["adv"], 0.0) * scale, rtol=1e-6, atol=0)
+    assert st["entropy"].item() == pytest.approx(3.5)
+
+
 def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(monkeypatch):
     # exp(100) overflows float32: the log-ratio is clamped at +-20 before exp, so the loss and its gradient stay
     # finite (the clipped surrogate then takes the clipped branch for A > 0 and the clamped ratio for A < 0)
