@@ -3535,6 +3535,41 @@ def test_logprob_entropy_noncontiguous_inputs(backend):
     close(dw, r_dw, 1e-4, 1e-5, "d weight")
 
 
+def test_triton_offsets_past_int32_are_int64():
+    # a row offset row * stride past 2^31 elements (Llama-3's 128k vocabulary x 16k hidden, or 16k tokens x a
+    # 128k-wide dz): computed in int32 it wraps and the kernel reads another row. Three rows of a bf16 hidden state
+    # 2^30 elements apart, in an 8 GiB buffer of which only the rows' pages are touched: a program's row 2 lies at
+    # 2^31 from its pointer, and int32 arithmetic lands on zeros inside the buffer. Every Triton forward and
+    # backward must give what it gives on dense copies of the same values, bit for bit (the interpreter's loop
+    # variables are int64 whatever the kernel says, so a vocabulary column's offset cannot be checked this way)
+    interpreter_or_skip("triton", "cpu")
+    N, H, V, T = 3, 16, 97, 0.7
+    try:
+        big = torch.empty(2**32 + 2**26, dtype=torch.bfloat16)  # address space only, never written whole
+    except RuntimeError:
+        pytest.skip("cannot reserve 8 GiB of address space")
+    hidden = big.as_strided((N, H), (2**30, 1), 2**31)
+    ref_h = big.as_strided((N, H), (2**30, 1), 2**31 + 4 * H)
+    weight = big.as_strided((V, H), (2**25, 1), 4 * H)  # its rows between the hidden states' (and apart from them)
+    g = torch.Generator().manual_seed(0)
+    for x, scale in ((hidden, 1.0), (ref_h, 1.0), (weight, 0.25)):
+        x.copy_(torch.randn(x.shape, generator=g) * scale)
+    labels, g_lp = torch.tensor([5, 96, 40]), torch.tensor([1.0, -2.0, 3.0])
+
+    def run(h, w, rh):
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+        lp, ent = linear_logprob_entropy(h, w, labels, T, backend="triton", config=TILES)
+        kl = linear_kl(h, w, rh, w.detach(), T, backend="triton", config=TILES)
+        four = linear_logprob_entropy_kl(h, w, labels, rh, w.detach(), T, backend="triton", config=TILES)
+        loss = (g_lp * lp).sum() + ent.sum() + kl.sum() + (g_lp * four[0] + four[1] + four[3]).sum()
+        return (lp, ent, kl, *four, *torch.autograd.grad(loss, [h, w]))
+
+    got, want = run(hidden, weight, ref_h), run(hidden.contiguous(), weight.contiguous(), ref_h.contiguous())
+    for name, x, y in zip(("logprob", "entropy", "kl", "score logprob", "score entropy", "ref logprob", "score kl",
+                           "d hidden", "d weight"), got, want):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprob_entropy_bf16(monkeypatch, backend):
     # the reference sees the same bf16-rounded values, upcast exactly; the outputs are float32 (never a
@@ -7441,6 +7476,45 @@ def length(record, response):  # a score that varies: the clip binds on some row
     assert all(sorted(o.tolist()) == list(range(8)) for o in orders) and not torch.equal(orders[0], orders[1])
 
 
+def test_the_kl_controller_steps_on_the_kl_that_went_into_the_reward(tiny_run, tmp_path):
+    # --target_kl: each step's update gets the mean over the step's responses of the summed per-token KL that
+    # shape_rewards put in the reward (here k3), over all the step's rows, and the next step's reward takes the beta
+    # it returns; objective/kl logs that KL and objective/kl_coef that beta. Feeding it k1 (or any other logged KL)
+    # passed test_resume_is_exact, whose KL lies so far under its target that any KL clips the step to -0.2
+    out = tmp_path / "record.pt"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"),
+            "total_steps": 3, "kl_estimator": "k3", "target_kl": 3.5, "kl_horizon": 40, "ppo_epochs": 1}
+    setup = """
+import torch, gae
+rec = dict(reward=[], update=[])
+shape_rewards, update = ppo.shape_rewards, gae.AdaptiveKLController.update
+def recorded_rewards(score, logp, ref_logp, mask, kl_coef, *a, **kw):
+    out = shape_rewards(score, logp, ref_logp, mask, kl_coef, *a, **kw)
+    rec["reward"].append((kl_coef, out[1].clone(), mask.clone()))
+    return out
+def recorded_update(self, current_kl, n_steps):
+    rec["update"].append((current_kl, n_steps, update(self, current_kl, n_steps)))
+    return rec["update"][-1][2]
+ppo.shape_rewards, gae.AdaptiveKLController.update = recorded_rewards, recorded_update
+"""
+    p = run_script(ppo_script(args, setup, after=f"torch.save(rec, {str(out)!r})"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec, logged = torch.load(out), read_metrics(tmp_path / "run")
+    assert len(rec["reward"]) == len(rec["update"]) == len(logged) == 3
+    beta = 0.05  # Config.kl_coef
+    for (kl_coef, kl, mask), (current_kl, n_steps, new_beta), m in zip(rec["reward"], rec["update"], logged):
+        want = kl[mask].double().sum().item() / 8  # summed per response, averaged over the step's 8 rows
+        assert kl_coef == beta == m["objective/kl_coef"] and n_steps == 8
+        assert current_kl == m["objective/kl"] == pytest.approx(want, rel=1e-6)
+        error = min(max(current_kl / 3.5 - 1, -0.2), 0.2)
+        assert new_beta == pytest.approx(beta * (1 + error * 8 / 40), rel=1e-12)
+        beta = new_beta
+    # after the first step (actor == reference: every KL 0) k3 and k1 part, and the target lets the step follow the
+    # KL's value: about 3.7 and 3.4 against 3.5, where k1's 1.8 and 2.8 would have stepped otherwise
+    assert all(abs(m["objective/kl"] - m["objective/kl_k1"]) > 0.1 for m in logged[1:])
+    assert all(abs(current_kl / 3.5 - 1) < 0.15 for current_kl, _, _ in rec["update"][1:])
+
+
 @slow
 def test_tiny_run_learns_the_reward(tiny_run, tmp_path):
     # the sentiment lexicon includes words of the tiny vocabulary ("good", "happy", "love", ...)
@@ -7959,6 +8033,30 @@ def test_ppo_losses_hand_computed(monkeypatch):
     c0.backward()
     assert c0.item() == pytest.approx(0.5 * (0.25 + 1 + 1 + 1 + 64) * scale, rel=1e-6) and st0["vf_clipfrac"].item() == 0
     torch.testing.assert_close(vpred.grad[0], torch.tensor([-0.5, 1.0, -1.0, 1.0, 8.0, 0.0]) * scale, rtol=1e-5, atol=1e-7)
+
+
+def test_the_entropy_bonus_is_in_the_gradient(monkeypatch):
+    # the actor loss's - entropy_coef x H term reaches the policy's entropy with gradient -coef x world / n_tokens on
+    # each response token (no importance weight on it), 0 on a padded slot holding NaN; detached, it changed only
+    # the logged loss: test_ppo_losses_hand_computed's entropy needs no gradient, and the models' tests compare
+    # gradients of one code path split in different ways
+    import ppo
+
+    nan = float("nan")
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    logp = torch.tensor([[-1.0, -2.0, nan], [-0.5, nan, nan]], requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0, nan], [0.5, nan, nan]], requires_grad=True)
+    monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(logp=logp, entropy=entropy))
+    old = torch.where(mask, torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]), nan)  # the ratio is 1
+    mb = dict(response_mask=mask, old_logp=old, sampler_logp=old - torch.where(mask, math.log(4), nan),  # tis: 4 -> 2
+              adv=torch.where(mask, torch.tensor([[1.0, -2.0, 0.0], [3.0, 0.0, 0.0]]), nan))
+    loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(entropy_coef=0.25), n_tokens=6, world=2)
+    loss.backward()
+    scale = 2 / 6
+    assert loss.item() == pytest.approx((2 * -(1.0 - 2.0 + 3.0) - 0.25 * 3.5) * scale, rel=1e-6)
+    torch.testing.assert_close(entropy.grad, torch.where(mask, -0.25 * scale, 0.0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(logp.grad, torch.where(mask, -2 * mb["adv"], 0.0) * scale, rtol=1e-6, atol=0)
+    assert st["entropy"].item() == pytest.approx(3.5)
 
 
 def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(monkeypatch):
@@ -9051,6 +9149,30 @@ def test_step_metrics_hand_computed():
     assert math.isnan(hand_step(same_returns=True)["val/explained_var"])  # every return the same: nothing to explain
     planted = hand_step(plant=True)  # off the mask, nothing reaches a metric (select, don't multiply)
     assert planted.keys() == out.keys() and all(planted[k] == pytest.approx(out[k]) for k in out)
+
+
+def test_objective_kl_is_the_kl_given_not_an_estimator_of_the_scored_logprobs():
+    # objective/kl (and non_score_reward, and through them the KL controller) is the KL the reward used, as given;
+    # every objective/kl_* entry is recomputed from the scored logprobs. hand_step's reward KL and its exact KL
+    # both sum to 1.2, so objective/kl read from kl_exact passed it; here the five differ
+    from metrics import step_metrics
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    d = torch.tensor([[0.5, -0.25, 9.0], [1.0, 9.0, 9.0]])  # old_logp - ref_logp; 9 off the mask
+    sc = dict(score=torch.zeros(2), old_logp=d, ref_logp=torch.zeros(2, 3), kl_exact=torch.full((2, 3), 0.125),
+              entropy=torch.zeros(2, 3), slots=6, pad=3)
+    kl = torch.tensor([[0.75, 0.5, 0.0], [2.0, 0.0, 0.0]])  # the reward's, some other estimator or |k1| scaled
+    sums = {k: torch.zeros((), dtype=torch.float64) for k in ("policy_loss", "entropy", "approxkl", "clipfrac", "ratio",
+                                                              "ratio_sq")}
+    upd = dict(sums=sums, n_tokens=3, norms=torch.zeros(1, dtype=torch.float64), skipped=False, slots=[0, 0])
+    cfg = types.SimpleNamespace(is_correction="none", is_cap=2.0, is_band=(0.5, 5.0), is_seq_band=(0.99, 1.01))
+    out = step_metrics(mask, sc, torch.zeros(2), kl, torch.zeros(2, 3), None, torch.ones(2, dtype=torch.bool),
+                       sc["old_logp"], [upd], 0.1, 2, ("actor",), cfg)
+    k3 = lambda x: math.exp(-x) - 1 + x  # noqa: E731
+    want = {"objective/kl": 3.25 / 2, "objective/kl_k1": 1.25 / 2, "objective/kl_k2": (0.125 + 0.03125 + 0.5) / 2,
+            "objective/kl_k3": (k3(0.5) + k3(-0.25) + k3(1.0)) / 2, "objective/kl_exact": 3 * 0.125 / 2,
+            "objective/non_score_reward": -0.1 * 3.25 / 2}
+    assert {k: out[k] for k in want} == pytest.approx(want, rel=1e-6)
 
 
 def _step_metrics_worker(rank, world, init_file, out_dir):
