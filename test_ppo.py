@@ -7273,6 +7273,19 @@ def run_script(script, timeout=300, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def uninterrupted_run(tiny_run, **kw):
+    """(out_dir, metrics rows) of run_ppo(tiny_run, out_dir, **kw), run once per tiny_run for each kw: the run that
+    several tests compare theirs with (the tiny checkpoint is seeded, and a run is a function of its flags). Its
+    folder is shared: read it, or copy it (shutil.copytree) to write into it."""
+    runs = tiny_run.setdefault("runs", {})
+    key = json.dumps(kw, sort_keys=True, default=str)
+    if key not in runs:
+        out = tiny_run["root"] / "runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
+        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]
+    out, rows = runs[key]
+    return out, copy.deepcopy(rows)
+
+
 def run_in_terminal(cmd, timeout, **kw):
     """subprocess.run with stdout and stderr on a pseudo-terminal: what a user at a terminal sees, in .stdout."""
     import fcntl
@@ -8139,7 +8152,7 @@ torch.save(record, {str(out)!r})
     assert p.returncode == 0, p.stderr[-3000:]
     record, rows = torch.load(out), read_metrics(tmp_path / "async")
     assert [r["val/policy_lag"] for r in rows] == [0, 1, 1] and all(r["time/rollout_overlap"] >= 0 for r in rows)
-    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1)
+    _, sync = uninterrupted_run(tiny_run, total_steps=1)
     assert without_measured(sync)[0] == {k: v for k, v in without_measured(rows)[0].items() if k != "val/policy_lag"}
 
     tok = H.load_tokenizer(policy)
@@ -8192,7 +8205,7 @@ def test_async_rollout_evaluates_after_the_batch_drawn_ahead(tiny_run, tmp_path)
     # batch still being drawn from that copy. Here each step's worker is held until the evaluation before it is due
     # (and a second more, time enough to refill a tiny model): the run with an evaluation after every step trains
     # bitwise as the async run without one
-    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    plain_dir, plain = uninterrupted_run(tiny_run, total_steps=3, async_rollout=True)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "eval"),
             "total_steps": 3, "async_rollout": True, "eval_prompts": tiny_run["eval_prompts"], "eval_every": 1}
     setup = """
@@ -8223,7 +8236,7 @@ ppo.due, ppo.generate = due_and_told, held
     train = [r for r in rows if "objective/scores" in r]
     assert [r["step"] for r in rows if "eval/score" in r] == [0, 1, 2, 3]
     assert [r["val/policy_lag"] for r in train] == [0, 1, 1] and without_measured(train) == without_measured(plain)
-    wa, wb = actor_weights(tmp_path / "plain"), actor_weights(tmp_path / "eval")
+    wa, wb = actor_weights(plain_dir), actor_weights(tmp_path / "eval")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -8233,7 +8246,7 @@ def test_async_rollout_worker_failures_are_retried_then_named(tiny_run, tmp_path
     # take, or in the checkpoint of a step that had trained fine: the last step's draw, for a step never trained,
     # lost the run's final checkpoint and export. It is generated again once, the same batch (the same copy of the
     # weights, the same keys); a second failure is raised naming the step it was for
-    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    _, plain = uninterrupted_run(tiny_run, total_steps=3, async_rollout=True)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "total_steps": 3,
             "async_rollout": True, "save_every": 1}
     setup = """
@@ -8365,8 +8378,8 @@ ppo.generate = worker_generate
     p = run_script(ppo_script(args, setup, reward_fn="scored", after="print('MET', met)"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "MET [2.0, 2.0]" in p.stdout and "failed on the worker" not in p.stdout, p.stdout[-3000:]
-    assert without_measured(read_metrics(tmp_path / "r")) == without_measured(run_ppo(
-        tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)[1])
+    assert without_measured(read_metrics(tmp_path / "r")) == without_measured(uninterrupted_run(
+        tiny_run, total_steps=3, async_rollout=True)[1])
 
 
 def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
@@ -9139,16 +9152,16 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
 
 @slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_run, tmp_path):
+    import shutil
+
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     ckpts = out / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step-000001", "step-000002"]
     # what a kill during the write of step 3 leaves: a half-written .tmp folder
     os.makedirs(ckpts / "step-000003.tmp")
     (ckpts / "step-000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
     # and a folder someone copied without its trainer state
-    import shutil
-
     shutil.copytree(ckpts / "step-000002", ckpts / "step-000004")
     os.remove(ckpts / "step-000004" / "trainer.pt")
     with pytest.raises(AssertionError, match=r"step-000004: trainer.pt is missing"):
@@ -9176,8 +9189,10 @@ def popen_ppo(tiny_run, out_dir, **kw):
 
 @slow
 def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
+    import shutil
+
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     before = folder_snapshot(out)
     assert ".lock" not in before and "checkpoints/step-000002/manifest.json" in before
     p, _ = run_ppo(tiny_run, out, total_steps=1, seed=7, check=False)  # a new run into the same folder
@@ -9193,7 +9208,7 @@ def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
     assert os.stat(out / "actor").st_mode & 0o777 == 0o777 & ~umask
     # resuming another folder's checkpoint into it is refused as well (into a new folder it forks that run)
     before = folder_snapshot(out)
-    run_ppo(tiny_run, tmp_path / "other", total_steps=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=1)[0], tmp_path / "other")
     theirs = tmp_path / "other" / "checkpoints" / "step-000001"
     p, _ = run_ppo(tiny_run, out, total_steps=2, resume=theirs, check=False)
     assert p.returncode != 0 and f"--resume={theirs} is not one of its checkpoints" in p.stderr, p.stderr[-2000:]
@@ -9309,8 +9324,7 @@ def test_an_export_killed_while_it_replaces_the_last_one_is_completed(tiny_run, 
     # kill -9 at each rename of the final export's swap and before the old one's removal; then --resume=auto (the
     # checkpoint is the run's last step): out_dir/actor is the uninterrupted run's, byte for byte, and alone
     kw = dict(total_steps=2, save_every=1)
-    run_ppo(tiny_run, tmp_path / "full", **kw)
-    expected = folder_snapshot(tmp_path / "full" / "actor")
+    expected = folder_snapshot(uninterrupted_run(tiny_run, **kw)[0] / "actor")
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
     moments = {"replace": ["actor.new", "actor.old", "actor"], "rmtree": ["actor.old"]}
     for call, names in moments.items():
@@ -9353,7 +9367,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, c
     import ppo
 
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     newest = out / "checkpoints" / "step-000002"
     files = sorted(os.listdir(newest))
     assert {"manifest.json", "trainer.pt", "config.json", ".metadata", "rng-rank0.pt"} <= set(files)
@@ -9382,8 +9396,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, c
         f.truncate(100)
     p, rows = run_ppo(tiny_run, out, total_steps=3, resume="auto")
     assert f"skipping {newest}: {shard} has 100 bytes" in p.stdout and "resumed from" in p.stdout
-    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=3, save_every=1)
-    assert_same_run(tmp_path / "full", full, out, rows)
+    assert_same_run(*uninterrupted_run(tiny_run, total_steps=3, save_every=1), out, rows)
 
 
 @slow
