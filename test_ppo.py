@@ -8766,13 +8766,15 @@ def test_samples_per_prompt_with_gae_differ_and_are_rank_invariant(tiny_run, tmp
               total_steps=2)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "one"),
             **kw}
-    p = run_script(ppo_script(args, """
+    script = ppo_script(args, """
 import reward
 seen = []
 def recorded(record, response):
     seen.append((record["prompt"], response))
     return reward.sentiment_reward(record, response)
-""", reward_fn="recorded", after='print("SEEN", json.dumps(seen))'))
+""", reward_fn="recorded", after='print("SEEN", json.dumps(seen))')
+    (_, two), p = concurrently(lambda: run_ppo(tiny_run, tmp_path / "two", nproc=2, **kw),  # (independent runs)
+                               lambda: run_script(script))
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads(p.stdout.split("SEEN ")[1])
     assert len(seen) == 2 * 16
@@ -8781,7 +8783,6 @@ def recorded(record, response):
         assert len({prompt for prompt, _ in group}) == 1, group  # one prompt's samples, side by side
         assert len({response for _, response in group}) == 4, group  # each with its own noise
     one = read_metrics(tmp_path / "one")
-    _, two = run_ppo(tiny_run, tmp_path / "two", nproc=2, **kw)
     assert_close_runs(one, two)
 
 
