@@ -30,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import types
 from decimal import Decimal
@@ -7329,6 +7330,30 @@ def run_script(script, timeout=300, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def uninterrupted_run(tiny_run, **kw):
+    """(out_dir, metrics rows) of run_ppo(tiny_run, out_dir, **kw), run once per tiny_run for each kw: the run that
+    several tests compare theirs with (the tiny checkpoint is seeded, and a run is a function of its flags). Its
+    folder is shared: read it, or copy it (shutil.copytree) to write into it."""
+    runs = tiny_run.setdefault("runs", {})
+    key = json.dumps(kw, sort_keys=True, default=str)
+    if key not in runs:
+        out = tiny_run["root"] / "runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
+        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]
+    out, rows = runs[key]
+    return out, copy.deepcopy(rows)
+
+
+def concurrently(*calls):
+    """Calls each function (independent runs of ppo.py or scripts) on two threads; their results, in order. A run
+    is one busy thread (OMP_NUM_THREADS=1): two at a time use both cores of a 2-core machine. An exception raised in
+    a call is raised here, once every call has ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.result() for f in futures]
+
+
 def run_in_terminal(cmd, timeout, **kw):
     """subprocess.run with stdout and stderr on a pseudo-terminal: what a user at a terminal sees, in .stdout."""
     import fcntl
@@ -7902,13 +7927,21 @@ def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     assert_grads_close(g1, g2)
 
 
+TORCHRUN_PORTS = set(), threading.Lock()  # the ports handed out: two torchruns started at once never share one
+
+
 def run_torchrun(args, nproc=2, timeout=300):
     """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    used, lock = TORCHRUN_PORTS
+    with lock:
+        port = None
+        while port is None or port in used:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        used.add(port)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={port}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -8193,9 +8226,10 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
     # second's share is padded) and the counters episode and epoch come back as the uninterrupted run logs them
     kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100, eval_prompts=tiny_run["eval_prompts"],
               eval_every=2, eval_temperature=1.0, sample_every=1)
-    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=4, keep_checkpoints=1, **kw)
+    runs = (lambda: run_ppo(tiny_run, tmp_path / "full", total_steps=4, keep_checkpoints=1, **kw),
+            lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw))
+    (_, full), _ = concurrently(*runs) if nproc == 1 else [run() for run in runs]  # (2 ranks fill both cores)
     assert os.listdir(tmp_path / "full" / "checkpoints") == ["step-000004"]  # only the newest is kept
-    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
     assert os.path.isdir(tmp_path / "part" / "checkpoints" / "step-000002")
     samples = tmp_path / "part" / "samples"  # what a run killed after step 3 leaves beyond the checkpoint: cut back
     (samples / "step-000003.jsonl").write_text('{"prompt": "stale"}\n')
@@ -8258,7 +8292,7 @@ torch.save(record, {str(out)!r})
     assert p.returncode == 0, p.stderr[-3000:]
     record, rows = torch.load(out), read_metrics(tmp_path / "async")
     assert [r["val/policy_lag"] for r in rows] == [0, 1, 1] and all(r["time/rollout_overlap"] >= 0 for r in rows)
-    _, sync = run_ppo(tiny_run, tmp_path / "sync", total_steps=1)
+    _, sync = uninterrupted_run(tiny_run, total_steps=1)
     assert without_measured(sync)[0] == {k: v for k, v in without_measured(rows)[0].items() if k != "val/policy_lag"}
 
     tok = H.load_tokenizer(policy)
@@ -8293,17 +8327,20 @@ def test_async_rollout_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_path)
     # 2 ranks train on what 1 rank does; a run stopped after step 2 resumes bitwise into the uninterrupted one (its
     # checkpoint holds the batch drawn for step 3), and on another number of ranks to float rounding
     kw = dict(async_rollout=True, save_every=2)
-    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+
+    def stopped_and_resumed(out, nproc):  # after step 2, on nproc ranks; resumed on 1
+        part = run_ppo(tiny_run, out, total_steps=2, nproc=nproc, **kw)[1]
+        return part, run_ppo(tiny_run, out, total_steps=4, resume="auto", **kw)[1]
+
+    (two, cont), (_, resumed), (_, one) = concurrently(  # (the three independent runs)
+        lambda: stopped_and_resumed(tmp_path / "two", 2), lambda: stopped_and_resumed(tmp_path / "part", 1),
+        lambda: run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw))
     assert [r["val/policy_lag"] for r in one] == [0, 1, 1, 1]
     pending = torch.load(tmp_path / "one" / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)["rollouts"]
     assert len(pending["rows"]) == 8 and pending["lag"] == 1  # the last step drew one too
-    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
-    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
-    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
     assert_close_runs(one[:2], two)
-    _, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)  # 2 ranks' pending rows on 1
-    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
+    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")  # 2 ranks' pending rows resumed on 1
 
 
 def test_async_rollout_evaluates_after_the_batch_drawn_ahead(tiny_run, tmp_path):
@@ -8311,7 +8348,7 @@ def test_async_rollout_evaluates_after_the_batch_drawn_ahead(tiny_run, tmp_path)
     # batch still being drawn from that copy. Here each step's worker is held until the evaluation before it is due
     # (and a second more, time enough to refill a tiny model): the run with an evaluation after every step trains
     # bitwise as the async run without one
-    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    plain_dir, plain = uninterrupted_run(tiny_run, total_steps=3, async_rollout=True)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "eval"),
             "total_steps": 3, "async_rollout": True, "eval_prompts": tiny_run["eval_prompts"], "eval_every": 1}
     setup = """
@@ -8342,7 +8379,7 @@ ppo.due, ppo.generate = due_and_told, held
     train = [r for r in rows if "objective/scores" in r]
     assert [r["step"] for r in rows if "eval/score" in r] == [0, 1, 2, 3]
     assert [r["val/policy_lag"] for r in train] == [0, 1, 1] and without_measured(train) == without_measured(plain)
-    wa, wb = actor_weights(tmp_path / "plain"), actor_weights(tmp_path / "eval")
+    wa, wb = actor_weights(plain_dir), actor_weights(tmp_path / "eval")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -8352,7 +8389,7 @@ def test_async_rollout_worker_failures_are_retried_then_named(tiny_run, tmp_path
     # take, or in the checkpoint of a step that had trained fine: the last step's draw, for a step never trained,
     # lost the run's final checkpoint and export. It is generated again once, the same batch (the same copy of the
     # weights, the same keys); a second failure is raised naming the step it was for
-    _, plain = run_ppo(tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)
+    _, plain = uninterrupted_run(tiny_run, total_steps=3, async_rollout=True)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "total_steps": 3,
             "async_rollout": True, "save_every": 1}
     setup = """
@@ -8484,8 +8521,8 @@ ppo.generate = worker_generate
     p = run_script(ppo_script(args, setup, reward_fn="scored", after="print('MET', met)"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "MET [2.0, 2.0]" in p.stdout and "failed on the worker" not in p.stdout, p.stdout[-3000:]
-    assert without_measured(read_metrics(tmp_path / "r")) == without_measured(run_ppo(
-        tiny_run, tmp_path / "plain", total_steps=3, async_rollout=True)[1])
+    assert without_measured(read_metrics(tmp_path / "r")) == without_measured(uninterrupted_run(
+        tiny_run, total_steps=3, async_rollout=True)[1])
 
 
 def test_async_worker_has_its_own_cuda_graph_trees(monkeypatch):
@@ -8823,17 +8860,21 @@ def test_critic_free_run_is_rank_invariant_and_resumes_exactly(tiny_run, tmp_pat
     # (a group lives on one rank), and a resumed run repeats the uninterrupted one bitwise
     kw = dict(advantage_estimator="grpo", samples_per_prompt=2, rollout_batch_size=4, save_every=2, temperature=1.0,
               **NO_CRITIC)
-    p, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
+
+    def stopped_and_resumed():
+        run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
+        return run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)[1]
+
+    (_, two), resumed, (p, one) = concurrently(  # (the three independent runs)
+        lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw), stopped_and_resumed,
+        lambda: run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw))
     assert all(k not in r for r in one for k in CRITIC_METRICS) and "vloss" not in p.stdout
     assert all(r["policy/approxkl_avg"] > 0 for r in one)  # the actor trains
     keys = dcp_keys(tmp_path / "one" / "checkpoints" / "step-000004")
     assert any(k.startswith("actor.") for k in keys) and not any("critic" in k for k in keys)
     trainer = torch.load(tmp_path / "one" / "checkpoints" / "step-000004" / "trainer.pt", weights_only=False)
     assert "critic_sched" not in trainer and "actor_sched" in trainer
-    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
-    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
     assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
-    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
     assert_close_runs(one[:2], two)
 
 
@@ -8845,13 +8886,15 @@ def test_samples_per_prompt_with_gae_differ_and_are_rank_invariant(tiny_run, tmp
               total_steps=2)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "one"),
             **kw}
-    p = run_script(ppo_script(args, """
+    script = ppo_script(args, """
 import reward
 seen = []
 def recorded(record, response):
     seen.append((record["prompt"], response))
     return reward.sentiment_reward(record, response)
-""", reward_fn="recorded", after='print("SEEN", json.dumps(seen))'))
+""", reward_fn="recorded", after='print("SEEN", json.dumps(seen))')
+    (_, two), p = concurrently(lambda: run_ppo(tiny_run, tmp_path / "two", nproc=2, **kw),  # (independent runs)
+                               lambda: run_script(script))
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads(p.stdout.split("SEEN ")[1])
     assert len(seen) == 2 * 16
@@ -8860,7 +8903,6 @@ def recorded(record, response):
         assert len({prompt for prompt, _ in group}) == 1, group  # one prompt's samples, side by side
         assert len({response for _, response in group}) == 4, group  # each with its own noise
     one = read_metrics(tmp_path / "one")
-    _, two = run_ppo(tiny_run, tmp_path / "two", nproc=2, **kw)
     assert_close_runs(one, two)
 
 
@@ -8975,11 +9017,13 @@ def test_a_reward_function_from_python_is_recorded_and_needed_on_resume(tiny_run
     assert p.returncode == 0, p.stderr[-3000:]
     saved = json.loads((out / "checkpoints" / "step-000001" / "config.json").read_text())
     assert saved["reward_fn"] == "python:__main__.length_reward"
-    p, _ = run_ppo(tiny_run, out, total_steps=2, resume="auto", check=False)
+    (p, _), (p_cli, _) = concurrently(  # (two independent runs, both refused)
+        lambda: run_ppo(tiny_run, out, total_steps=2, resume="auto", check=False),
+        lambda: run_ppo(tiny_run, tmp_path / "cli", reward_fn=saved["reward_fn"], check=False))  # the saved flag
     assert p.returncode == 2 and "'reward_fn': ('python:__main__.length_reward', 'sentiment')" in p.stderr, p.stderr
     assert "ppo.main(cfg, reward_fn=f)" in p.stderr and len(read_metrics(out)) == 1
-    p, _ = run_ppo(tiny_run, tmp_path / "cli", reward_fn=saved["reward_fn"], check=False)  # the saved config's flag
-    assert p.returncode == 2 and "--reward_fn=python:__main__.length_reward is a function passed from Python" in p.stderr
+    assert p_cli.returncode == 2
+    assert "--reward_fn=python:__main__.length_reward is a function passed from Python" in p_cli.stderr
     p = run_script(ppo_script({**args, "total_steps": 2, "resume": "auto"}, setup, reward_fn="length_reward"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
@@ -9254,8 +9298,10 @@ def test_two_ranks_equal_one_and_resume_across_rank_counts(tiny_run, tmp_path):
     # evaluations (5 prompts, sampled: rows [0, 3) on rank 0, [3, 5) and a padding row on rank 1)
     kw = dict(save_every=2, micro_batch_size=8, sft_data=sft, ptx_coef=0.5, ptx_batch_size=4, target_kl=1.0,
               kl_horizon=100, eval_prompts=tiny_run["eval_prompts"], eval_every=2, eval_temperature=1.0)
-    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw)
-    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw)
+    (_, one), (_, two), (_, part) = concurrently(  # (the three independent runs; each stopped one resumed below)
+        lambda: run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw))
     assert [r["step"] for r in two] == [0, 1, 2, 2]  # an evaluation before the first step and after the last
     assert_close_runs(one[:4], two)  # same samples, minibatches and losses; the same evaluations
     for step in (0, 2):
@@ -9264,16 +9310,16 @@ def test_two_ranks_equal_one_and_resume_across_rank_counts(tiny_run, tmp_path):
                [(r["prompt"], r["response"], r["length"], r["stopped"]) for r in b]
         assert [r["score"] for r in b] == pytest.approx([r["score"] for r in a], rel=1e-5, abs=1e-6)
         assert [r["kl"] for r in b] == pytest.approx([r["kl"] for r in a], rel=1e-4, abs=1e-5)
-    p, cont = run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw)
+    (p, cont), (p2, cont2) = concurrently(
+        lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=4, resume="auto", **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", nproc=2, **kw))
     assert "resumed from" in p.stdout and cont[:3] == two[:3]  # the history comes back as it was written, up to the
     assert cont[3]["step"] == 2 and "eval/score" in cont[3]  # checkpoint; step 2's evaluation, after it, runs again
     assert_close_runs(one, cont, tmp_path / "one", tmp_path / "two")
     # and the other way: a 1-rank checkpoint (plain models, checkpoint.place) continued on 2 ranks (FSDP2)
-    _, part = run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
     assert_close_runs(one[:4], part)
-    p, cont = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", nproc=2, **kw)
-    assert "resumed from" in p.stdout
-    assert_close_runs(one, cont, tmp_path / "one", tmp_path / "part")
+    assert "resumed from" in p2.stdout
+    assert_close_runs(one, cont2, tmp_path / "one", tmp_path / "part")
 
 
 @slow
@@ -9302,16 +9348,16 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
 
 @slow
 def test_crash_while_saving_keeps_the_previous_checkpoint(tiny_run, tmp_path):
+    import shutil
+
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     ckpts = out / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step-000001", "step-000002"]
     # what a kill during the write of step 3 leaves: a half-written .tmp folder
     os.makedirs(ckpts / "step-000003.tmp")
     (ckpts / "step-000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
     # and a folder someone copied without its trainer state
-    import shutil
-
     shutil.copytree(ckpts / "step-000002", ckpts / "step-000004")
     os.remove(ckpts / "step-000004" / "trainer.pt")
     with pytest.raises(AssertionError, match=r"step-000004: trainer.pt is missing"):
@@ -9339,8 +9385,10 @@ def popen_ppo(tiny_run, out_dir, **kw):
 
 @slow
 def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
+    import shutil
+
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     before = folder_snapshot(out)
     assert ".lock" not in before and "checkpoints/step-000002/manifest.json" in before
     p, _ = run_ppo(tiny_run, out, total_steps=1, seed=7, check=False)  # a new run into the same folder
@@ -9356,21 +9404,24 @@ def test_a_used_out_dir_is_refused_and_kept_byte_for_byte(tiny_run, tmp_path):
     assert os.stat(out / "actor").st_mode & 0o777 == 0o777 & ~umask
     # resuming another folder's checkpoint into it is refused as well (into a new folder it forks that run)
     before = folder_snapshot(out)
-    run_ppo(tiny_run, tmp_path / "other", total_steps=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=1)[0], tmp_path / "other")
     theirs = tmp_path / "other" / "checkpoints" / "step-000001"
-    p, _ = run_ppo(tiny_run, out, total_steps=2, resume=theirs, check=False)
-    assert p.returncode != 0 and f"--resume={theirs} is not one of its checkpoints" in p.stderr, p.stderr[-2000:]
-    assert folder_snapshot(out) == before
-    _, rows = run_ppo(tiny_run, tmp_path / "fork", total_steps=2, resume=theirs)
-    assert [r["step"] for r in rows] == [1, 2]
-    # --resume=auto on a run killed before its first checkpoint: nothing to continue, so it is moved aside whole
+    # (and below, --resume=auto on a run killed before its first checkpoint: three independent runs)
     os.makedirs(tmp_path / "killed")
     (tmp_path / "killed" / "metrics.jsonl").write_bytes((out / "metrics.jsonl").read_bytes())
-    before = folder_snapshot(tmp_path / "killed")
-    p, rows = run_ppo(tiny_run, tmp_path / "killed", total_steps=1, resume="auto")
+    killed_before = folder_snapshot(tmp_path / "killed")
+    (p, _), (_, forked), (p_killed, rows) = concurrently(
+        lambda: run_ppo(tiny_run, out, total_steps=2, resume=theirs, check=False),
+        lambda: run_ppo(tiny_run, tmp_path / "fork", total_steps=2, resume=theirs),
+        lambda: run_ppo(tiny_run, tmp_path / "killed", total_steps=1, resume="auto"))
+    assert p.returncode != 0 and f"--resume={theirs} is not one of its checkpoints" in p.stderr, p.stderr[-2000:]
+    assert folder_snapshot(out) == before
+    assert [r["step"] for r in forked] == [1, 2]
+    # --resume=auto on a run killed before its first checkpoint: nothing to continue, so it is moved aside whole
     aside = [d for d in os.listdir(tmp_path) if d.startswith("killed.old-")]
-    assert len(aside) == 1 and folder_snapshot(tmp_path / aside[0]) == before and [r["step"] for r in rows] == [1]
-    assert "--resume=auto found no checkpoint to continue: the earlier run in" in p.stdout
+    assert len(aside) == 1 and folder_snapshot(tmp_path / aside[0]) == killed_before
+    assert [r["step"] for r in rows] == [1]
+    assert "--resume=auto found no checkpoint to continue: the earlier run in" in p_killed.stdout
 
 
 @slow
@@ -9472,14 +9523,13 @@ def test_an_export_killed_while_it_replaces_the_last_one_is_completed(tiny_run, 
     # kill -9 at each rename of the final export's swap and before the old one's removal; then --resume=auto (the
     # checkpoint is the run's last step): out_dir/actor is the uninterrupted run's, byte for byte, and alone
     kw = dict(total_steps=2, save_every=1)
-    run_ppo(tiny_run, tmp_path / "full", **kw)
-    expected = folder_snapshot(tmp_path / "full" / "actor")
+    expected = folder_snapshot(uninterrupted_run(tiny_run, **kw)[0] / "actor")
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
-    moments = {"replace": ["actor.new", "actor.old", "actor"], "rmtree": ["actor.old"]}
-    for call, names in moments.items():
-        for name in names:
-            out = tmp_path / f"{call}-{name}"
-            setup = f"""
+    moments = [("replace", "actor.new"), ("replace", "actor.old"), ("replace", "actor"), ("rmtree", "actor.old")]
+
+    def killed_and_resumed(call, name):
+        out = tmp_path / f"{call}-{name}"
+        setup = f"""
 import os, shutil
 replace, rmtree, seen = os.replace, shutil.rmtree, []
 
@@ -9499,13 +9549,15 @@ def killed_before_rmtree(path, *a, **kw):
 
 os.replace, shutil.rmtree = killed_after_replace, killed_before_rmtree
 """
-            p = run_script(ppo_script({**args, "out_dir": str(out)}, setup))
-            assert p.returncode == 137, (call, name, p.stderr[-2000:])
-            assert C.verify(out / "checkpoints" / "step-000002") is None
-            p, _ = run_ppo(tiny_run, out, resume="auto", **kw)
-            assert "exporting its actor again" in p.stdout, p.stdout[-2000:]
-            assert sorted(n for n in os.listdir(out) if n.startswith((".tmp", "actor"))) == ["actor"], (call, name)
-            assert folder_snapshot(out / "actor") == expected, (call, name)
+        p = run_script(ppo_script({**args, "out_dir": str(out)}, setup))
+        assert p.returncode == 137, (call, name, p.stderr[-2000:])
+        assert C.verify(out / "checkpoints" / "step-000002") is None
+        p, _ = run_ppo(tiny_run, out, resume="auto", **kw)
+        assert "exporting its actor again" in p.stdout, p.stdout[-2000:]
+        assert sorted(n for n in os.listdir(out) if n.startswith((".tmp", "actor"))) == ["actor"], (call, name)
+        assert folder_snapshot(out / "actor") == expected, (call, name)
+
+    concurrently(*[functools.partial(killed_and_resumed, call, name) for call, name in moments])
 
 
 @slow
@@ -9516,7 +9568,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, c
     import ppo
 
     out = tmp_path / "run"
-    run_ppo(tiny_run, out, total_steps=2, save_every=1)
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=2, save_every=1)[0], out)
     newest = out / "checkpoints" / "step-000002"
     files = sorted(os.listdir(newest))
     assert {"manifest.json", "trainer.pt", "config.json", ".metadata", "rng-rank0.pt"} <= set(files)
@@ -9545,8 +9597,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_one(tiny_run, tmp_path, c
         f.truncate(100)
     p, rows = run_ppo(tiny_run, out, total_steps=3, resume="auto")
     assert f"skipping {newest}: {shard} has 100 bytes" in p.stdout and "resumed from" in p.stdout
-    _, full = run_ppo(tiny_run, tmp_path / "full", total_steps=3, save_every=1)
-    assert_same_run(tmp_path / "full", full, out, rows)
+    assert_same_run(*uninterrupted_run(tiny_run, total_steps=3, save_every=1), out, rows)
 
 
 @slow
@@ -11011,9 +11062,11 @@ def test_reward_model_tokenizer_is_compared_id_by_id(tmp_path, capsys):
 
 @slow
 def test_bad_input_errors(tiny_run, tmp_path):
-    def fails(match, **kw):
-        p, _ = run_ppo(tiny_run, tmp_path / f"bad{len(os.listdir(tmp_path))}", check=False, **{"total_steps": 1, **kw})
-        assert p.returncode != 0 and match in p.stderr, p.stderr[-3000:]
+    def fails(match, **kw):  # a function that runs the case and checks it
+        def run():
+            p, _ = run_ppo(tiny_run, tmp_path / f"bad-{next(iter(kw))}", check=False, **{"total_steps": 1, **kw})
+            assert p.returncode != 0 and match in p.stderr, p.stderr[-3000:]
+        return run
 
     # a reward model whose tokenizer ends responses with another token
     rm_dir = tmp_path / "rm"
@@ -11023,11 +11076,11 @@ def test_bad_input_errors(tiny_run, tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=65, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
     transformers.AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
-    fails("use different tokenizers (EOS '<|im_end|>' (3) against '<unk>' (1))", reward_model=str(rm_dir))
-    fails("are longer than 2 tokens and were dropped", max_prompt_len=2)
-    fails("does not fit the context", max_new_tokens=100)
-    fails("non-finite gradient", lr=1e30, critic_lr=1e30, total_steps=3, max_bad_updates=2)
-    fails("no such folder", resume=str(tmp_path / "nowhere"))
+    concurrently(fails("non-finite gradient", lr=1e30, critic_lr=1e30, total_steps=3, max_bad_updates=2),
+                 fails("use different tokenizers (EOS '<|im_end|>' (3) against '<unk>' (1))", reward_model=str(rm_dir)),
+                 fails("are longer than 2 tokens and were dropped", max_prompt_len=2),
+                 fails("does not fit the context", max_new_tokens=100),
+                 fails("no such folder", resume=str(tmp_path / "nowhere")))
 
 
 def test_lora_targets_are_checked_and_read_from_the_command_line():
@@ -11807,7 +11860,6 @@ def test_a_failed_evaluation_loses_no_step(tiny_run, tmp_path):
     # the reward failing in the last evaluation leaves the checkpoint and the export, --resume=auto evaluates that
     # step, and the run's metrics are the uninterrupted run's; likewise a run continued past its total_steps
     kw = dict(total_steps=2, save_every=1, eval_prompts=tiny_run["eval_prompts"], eval_every=1)
-    _, full = run_ppo(tiny_run, tmp_path / "full", **kw)
     E = len(TINY_EVAL_PROMPTS)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "run"), **kw}
     setup = f"""
@@ -11819,17 +11871,25 @@ def fails_in_the_last_evaluation(record, response):  # evaluation 0, step 1, eva
         raise ConnectionError("judge unreachable")
     return reward.sentiment_reward(record, response)
 """
-    p = run_script(ppo_script(args, setup, reward_fn="fails_in_the_last_evaluation"))
-    assert p.returncode != 0 and "judge unreachable" in p.stderr, p.stderr[-2000:]
-    assert C.verify(tmp_path / "run" / "checkpoints" / "step-000002") is None and (tmp_path / "run" / "actor").is_dir()
-    p = run_script(ppo_script({**args, "resume": "auto"}, setup, reward_fn="fails_in_the_last_evaluation"))
+
+    def failed_and_resumed():
+        p = run_script(ppo_script(args, setup, reward_fn="fails_in_the_last_evaluation"))
+        assert p.returncode != 0 and "judge unreachable" in p.stderr, p.stderr[-2000:]
+        assert C.verify(tmp_path / "run" / "checkpoints" / "step-000002") is None
+        assert (tmp_path / "run" / "actor").is_dir()
+        return run_script(ppo_script({**args, "resume": "auto"}, setup, reward_fn="fails_in_the_last_evaluation"))
+
+    def continued():  # past its total_steps
+        run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
+        return run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)[1]
+
+    p, continued_rows, (_, full) = concurrently(failed_and_resumed, continued,  # (the independent runs)
+                                                lambda: run_ppo(tiny_run, tmp_path / "full", **kw))
     rows = read_metrics(tmp_path / "run")  # (resumed with the function it records: its counter starts again)
     assert "exporting its actor again" in p.stdout and without_measured(rows) == without_measured(full)
     assert [(r["step"], "eval/score" in r) for r in rows] == [(0, True), (1, False), (1, True), (2, False), (2, True)]
     assert all(samples_of(tmp_path / "run", s) == samples_of(tmp_path / "full", s) for s in (0, 1, 2))
-    run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
-    _, rows = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)
-    assert without_measured(rows) == without_measured(full)
+    assert without_measured(continued_rows) == without_measured(full)
 
 
 @slow
@@ -12072,9 +12132,12 @@ def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
     # a run that evaluates (sampled, every step; the reward in 4 threads; a sample each step; on a terminal) trains
     # bitwise as one that does not: the same metrics, weights, KL controller, samplers and global RNGs
     kw = dict(total_steps=2, target_kl=1.0, kl_horizon=100)
-    p0, plain = run_ppo(tiny_run, tmp_path / "plain", **kw)
-    p, rows = run_ppo(tiny_run, tmp_path / "eval", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
-                      eval_temperature=1.0, reward_workers=4, sample_every=1, terminal=True, **kw)
+    (p, rows), (p0, plain), (_, still) = concurrently(  # (the independent runs; `still` is checked last)
+        lambda: run_ppo(tiny_run, tmp_path / "eval", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
+                        eval_temperature=1.0, reward_workers=4, sample_every=1, terminal=True, **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "plain", **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "still", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
+                        eval_temperature=1.0, lr=0.0, **kw))
     train, evals = [r for r in rows if "objective/scores" in r], [r for r in rows if "eval/score" in r]
     assert len(train) + len(evals) == len(rows) and without_measured(train) == without_measured(plain)
     wa, wb = actor_weights(tmp_path / "plain"), actor_weights(tmp_path / "eval")
@@ -12116,8 +12179,6 @@ def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
 
     # the same weights give the same evaluation, whatever ran before it: with lr 0 the actor never moves, and
     # every evaluation repeats the first, which is also the first of the run above (another training run)
-    _, still = run_ppo(tiny_run, tmp_path / "still", eval_prompts=tiny_run["eval_prompts"], eval_every=1,
-                       eval_temperature=1.0, lr=0.0, **kw)
     keys = ("eval/score", "eval/score_std", "eval/kl", "eval/response_length", "eval/stop_rate")
     same = [{k: e[k] for k in keys} for e in still if "eval/score" in e] + [{k: evals[0][k] for k in keys}]
     assert len(same) == 4 and all(s == same[0] for s in same)
@@ -12797,18 +12858,23 @@ def test_lora_run_ratio_one_two_ranks_equal_one_and_resume(tiny_run, tmp_path):
     # rounding; a resumed run repeats the uninterrupted one; checkpoints hold the trained parameters alone
     rm = make_reward_model(tmp_path / "rm")
     kw = dict(lora_rank=4, lora_alpha=8.0, reward_model=rm)
-    for dtype in ("fp32", "bf16"):
-        _, rows = run_ppo(tiny_run, tmp_path / f"first-{dtype}", total_steps=1, ppo_epochs=1, mini_batch_size=8,
-                          micro_batch_size=4, inference_micro_batch_size=4, dtype=dtype, **kw)
+    first = functools.partial(run_ppo, tiny_run, total_steps=1, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4,
+                              inference_micro_batch_size=4, **kw)
+    trained = dict(kw, save_every=2)
+
+    def stopped_and_resumed():
+        run_ppo(tiny_run, tmp_path / "part", total_steps=2, **trained)
+        return run_ppo(tiny_run, tmp_path / "part", total_steps=3, resume="auto", **trained)[1]
+
+    (_, two), resumed, (_, one), *firsts = concurrently(  # (the independent runs)
+        lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=3, nproc=2, **trained), stopped_and_resumed,
+        lambda: run_ppo(tiny_run, tmp_path / "one", total_steps=3, **trained),
+        *[functools.partial(first, tmp_path / f"first-{dtype}", dtype=dtype) for dtype in ("fp32", "bf16")])
+    for dtype, (_, rows) in zip(("fp32", "bf16"), firsts):
         assert rows[0]["val/ratio"] == 1.0 and rows[0]["policy/clipfrac_avg"] == 0.0, dtype
         assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0, dtype
-    kw.update(save_every=2)
-    _, one = run_ppo(tiny_run, tmp_path / "one", total_steps=3, **kw)
-    _, two = run_ppo(tiny_run, tmp_path / "two", total_steps=3, nproc=2, **kw)
     assert_close_runs(one, two, tmp_path / "one", tmp_path / "two")
     assert one[-1]["objective/kl"] != 0.0  # the adapters trained
-    run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw)
-    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=3, resume="auto", **kw)
     assert_same_run(tmp_path / "one", one, tmp_path / "part", resumed)
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -12847,18 +12913,26 @@ sys.exit(status)
     kw = dict(lora_rank=4, lora_dropout=0.3, advantage_estimator="grpo", samples_per_prompt=2, total_steps=2, **NO_CRITIC)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], **kw}
     two = {**args, "out_dir": tmp_path / "two", "micro_batch_size": 1}  # 2 micro-batches per update on each rank
-    p = run_torchrun([str(hooked), *(f"--{k}={v}" for k, v in two.items())])
+
+    def stopped_and_resumed():  # after step 1; then resumed again, with another micro-batch size
+        import shutil
+
+        run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
+        resumed = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)[1]
+        shutil.copytree(tmp_path / "part" / "actor", tmp_path / "resumed" / "actor")  # its export, before step 3's
+        other = dict(kw, total_steps=3, micro_batch_size=1)
+        return resumed, run_ppo(tiny_run, tmp_path / "part", resume="auto", **other)[0]
+
+    p, (resumed, p_other), (_, full) = concurrently(  # (the independent runs)
+        lambda: run_torchrun([str(hooked), *(f"--{k}={v}" for k, v in two.items())]), stopped_and_resumed,
+        lambda: run_ppo(tiny_run, tmp_path / "one", save_every=1, **kw))
     assert p.returncode == 0, p.stderr[-3000:]
     masks = [(tmp_path / f"masks-{r}").read_text().split() for r in (0, 1)]
     assert len(masks[0]) == len(masks[1]) > 0 and not set(masks[0]) & set(masks[1])
     assert len(set(masks[0])) == len(masks[0])  # and no micro-batch, update or step repeats another's (its first 64
     # entries: the masks of rows of other lengths differ in shape, but two equal seeds start them alike)
-    _, full = run_ppo(tiny_run, tmp_path / "one", save_every=1, **kw)
-    run_ppo(tiny_run, tmp_path / "part", **dict(kw, total_steps=1))
-    _, resumed = run_ppo(tiny_run, tmp_path / "part", resume="auto", **kw)
-    assert_same_run(tmp_path / "one", full, tmp_path / "part", resumed)
-    p, _ = run_ppo(tiny_run, tmp_path / "part", resume="auto", **dict(kw, total_steps=3, micro_batch_size=1))
-    assert "draws others than the uninterrupted one would" in p.stdout
+    assert_same_run(tmp_path / "one", full, tmp_path / "resumed", resumed)
+    assert "draws others than the uninterrupted one would" in p_other.stdout
 
 
 # ==================================================================================================
