@@ -355,6 +355,7 @@ def test_only_the_weights_files_transformers_reads_are_read_or_downloaded(tmp_pa
     assert asked == [["*.json", "*.model", "*.txt"], ["model.safetensors"], ["*.safetensors"]]
     assert os.listdir(tmp_path / "cache" / "org" / "one").count("consolidated.safetensors") == 1
 
+
 def test_nan_or_inf_weights_are_refused_at_load(tmp_path):
     # they loaded silently, and the run failed steps later with a NaN loss that pointed at --lr
     make_checkpoint(tmp_path / "m", "llama2")
@@ -425,6 +426,7 @@ def test_a_quantized_checkpoint_is_named_as_one(tmp_path):
             H.check_model(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text(json.dumps(dict(config, quantization_config=None)))
     H.check_model(str(tmp_path / "m"))  # null: none
+
 
 def test_config_json_values_transformers_refuses_are_named(tmp_path):
     # transformers 5 validates config.json's values (heads dividing the hidden size, field types); its error named
