@@ -10031,11 +10031,12 @@ def test_step_folders_go_by_their_number_past_six_digits(tmp_path):
     assert sorted(os.listdir(root)) == ["step-1000000", "step-1000001"]
 
 
-def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypatch):
+def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypatch, capsys):
     # the lock: a live holder refused by PID, a dead one's taken over, release removes this run's lock alone; a new run
     # into a folder with metrics only is refused, the folder as it was; --resume=auto continuing out_dir's own
     # checkpoint moves nothing (not the run, not a later damaged checkpoint it will replace) and removes step-N.tmp;
     # --resume=auto that found no checkpoint moves the earlier run aside, as --overwrite does
+    import shutil
     import socket
 
     out = tmp_path / "out"
@@ -10073,8 +10074,22 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     good = fake_checkpoint(out / "checkpoints" / "step-000002", step=2)
     fake_checkpoint(out / "checkpoints" / "step-000003", step=3)  # (damaged: --resume=auto skipped it)
     os.makedirs(out / "checkpoints" / "step-000004.tmp")
+    # exports killed mid-swap: actor between its two renames (only .old and .new), actor-lora before the old one's
+    # removal; and an export's .tmp-* folder. Completed and removed here, not only at the run's next export
+    for folder, text in (("actor.old", "1"), ("actor.new", "2"), ("actor-lora", "2"), ("actor-lora.old", "1"),
+                         (".tmp-x", "3")):
+        os.makedirs(out / folder)
+        (out / folder / "config.json").write_text(text)
+    capsys.readouterr()
     release = C._claim(str(out), "auto", False, good)
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000002", "step-000003"]
+    assert sorted(n for n in os.listdir(out) if n.startswith((".tmp", "actor"))) == ["actor", "actor-lora"]
+    assert (out / "actor" / "config.json").read_text() == (out / "actor-lora" / "config.json").read_text() == "2"
+    said = capsys.readouterr().out
+    assert all(f"{what} {out / name}" in said for what, name in [
+        ("removed", ".tmp-x"), ("completed the interrupted replacement of", "actor"),
+        ("completed the interrupted replacement of", "actor-lora")]), said
+    shutil.rmtree(out / "actor"), shutil.rmtree(out / "actor-lora")
     assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
     release()
     assert not os.path.exists(out / ".lock")
