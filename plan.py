@@ -64,7 +64,7 @@ from data import check_reward_head
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
-from runtime import need
+from runtime import UsageError, need
 from rollout import CACHE_MULTIPLE
 
 GiB, DTYPES = 2**30, {2: "bf16", 4: "fp32"}  # DTYPES: the names of the compute dtypes by element size
@@ -168,14 +168,20 @@ class Model:
         return W * shard_numel(shapes, W)
 
 
-def read_model(name_or_path):
-    """-> (ModelConfig, whether it is a *ForSequenceClassification), from config.json or GGUF metadata alone."""
-    hf = read_config(name_or_path)
-    arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
-    is_cls = arch.endswith("ForSequenceClassification")
-    need(not is_cls or getattr(hf, "num_labels", 1) == 1, f"{name_or_path}: reward model must have one label, has "
-         f"{getattr(hf, 'num_labels', 1)}")
-    return ModelConfig.from_hf(hf), is_cls
+def read_model(name_or_path, flag="--model"):
+    """-> (ModelConfig, whether it is a *ForSequenceClassification), from config.json or GGUF metadata alone. A
+    config this code cannot plan is a UsageError that names the flag and the model, as the run's own checks do."""
+    try:
+        hf = read_config(name_or_path)
+        arch = (getattr(hf, "architectures", None) or ["?ForCausalLM"])[0]
+        is_cls = arch.endswith("ForSequenceClassification")
+        need(not is_cls or getattr(hf, "num_labels", 1) == 1, f"reward model must have one label, has "
+             f"{getattr(hf, 'num_labels', 1)}")
+        return ModelConfig.from_hf(hf), is_cls
+    except UsageError as e:
+        if str(e).startswith("--"):  # named already
+            raise
+        raise UsageError(f"{flag}: {name_or_path}: {e}" if name_or_path not in str(e) else f"{flag}: {e}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -355,7 +361,7 @@ def build(cfg, run):
     # LoRA: the reference is the actor with its adapters off (checkpoint.build_models), no model of its own
     actor, ref = Model(c, "lm", source=cfg.model, lora=lora), None if lora else Model(c, "lm", source=cfg.model)
     if cfg.reward_model:
-        rc, rm_is_cls = read_model(cfg.reward_model)  # load_inputs' checks of the two configs
+        rc, rm_is_cls = read_model(cfg.reward_model, "--reward_model")  # load_inputs' checks of the two configs
         need(rc.vocab_size >= c.vocab_size, f"--reward_model: {cfg.reward_model} has {rc.vocab_size} token embeddings, "
              f"fewer than the {c.vocab_size} of the policy {cfg.model}, which may sample any of them")
         need(T <= rc.max_position_embeddings, f"--max_prompt_len + --max_new_tokens = {T} does not fit the context of "

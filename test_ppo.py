@@ -13507,12 +13507,20 @@ def test_dry_run_refuses_what_the_run_refuses_and_no_more(tmp_path):
     with pytest.raises(UsageError, match="2049 tokens exceed its sliding window"):
         plan_for(1, model=str(tmp_path / "policy-window"), reward_model=rm, max_new_tokens=1025)
     for kw, said in [(dict(reward_model=str(tmp_path / "rm-short")), "does not fit the context of --reward_model"),
-                     (dict(reward_model=str(tmp_path / "rm-2")), "reward model must have one label, has 2"),
+                     (dict(reward_model=str(tmp_path / "rm-2")),
+                      re.escape(f"--reward_model: {tmp_path / 'rm-2'}: reward model must have one label, has 2")),
                      (dict(reward_model=str(tmp_path / "rm-big"), model=str(tmp_path / "rm-big")),
                       "is a sequence classifier: the policy needs an LM head"),
                      (dict(max_new_tokens=40000), "does not fit the context of")]:
         with pytest.raises(UsageError, match=said):
             plan_for(1, **{"model": policy, **kw})
+    (tmp_path / "gpt2").mkdir()  # a config the plan cannot read names its flag and model, as the run's checks do
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(dict(architectures=["GPT2LMHeadModel"], model_type="gpt2")))
+    for flag in ("model", "reward_model"):
+        with pytest.raises(UsageError, match=re.escape(f"--{flag}: {tmp_path / 'gpt2'}: unsupported architecture 'gpt2'")):
+            plan_for(1, **{"model": policy, "reward_model": rm, flag: str(tmp_path / "gpt2")})
+    with pytest.raises(UsageError, match=re.escape(f"--model: no model folder, .gguf file or Hub id at '{tmp_path / 'x'}'")):
+        plan_for(1, model=str(tmp_path / "x"), reward_model=rm)
 
 
 @pytest.mark.parametrize("P, larger", [(1024, "prefill"), (16, "sampling")])
