@@ -262,7 +262,8 @@ def ppo_step(steps=2, rounds=2, dtype="fp32", threads=None):
         t = {v: [m["time/step"] for m in ms[i::steps]] for v, ms in rows.items()}
         print(f"step {i + 1}: " + "; ".join(f"{v} " + ", ".join(f"{x:.1f}" for x in ts) + " s" for v, ts in t.items())
               + f": {sum(t['padded']) / sum(t['default']):.2f}x")
-    same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3 for a, b in zip(rows["padded"], rows["default"]))
+    same = all(abs(a["objective/scores"] - b["objective/scores"]) < 1e-3
+               for a, b in zip(rows["padded"], rows["default"]))
     print(f"\nsame scores step by step in both variants (the same samples): {same}")
 
 
@@ -365,7 +366,8 @@ def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=N
     share the cores. rollout s is what the main thread spends in the rollout stage (async: waiting for the batch
     drawn during the previous step, and the weight refill); overlap s the seconds of that batch's generation that ran
     beside the previous step's work; mismatch k3 and IS clipfrac the step's val/mismatch_k3 and val/is_clipfrac
-    (--is_correction=tis: the sampler's numerics, and with async the update it lags by). The bound of a perfect overlap is max(rollout, score + train) of the sync step.
+    (--is_correction=tis: the sampler's numerics, and with async the update it lags by). The bound of a perfect
+    overlap is max(rollout, score + train) of the sync step.
     On CUDA (a GPU present: ppo.main runs there) the variants are sync and async, the generation on its own stream.
     model: another policy for every workload (the GPU runbook passes random weights of SmolLM2's shapes)."""
     cuda = torch.cuda.is_available()
@@ -414,9 +416,9 @@ def async_rollout(steps=3, rounds=1, workloads=("default", "ragged"), variants=N
         if sync:
             bound = max(sync["time/rollout"], sync["time/score"] + sync["time/train"])
             best = min((m["time/step"], v) for v, m in mean.items() if ASYNC_VARIANTS[v][0])
-            print(f"{workload}: sync step {sync['time/step']:.1f} s (rollout {sync['time/rollout']:.1f} + score and train "
-                  f"{sync['time/score'] + sync['time/train']:.1f}); a perfect overlap would take max(rollout, score + "
-                  f"train) = {bound:.1f} s; the best async variant ({best[1]}) {best[0]:.1f} s")
+            print(f"{workload}: sync step {sync['time/step']:.1f} s (rollout {sync['time/rollout']:.1f} + score and "
+                  f"train {sync['time/score'] + sync['time/train']:.1f}); a perfect overlap would take max(rollout, "
+                  f"score + train) = {bound:.1f} s; the best async variant ({best[1]}) {best[0]:.1f} s")
 
 
 # -----------------------------------------------------------------------------
@@ -455,7 +457,8 @@ def lora_generation(ranks=(16, 64), batch=16, new_tokens=24, rounds=3, dtypes=("
             name = random_checkpoints(tmp, "smollm2-135m")[0]
         tok = load_tokenizer(name)
         base = Transformer.from_pretrained(name).eval()
-    prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64).ids[:batch]
+    prompts = load_prompts(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"), tok, 64)
+    prompts = prompts.ids[:batch]
     print(f"torch {torch.__version__}, {_machine()}; {len(prompts)} prompts, {new_tokens} new tokens, best of {rounds}")
     print("| dtype | rank | variant | weight refill s | generate s | rollout s | tokens/s |")
     print("|---|---|---|---|---|---|---|", flush=True)
@@ -543,7 +546,8 @@ def lora_run(variants=tuple(LORA_RUNS), steps=None):
         q = max(1, len(train) // 4)
         first, last = [r["objective/scores"] for r in train[:q]], [r["objective/scores"] for r in train[-q:]]
         se = math.sqrt(statistics.pvariance(first) / q + statistics.pvariance(last) / q) if q > 1 else float("nan")
-        med = {k: statistics.median(r[k] for r in train) for k in ("time/step", "time/rollout", "time/score", "time/train")}
+        med = {k: statistics.median(r[k] for r in train)
+               for k in ("time/step", "time/rollout", "time/score", "time/train")}
         kl = statistics.mean(r["objective/kl"] for r in train[-q:])
         print(f"| {v} | {wall // 60:.0f} min {wall % 60:.0f} s | {med['time/step']:.1f} ({med['time/rollout']:.1f} / "
               f"{med['time/score']:.1f} / {med['time/train']:.1f}) | {statistics.mean(first):.3f} | "
@@ -585,15 +589,16 @@ def cpu_malloc(steps=6, rounds=2, dtype="fp32"):
                 res = run_isolated_fn(_malloc_run, v, os.path.join(tmp, f"{r}-{i}"), steps, dtype)
                 out[v].append(res)
                 rows, sys_s, user_s, faults, rss = res
-                print(f"  {v}: steps " + ", ".join(f"{m['time/step']:.1f}" for m in rows) + f" s; system {sys_s:.1f} s, "
-                      f"user {user_s:.1f} s, {faults / 1e6:.2f} M minor faults", flush=True)
+                print(f"  {v}: steps " + ", ".join(f"{m['time/step']:.1f}" for m in rows)
+                      + f" s; system {sys_s:.1f} s, user {user_s:.1f} s, {faults / 1e6:.2f} M minor faults", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
     print("| malloc | step s, median of steps 2.. (rollout / score / train) | system s a run | user s a run "
           "| minor faults a run | peak RSS |")
     print("|---|---|---|---|---|---|")
     for v, runs in out.items():
         later = [m for rows, *_ in runs for m in rows[1:]]
-        med = {k: statistics.median(m[k] for m in later) for k in ("time/step", "time/rollout", "time/score", "time/train")}
+        med = {k: statistics.median(m[k] for m in later)
+               for k in ("time/step", "time/rollout", "time/score", "time/train")}
         print(f"| {v} | {med['time/step']:.2f} ({med['time/rollout']:.2f} / {med['time/score']:.2f} / "
               f"{med['time/train']:.2f}) | {statistics.mean(r[1] for r in runs):.1f} | "
               f"{statistics.mean(r[2] for r in runs):.1f} | {statistics.mean(r[3] for r in runs) / 1e6:.2f} M | "
@@ -942,8 +947,8 @@ def sampler(device="cpu", rows=(1, 8, 32, 64), vocab=(49152, 151936), temperatur
     dev = torch.device(device)
     bw = _copy_bandwidth(dev) if dev.type == "cuda" else _read_bandwidth(dev)
     print(f"torch {torch.__version__}, {_device_name(dev)}; temperature {temperature}; logits randn x 3, float32; "
-          f"bandwidth {bw / 1e9:,.0f} GB/s ({'a 2 GiB copy, read + write' if dev.type == 'cuda' else 'the fastest read'})"
-          f"; median of {rounds} calls\n")
+          f"bandwidth {bw / 1e9:,.0f} GB/s "
+          f"({'a 2 GiB copy, read + write' if dev.type == 'cuda' else 'the fastest read'}); median of {rounds} calls\n")
     print("| rows | vocab | eager ops | eager MB touched | at the bandwidth ms | eager ms | compiled ms | speedup "
           "| same tokens | max logprob diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -1039,8 +1044,8 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed,
     as the rollout's copy has them); and our eager decode (the kernel model.cpu_matmul() picks, the rollout's
     layout) against the bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1
-    token)), the roof = batch / ((the weights a step reads + the filled KV cache, on average) / the bandwidth measured in this
-    run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
+    token)), the roof = batch / ((the weights a step reads + the filled KV cache, on average) / the bandwidth
+    measured in this run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
     import model as M
 
     device = model.lm_head_weight.device
@@ -1055,7 +1060,8 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     kernels = ("mkl", "onednn") if both else (picked,)
     which = (f"{_machine()}: model.cpu_matmul() picks {picked}, the kernel of 'agree', 'speedup' and 'ours "
              "decode', in the rollout's layout" if device.type == "cpu"
-             else "'ours decode' is the compiled step's (CUDA graphs)" if compile else "'ours decode' is the eager step's")
+             else "'ours decode' is the compiled step's (CUDA graphs)" if compile
+             else "'ours decode' is the eager step's")
     print(f"\n{label}: greedy, {new_tokens} new tokens, no EOS stop; tokens/s = batch * new tokens / wall time "
           f"(prefill included), best of {rounds} rounds (transformers and ours interleaved, then ours+compile); "
           f"weights {w_bytes / 1e6:,.0f} MB; bandwidth {bw / 1e9:.1f} GB/s ({how}); {which}")
@@ -1242,8 +1248,8 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
     w_bytes = _decode_weight_bytes(model)
     bw = _copy_bandwidth(device, min(2 << 30, 4 * w_bytes))
     print(f"\n{name} shapes, random weights, bf16, {_device_name(device)}: prompts of {prompt_len // 2}-{prompt_len} "
-          f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights read a step {w_bytes / 1e9:.2f} GB, copy bandwidth "
-          f"{bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
+          f"tokens, {new_tokens} new tokens (greedy, no EOS stop); weights read a step {w_bytes / 1e9:.2f} GB, copy "
+          f"bandwidth {bw / 1e9:,.0f} GB/s; roof = batch / ((weights + filled KV cache, average) / bandwidth)")
     print(f"{'batch':>5} {'KV GB':>6} {'roof tok/s':>10} {'engine':>14} {'decode tok/s':>12} {'% of roof':>9} "
           f"{'end-to-end tok/s':>16}", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -1271,8 +1277,9 @@ def _bench_roof(device, shapes, batches, prompt_len, new_tokens, rounds, compile
 def generation(device="cpu", new_tokens=128, rounds=2, compile=True, bf16=True, threads=None,
                batches=(1, 2, 4, 8, 16, 32), cases=("compare", "ragged"), cpu_matmul=None, bf16_batches=(1,)):
     """"compare": SmolLM2-135M-Instruct at each batch size, ours vs transformers, and our decode against the
-    memory-bandwidth roof; CPU: float32 (and bfloat16 at bf16_batches), CUDA: bfloat16 at batch 1 to 64. "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8
-    and 64, decode against the bandwidth roof and transformers.
+    memory-bandwidth roof; CPU: float32 (and bfloat16 at bf16_batches), CUDA: bfloat16 at batch 1 to 64.
+    "roof" (GPU-sized): Llama-3-8B's shapes with random weights at batch 1, 8 and 64, decode against the bandwidth
+    roof and transformers.
     "ragged": rows stopping at EOS, finished rows dropped from the decode batch or not (32 prompts,
     in one batch and in micro-batches of 8). cpu_matmul: model.CPU_MATMUL for this run ("mkl", "onednn";
     None: as it is, "auto")."""
@@ -1760,7 +1767,8 @@ def peak_owners(flags, top=12, snapshot=""):
 
         with open(snapshot, "wb") as f:
             pickle.dump(snap, f)
-    trace = [e for e in snap["device_traces"][torch.cuda.current_device()] if e["action"] in ("alloc", "free_requested")]
+    trace = [e for e in snap["device_traces"][torch.cuda.current_device()]
+             if e["action"] in ("alloc", "free_requested")]
     for step, phase, peak, owners in phase_peaks(trace, ends):
         print(f"step {step} {phase}: peak {peak / 2**30:.3f} GiB, held by")
         for name, (size, blocks) in sorted(owners.items(), key=lambda kv: -kv[1][0])[:top]:
