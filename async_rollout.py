@@ -83,7 +83,8 @@ def rollout_from_rows(records, pad_id, device):
     logprobs = torch.zeros(B, R, dtype=torch.float32)
     for b, r in enumerate(records):
         n = len(r["response"])
-        tokens[b, :n], response_mask[b, :n], logprobs[b, :n] = torch.tensor(r["response"], dtype=torch.long), True, r["logprobs"]
+        tokens[b, :n] = torch.tensor(r["response"], dtype=torch.long)
+        response_mask[b, :n], logprobs[b, :n] = True, r["logprobs"]
     ro = Rollout(tokens=torch.cat([idx, tokens], 1).to(device), prompt_len=idx.size(1),
                  prompt_mask=prompt_mask.bool().to(device), response_mask=response_mask.to(device),
                  logprobs=logprobs.to(device), ended=torch.tensor([r["ended"] for r in records], device=device),

@@ -375,8 +375,9 @@ def _claim(out_dir, resume, overwrite, ckpt):
             holder = {}
         # a lock left empty: its run was killed between creating and writing it (or writes it this moment: wait)
         torn = not holder and time.time() - judged.st_mtime > TORN_LOCK_S
-        if torn or holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()  # an earlier main()
-                                                                   or not _alive(holder.get("pid", -1))):  # here, or dead
+        # or a lock from this host whose PID is this process (an earlier main() here) or no longer running
+        if torn or holder.get("host") == socket.gethostname() and (holder.get("pid") == os.getpid()
+                                                                   or not _alive(holder.get("pid", -1))):
             whose = "left empty by a killed run" if torn else f"of PID {holder.get('pid')} (no longer running)"
             print(f"{out_dir}: taking over the stale lock {whose}", flush=True)
             _remove_stale(lock, judged, out_dir)
@@ -410,7 +411,8 @@ def _claim(out_dir, resume, overwrite, ckpt):
     me = dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime("%Y-%m-%d %H:%M:%S"))
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
-    leftovers = glob.glob(os.path.join(out_dir, "checkpoints", "step-*.tmp")) + glob.glob(os.path.join(out_dir, ".tmp-*"))
+    leftovers = (glob.glob(os.path.join(out_dir, "checkpoints", "step-*.tmp"))
+                 + glob.glob(os.path.join(out_dir, ".tmp-*")))
     for p in leftovers:  # an interrupted checkpoint or export: the complete ones are untouched
         shutil.rmtree(p, ignore_errors=True)
         print(f"removed {p}, left by an interrupted write", flush=True)
@@ -554,7 +556,8 @@ def write_manifest(folder, run_id, step):
     files = {}
     for name in _files(folder):
         size = os.path.getsize(os.path.join(folder, name))
-        files[name] = {"size": size, **({"sha256": file_sha256(os.path.join(folder, name))} if size < HASH_BELOW else {})}
+        digest = {"sha256": file_sha256(os.path.join(folder, name))} if size < HASH_BELOW else {}
+        files[name] = {"size": size, **digest}
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(dict(run_id=run_id, step=step, files=files), f, indent=1)
