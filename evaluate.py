@@ -10,7 +10,8 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
                            (--kl_estimator, |.| with --use_absolute_kl), actor against reference logprobs at the
                            training temperature, as objective/kl is. On greedy responses (--eval_temperature=0, the
                            default) it is the KL penalty those responses would pay, not an unbiased estimate of
-                           KL(pi || pi_ref): they are not samples of pi (kl_estimator=exact sums the exact KL along them)
+                           KL(pi || pi_ref): they are not samples of pi (kl_estimator=exact sums the exact KL
+                           along them)
     eval/response_length   mean response length in tokens (EOS included)
     eval/stop_rate         fraction of responses that ended with EOS
     eval/reward_errors     reward calls that failed or timed out, scored --reward_on_error (reward functions only)

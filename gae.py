@@ -259,7 +259,8 @@ IS_CORRECTIONS = {
     "seq_mask": _seq_mask,
     "none": lambda log_r, mask, cfg: (torch.ones_like(log_r), torch.zeros_like(mask)),
 }
-IS_SETTINGS = {"tis": ("is_cap",), "icepop": ("is_band",), "seq_mask": ("is_cap", "is_seq_band"), "none": ()}  # each reads
+# the is_* Config fields each mode reads
+IS_SETTINGS = {"tis": ("is_cap",), "icepop": ("is_band",), "seq_mask": ("is_cap", "is_seq_band"), "none": ()}
 
 
 def is_settings_unread(mode):
@@ -286,7 +287,8 @@ def is_weights(old_logp, sampler_logp, mask, cfg):
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"unknown importance-weight mode {mode!r}, expected one of {list(IS_CORRECTIONS)}")
     if old_logp.shape != sampler_logp.shape:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)} and sampler_logp {tuple(sampler_logp.shape)} differ in shape")
+        raise ValueError(f"old_logp {tuple(old_logp.shape)} and sampler_logp {tuple(sampler_logp.shape)} "
+                         "differ in shape")
     mask = _check_mask(mask, old_logp.shape)
     dtype = _float_dtype(old_logp, sampler_logp)
     log_r = torch.where(mask, old_logp.detach().to(dtype) - sampler_logp.detach().to(dtype), 0.0)  # (B, T)
