@@ -18,8 +18,9 @@ short request to the Hub (check_hub_id).
 Writing. write_pretrained writes config.json, the weights in the checkpoint's dtype (bf16 for a bf16 checkpoint;
 float32 when the source records none, e.g. GGUF) as one model.safetensors or, past MAX_SHARD_SIZE,
 model-0000i-of-0000N.safetensors files with an index, the tokenizer, and a language model's generation_config.json
-with the run's stop ids and pad id. A sharded model is gathered a parameter at a time (cast first, so bf16 moves half the bytes) and only rank 0 keeps a file's tensors until the file is
-written. The folder is written beside its destination and renamed into place: a crash leaves the previous export.
+with the run's stop ids and pad id. A sharded model is gathered a parameter at a time (cast first, so bf16 moves
+half the bytes) and only rank 0 keeps a file's tensors until the file is written. The folder is written beside its
+destination and renamed into place: a crash leaves the previous export.
 A LoRA model's export holds the merged weights W + (alpha / r) B A; write_peft_adapter writes its adapters alone
 in PEFT's format (adapter_model.safetensors, adapter_config.json), which PEFT loads onto the base checkpoint.
 """
@@ -488,7 +489,8 @@ def check_same_tokenizer(tokenizer, policy_path, reward_path):
             + ", ".join(f"{i} is {name(mine[i])} against {name(theirs.get(i))}" for i in wrong[:3]) if wrong else
             f"EOS {tokenizer.eos_token!r} ({tokenizer.eos_token_id}) against {other.eos_token!r} ({other.eos_token_id})"
             if other.eos_token_id != tokenizer.eos_token_id else
-            f"they split the same text differently: {TOKENIZER_PROBE!r} is {a[:16]} against {b[:16]}" if a != b else None)
+            f"they split the same text differently: {TOKENIZER_PROBE!r} is {a[:16]} against {b[:16]}"
+            if a != b else None)
     if what:
         raise UsageError(f"the policy {policy_path} and the reward model {reward_path} use different tokenizers "
                          f"({what}): the reward model would read other tokens than the policy wrote")

@@ -283,9 +283,10 @@ def attend(q, k, v, mask, impl):
       which reads each key/value head's cache once for all g rows, in tiles split along the cache.
     impl "sdpa" / "reference": mask is attention_mask_4d's (B, 1, T, S'), S' <= S: only the first S'
       slots are read; "reference" forces SDPA's math kernel (the slow twin). mask None ("sdpa"): causal over
-      T = S slots that all hold real tokens (attend_rows' rows, and a batch without padding). An "sdpa" decode step with GQA
-      folds the query heads into rows as flex does: PyTorch's CPU kernel, which takes a block of query rows
-      per head, ran SmolLM2's step 1.2-1.6x faster so in float32 and 4.7-5.9x in bf16 (16 rows, 61-173 slots)."""
+      T = S slots that all hold real tokens (attend_rows' rows, and a batch without padding). An "sdpa" decode
+      step with GQA folds the query heads into rows as flex does: PyTorch's CPU kernel, which takes a block of
+      query rows per head, ran SmolLM2's step 1.2-1.6x faster so in float32 and 4.7-5.9x in bf16 (16 rows,
+      61-173 slots)."""
     gqa = q.size(1) != k.size(1)
     if impl == "flex":
         (B, nh, T, hs), nkv, (Q, S) = q.shape, k.size(1), mask.seq_lengths
@@ -760,9 +761,9 @@ class Transformer(nn.Module):
             emb = state.get("model.embed_tokens.weight")
             if emb is None or not torch.equal(state["lm_head.weight"], emb):  # transformers would use it, untied
                 raise UsageError(f"{name_or_path}: its config ties the LM head to the embeddings "
-                                 "(tie_word_embeddings), but its lm_head.weight differs from model.embed_tokens.weight, "
-                                 "which transformers then loads untied: set \"tie_word_embeddings\": false in its "
-                                 "config.json to train the two as stored")
+                                 "(tie_word_embeddings), but its lm_head.weight differs from "
+                                 "model.embed_tokens.weight, which transformers then loads untied: set "
+                                 "\"tie_word_embeddings\": false in its config.json to train the two as stored")
         return {k: state[k].to(device="cpu", dtype=dtype) for k in self.state_dict()}
 
     def _critic_from_policy(self):  # a value head on a causal LM's checkpoint: its lm_head is dropped, a head drawn
