@@ -420,7 +420,8 @@ def build(cfg, run):
     # ---- rollout: the weight sync, then per micro-batch a prefill and float32 sampling; decoding holds less
     P = cfg.max_prompt_len
     per_prompt = f" x {cfg.samples_per_prompt} samples" if cfg.samples_per_prompt > 1 else ""
-    prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad", rows_r * P * block_forward_bytes(c, cb))
+    prefill = (f"prefill of {rows_r} x {P} tokens, one layer at a time, no grad",
+               rows_r * P * block_forward_bytes(c, cb))
     sampling = (f"sampling: float32 logits, softmax and hashed noise, {rows_r} x {V}", SAMPLING_BYTES * rows_r * V)
     sync = [weight_sync(actor, W, cb, off)]
     p.phases.append((f"rollout: {run.local_rollout} prompts{per_prompt} per GPU, {rows_r} at a time", [], [

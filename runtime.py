@@ -117,7 +117,8 @@ def progress(desc):
     cleared when done: the work inside a step. Only on rank 0 and when stdout is a terminal; elsewhere (a log file,
     a pipe) it hands the iterable back untouched, so the logs hold the step lines alone."""
     on = sys.stdout.isatty() and (not dist.is_initialized() or dist.get_rank() == 0)
-    return lambda it, total=None: tqdm(it, desc=desc, total=total, leave=False, file=sys.stdout, dynamic_ncols=True) if on else it
+    return lambda it, total=None: (tqdm(it, desc=desc, total=total, leave=False, file=sys.stdout, dynamic_ncols=True)
+                                   if on else it)
 
 
 # -----------------------------------------------------------------------------
@@ -168,7 +169,8 @@ def run_command(config_cls, main, argv=None, name=None):
 def hold_to_types(cfg):
     """Each field of the dataclass cfg converted to its annotated type, or a UsageError naming the flag: fire reads
     "--lr=1" as an int and "--model=7" as one. The types: bool, int, float, str, X | None of these (a fork's field too:
-    int | None was called as a type, a TypeError at every start), a tuple of ints, tuple[str, ...], tuple[float, float]."""
+    int | None was called as a type, a TypeError at every start), a tuple of ints, tuple[str, ...],
+    tuple[float, float]."""
     for f in fields(cfg):
         v, want = getattr(cfg, f.name), f.type
         if typing.get_origin(want) in (typing.Union, types.UnionType) and type(None) in typing.get_args(want):
@@ -194,9 +196,9 @@ def hold_to_types(cfg):
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
         if not ok:
-            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + (" of ints" if want is tuple else
-                                                                        " of two numbers" if want == tuple[float, float] else
-                                                                        " of names" if want == tuple[str, ...] else ""))
+            of = (" of ints" if want is tuple else " of two numbers" if want == tuple[float, float] else
+                  " of names" if want == tuple[str, ...] else "")
+            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + of)
         setattr(cfg, f.name, v)
 
 
