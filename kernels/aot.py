@@ -33,7 +33,8 @@ from kernels.utils import (DEFAULT_CONFIG, TileConfig, cdiv, default_config, dot
 H100_SMS = 132
 H100_SMEM = 227 * 1024  # the most shared memory one block may hold on sm_90
 TRITON_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-CANDIDATES = (  # bf16 tile shapes to time on a GPU (python -m kernels --device cuda --tiles): (block_n, block_v, block_h, num_warps, num_stages)
+# bf16 tile shapes to time on a GPU (python -m kernels --device cuda --tiles)
+CANDIDATES = (  # (block_n, block_v, block_h, num_warps, num_stages)
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 4),
     (64, 128, 64, 4, 3),

@@ -505,7 +505,7 @@ def _score_torch(hidden, weight, labels, ref_hidden, ref_weight, scale, cfg: Til
         n, n_pad = r1 - r0, aligned_rows(r1 - r0)
         h_op, rh_op = pad_rows(gemm_operand(hidden[r0:r1]), n_pad), pad_rows(gemm_operand(ref_hidden[r0:r1]), n_pad)
         y = labels[r0:r1]
-        z_label, zr_label = torch.zeros(n, device=hidden.device, dtype=dt), torch.zeros(n, device=hidden.device, dtype=dt)
+        z_label, zr_label = (torch.zeros(n, device=hidden.device, dtype=dt) for _ in range(2))
         for v0 in range(0, V, C):
             v1 = min(v0 + C, V)
             z = chunk_logits(chunk_view(zbuf, n_pad, v1 - v0), h_op, gemm_operand(weight[v0:v1]), scale)[:n]
@@ -679,8 +679,8 @@ def linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, te
                          f"ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}: the rows "
                          "and the vocabulary must agree")
     if ref_hidden.device != hidden.device:
-        raise ValueError(f"{where}: hidden is on {hidden.device} and ref_hidden on {ref_hidden.device}: the two models' "
-                         "hidden states and heads must be on one device")
+        raise ValueError(f"{where}: hidden is on {hidden.device} and ref_hidden on {ref_hidden.device}: the two "
+                         "models' hidden states and heads must be on one device")
     if torch.is_grad_enabled() and (ref_hidden.requires_grad or ref_weight.requires_grad):
         raise ValueError(f"{where}: the reference is frozen and gets no gradient, but ref_hidden or ref_weight "
                          "requires grad; compute it under torch.no_grad() or pass .detach()")
