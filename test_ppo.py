@@ -13023,15 +13023,17 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     storages in `skip`, count nothing): what an eager call allocates at its worst moment. A tensor subclass's
     (DTensor's) own ops on its local tensors run past the mode, unseen."""
 
-    def __init__(self, skip):
+    def __init__(self, skip, settle=0.0):
         super().__init__()
-        self.skip, self.live, self.peak = skip, {}, 0
+        self.skip, self.live, self.peak, self.settle = skip, {}, 0, settle
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         out = func(*args, **(kwargs or {}))
+        if self.settle:  # lets another thread that holds the GIL's turn drop what it frees (gloo's work objects)
+            time.sleep(self.settle)
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}  # an address freed may be reused
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):  # a DTensor: its local's ops
@@ -13807,8 +13809,8 @@ def _weight_sync_worker(rank, world, init_file, out_dir):
             gen = Transformer(c).to(torch.bfloat16)
             skip = {C.local(p).untyped_storage().data_ptr() for p in (*m.parameters(), *gen.parameters())}
 
-            def peak(f):  # the least of 3 runs: gloo's work objects may free a tensor a little late
-                counters = [LiveBytes(skip) for _ in range(3)]
+            def peak(f, settle=0.0):  # the least of 3 runs: gloo's work objects may free a tensor a little late
+                counters = [LiveBytes(skip, settle) for _ in range(3)]
                 for counter in counters:
                     with counter:
                         f()
@@ -13818,7 +13820,9 @@ def _weight_sync_worker(rank, world, init_file, out_dir):
             # rank's local shard, as long as it is; a CPU mesh has nothing to copy it to)
             gathers = [peak(lambda: p.detach().full_tensor()) + C.local(p).nbytes * off
                        for p in m.parameters() for off in (0, 1)]
-            out[key] = dict(sync=peak(lambda: gen.copy_weights_from(m)), gathers=gathers[0::2],
+            # the sync's gathers one after another: a pause after each op, or on a loaded machine an earlier
+            # gather's output, freed late, was still live at a later one's in every run
+            out[key] = dict(sync=peak(lambda: gen.copy_weights_from(m), settle=0.002), gathers=gathers[0::2],
                             offloaded=gathers[1::2])
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
