@@ -7339,8 +7339,11 @@ def uninterrupted_run(tiny_run, **kw):
     runs = tiny_run.setdefault("runs", {})
     key = json.dumps(kw, sort_keys=True, default=str)
     if key not in runs:
+        import shutil
+
         out = tiny_run["root"] / "runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
-        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]
+        shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left (a timeout, say): the next test that
+        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]  # asks for the run was refused the folder, and failed too
     out, rows = runs[key]
     return out, copy.deepcopy(rows)
 
