@@ -7339,8 +7339,11 @@ def uninterrupted_run(tiny_run, **kw):
     runs = tiny_run.setdefault("runs", {})
     key = json.dumps(kw, sort_keys=True, default=str)
     if key not in runs:
+        import shutil
+
         out = tiny_run["root"] / "runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
-        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]
+        shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left (a timeout, say): the next test that
+        runs[key] = out, run_ppo(tiny_run, out, **kw)[1]  # asks for the run was refused the folder, and failed too
     out, rows = runs[key]
     return out, copy.deepcopy(rows)
 
@@ -7933,22 +7936,30 @@ TORCHRUN_PORTS = set(), threading.Lock()  # the ports handed out: two torchruns 
 
 
 def run_torchrun(args, nproc=2, timeout=300):
-    """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank."""
+    """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank; another port if the
+    one drawn was taken before torchrun bound it."""
     import socket
 
     used, lock = TORCHRUN_PORTS
-    with lock:
-        port = None
-        while port is None or port in used:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        used.add(port)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={port}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("RANK", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    for _ in range(3):
+        with lock:
+            port = None
+            while port is None or port in used:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+            used.add(port)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               "--master_addr=127.0.0.1", f"--master_port={port}", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("RANK", None)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        # the port is free when drawn, not when torchrun binds it seconds later: any process on the machine may take
+        # it meanwhile (a connection's local port, another suite's torchrun). torchrun then fails in its rendezvous,
+        # before a rank starts (nothing written): on another port the run is the same
+        if not (p.returncode != 0 and "server socket has failed to listen" in p.stderr and str(port) in p.stderr):
+            return p
+    return p
 
 
 def two_rank_grads(policy, out):
