@@ -7935,6 +7935,38 @@ def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
 TORCHRUN_PORTS = set(), threading.Lock()  # the ports handed out: two torchruns started at once never share one
 
 
+def run_as_a_group(cmd, timeout, **kw):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) in a session of its own, killed whole on
+    a timeout: subprocess.run kills torchrun alone, and its ranks ran on, slowing every later test."""
+    import signal
+
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def test_a_timed_out_group_is_killed_whole(tmp_path):
+    # a command that starts a child (as torchrun starts its ranks) and outlives the timeout: the child dies with it
+    script = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(tmp_path / 'pid')!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_as_a_group([sys.executable, "-c", script], timeout=3)
+    child = int((tmp_path / "pid").read_text())
+    for _ in range(50):  # killed: gone once its parent (init, now) has reaped it
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the child {child} outlived the timeout")
+    assert run_as_a_group([sys.executable, "-c", "print('out'); import sys; sys.exit(3)"], 60).returncode == 3
+
+
 def run_torchrun(args, nproc=2, timeout=300):
     """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank; another port if the
     one drawn was taken before torchrun bound it."""
@@ -7953,7 +7985,7 @@ def run_torchrun(args, nproc=2, timeout=300):
                "--master_addr=127.0.0.1", f"--master_port={port}", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("RANK", None)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        p = run_as_a_group(cmd, timeout, env=env, cwd=REPO)
         # the port is free when drawn, not when torchrun binds it seconds later: any process on the machine may take
         # it meanwhile (a connection's local port, another suite's torchrun). torchrun then fails in its rendezvous,
         # before a rank starts (nothing written): on another port the run is the same
