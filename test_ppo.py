@@ -8480,33 +8480,35 @@ def test_async_rollout_error_on_the_main_thread_shows_at_once(tiny_run, tmp_path
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(tmp_path / "r"),
             "total_steps": 3, "async_rollout": True}
     setup = """
-import time
+import threading
 import reward
-generate, calls = ppo.generate, []
+generate, calls, scored = ppo.generate, [], []
+drawing, released = threading.Event(), threading.Event()
 
 
-def slow_third(*args, **kw):  # step 3's batch, drawn during step 2, takes 8 s more
+def held_third(*args, **kw):  # step 3's batch, drawn during step 2, is held until the error has left main()
     calls.append(1)
-    out = generate(*args, **kw)
     if len(calls) == 3:
-        time.sleep(8)
-        print("GENERATED", time.time(), flush=True)
-    return out
+        drawing.set()
+        print("GENERATED", "released" if released.wait(120) else "after 120 s", flush=True)
+    return generate(*args, **kw)
 
 
 def fails_in_step_2(record, response):
-    if len(calls) == 3:
+    scored.append(1)
+    if len(scored) > 8:  # step 2's rows (8 a step), scored while the worker draws step 3's batch
+        drawing.wait(120)
         raise RuntimeError("the judge is down")
     return reward.sentiment_reward(record, response)
 
-ppo.generate = slow_third
+ppo.generate = held_third
 try:
 """
     script = ppo_script(args, setup, reward_fn="fails_in_step_2").replace("\nppo.main(", "\n    ppo.main(")
-    p = run_script(script + 'except RuntimeError as e:\n    print("RAISED", time.time(), e, flush=True)\n')
-    lines = {line.split()[0]: float(line.split()[1]) for line in p.stdout.splitlines()
-             if line.startswith(("RAISED", "GENERATED"))}
-    assert "the judge is down" in p.stdout and lines["RAISED"] < lines["GENERATED"] - 4, p.stdout[-2000:]
+    p = run_script(script + 'except RuntimeError as e:\n    print("RAISED", e, flush=True)\n    released.set()\n')
+    out = [line for line in p.stdout.splitlines() if line.startswith(("RAISED", "GENERATED"))]
+    assert [line.split()[0] for line in out] == ["RAISED", "GENERATED"], p.stdout[-2000:] + p.stderr[-2000:]
+    assert "the judge is down" in out[0] and out[1] == "GENERATED released", out
 
 
 @slow
