@@ -57,6 +57,7 @@ and the gradients in flight are estimates of the largest set of tensors live at 
 """
 import dataclasses
 import math
+import traceback
 
 import torch
 
@@ -565,6 +566,47 @@ def preflight(cfg, run, gpu_bytes):
     return (f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): the first "
             f"batch near it will run out of memory. `python ppo.py --dry_run={run.world} --gpu_memory_gb={gb:g}` with "
             "this run's flags prints the plan and which flags shrink its largest lines")
+
+
+# What main() was calling when a CUDA allocation failed, the plan's phase for it, and the flags that shrink that phase
+# which a resumed run may change (checkpoint.MAY_CHANGE_ON_RESUME): the advice an out-of-memory error gets
+CALLEES = {"take": ("rollout", 0), "score_batch": ("scoring", 1), "update": ("training", 2),
+           "evaluate": ("evaluation", None), "save_step": ("checkpoint", None), "export": ("export", None)}
+SHRINKS = {"rollout": ["rollout_micro_batch_size"], "evaluation": ["rollout_micro_batch_size"],
+           "scoring": ["inference_micro_batch_size"], "training": ["micro_batch_size", "activation_checkpointing"]}
+
+
+def out_of_memory(cfg, run, step, error, gpu_bytes=None):
+    """The note a CUDA out-of-memory error gets in main(), beside torch's own message: the step and phase it ran out
+    in (from the traceback: what main() was calling), that phase's worst case in the plan against the GPU, and how
+    to go on from the last checkpoint with flags that shrink it."""
+    frames = [f.name for f in traceback.extract_tb(error.__traceback__)]
+    callee = frames[frames.index("main") + 1] if "main" in frames[:-1] else None
+    phase, index = CALLEES.get(callee, ("", None))
+    where = {"": f"step {step}", "evaluation": f"the evaluation after step {step}"}.get(phase, f"step {step}'s {phase}")
+    if gpu_bytes is None:
+        cuda = run.device.type == "cuda"
+        gpu_bytes = torch.cuda.get_device_properties(run.device).total_memory if cuda else cfg.gpu_memory_gb * GiB
+    gb = math.floor(gpu_bytes / GiB * 10) / 10  # as preflight reads it
+    text = f"rank {run.rank} ran out of GPU memory in {where}."
+    if index is not None:
+        try:
+            p, _ = build(cfg, run)
+            text += (f" The plan's worst case for {phase} is {p.peak(p.phases[index]) / GiB:.1f} GiB on this "
+                     f"{gb:g} GiB GPU (`python ppo.py --dry_run={run.world} --gpu_memory_gb={gb:g}` with this run's "
+                     "flags prints it line by line).")
+        except Exception as e:  # noqa: BLE001 -- advice: the error itself is what the user must see
+            text += f" (The plan was not computed: {type(e).__name__}: {e}.)"
+    flags = [f"--{f}={max(1, getattr(cfg, f) // 2)} (now {getattr(cfg, f)})" for f in SHRINKS.get(phase, [])
+             if f.endswith("batch_size") and getattr(cfg, f) > 1]
+    flags += ["--activation_checkpointing=on"] * ("activation_checkpointing" in SHRINKS.get(phase, [])
+                                                  and not run.activation_checkpointing)
+    flags += [f"--{f}" for f in ("offload_frozen", "offload_optimizer") if not getattr(cfg, f)]  # every phase
+    if flags:
+        text += (f" To go on from the last checkpoint in {cfg.out_dir}/checkpoints (if any) with less memory: "
+                 f"--resume=auto --out_dir={cfg.out_dir} with any of " + ", ".join(flags) + " (each changes "
+                 "nothing but float rounding and speed)")
+    return text
 
 
 def report(cfg, run):

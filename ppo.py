@@ -482,7 +482,7 @@ def main(cfg: Config, reward_fn=None):
     log, stop = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal()
 
     try:
-        done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its step's evaluation
+        step = done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its evaluation
         if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
             log.log_eval(*evaluate_at(done, counters(done, cfg, sampler)))
         for step in range(first_step, cfg.total_steps + 1):
@@ -564,6 +564,9 @@ def main(cfg: Config, reward_fn=None):
         if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
             print0(f"no step left after step {done} (total_steps {cfg.total_steps}): exporting its actor again")
             checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
+    except torch.OutOfMemoryError as e:  # where it ran out, the phase's plan, and the flags that would shrink it
+        e.add_note(plan.out_of_memory(cfg, run, step, e))
+        raise
     finally:
         stop.close()  # the caller's SIGTERM / SIGINT handlers back (a Ctrl-C after main() interrupts again)
         rollouts.close()

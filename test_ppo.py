@@ -10668,6 +10668,37 @@ ppo.update = marked
     assert [r["lr"] for r in rows] == [TINY_ARGS["lr"]] * 2 + [lr] * 2 and rows[3]["critic_lr"] == lr
 
 
+def test_out_of_memory_in_a_run_says_where_and_its_advice_resumes(tiny_run, tmp_path):
+    # a CUDA out-of-memory error (raised here on the CPU where a CUDA allocation would) leaves main() with torch's
+    # message and a note: the step and phase, and the resume with flags that shrink that phase. The resume it
+    # advises runs: step 1's checkpoint, with half the micro-batch, on to the end
+    out = tmp_path / "run"
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out),
+            "total_steps": 3, "save_every": 1}
+    setup = """
+import torch
+real_update, calls = ppo.update, []
+
+
+def update(*args, **kw):  # the fifth update is step 2's first (2 epochs x 2 minibatches a step)
+    calls.append(1)
+    if len(calls) == 5:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real_update(*args, **kw)
+
+ppo.update = update
+"""
+    p = run_script(ppo_script(args, setup))
+    assert p.returncode != 0 and "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in p.stderr
+    note = p.stderr[p.stderr.index("rank 0 ran out of GPU memory"):].split("\n")[0]
+    assert note.startswith("rank 0 ran out of GPU memory in step 2's training. The plan's worst case for training is "
+                           ), p.stderr[-3000:]
+    assert f"--resume=auto --out_dir={out} with any of --micro_batch_size=1 (now 2), --activation_checkpointing=on, " in note
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    p, rows = run_ppo(tiny_run, out, total_steps=3, save_every=1, resume="auto", micro_batch_size=1)
+    assert "resumed from" in p.stdout and [r["step"] for r in rows] == [1, 2, 3], p.stdout[-2000:]
+
+
 def test_a_second_signal_stops_a_hanging_step_at_once(tiny_run, tmp_path):
     # the reward function hangs in step 2; SIGTERM asks for a checkpoint after the step (which never ends),
     # a second SIGTERM stops the process: step 1's checkpoint is intact and resumes
@@ -13490,6 +13521,66 @@ def test_a_cuda_run_prints_its_plan_against_its_gpu_before_loading(tmp_path):
     assert " per GPU of 79.9: " in plan.preflight(cfg, run, 80 * 2**30 - 1)  # rounded down, never up
     broken = dataclasses.replace(cfg, model=str(tmp_path / "gone"))  # a plan that fails is said, not the run's end
     assert plan.preflight(broken, run, h100).startswith("memory plan: not computed (UsageError: ")
+
+
+def test_an_out_of_memory_error_names_its_phase_and_its_plan_and_how_to_go_on(tmp_path):
+    # plan.out_of_memory, the note main() adds to torch's out-of-memory error: the phase from what main() was
+    # calling, that phase's worst case in the plan, and the flags that shrink it which a resumed run may change
+    import dataclasses
+    import types
+
+    import checkpoint
+    import ppo
+
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    cfg = plan_config(model=policy, reward_model=rm, out_dir="out/llama")
+    run = ppo.derive(cfg, 0, 8, torch.device("cuda"))
+    p, _ = plan.build(cfg, run)
+    assert [title.split(":")[0] for title, _, _ in p.phases] == ["rollout", "scoring", "training"]
+
+    def ran_out(callee, cfg=cfg, run=run):  # an error raised two calls below main(), as torch raises it, caught there
+        def inner():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+        def call():
+            inner()
+
+        named = types.FunctionType(call.__code__.replace(co_name=callee), {}, callee, None, call.__closure__)
+
+        def main():
+            try:
+                named()
+            except torch.OutOfMemoryError as e:
+                return e
+
+        return plan.out_of_memory(cfg, run, 3, main(), gpu_bytes=81559 * 2**20)
+
+    resume = "To go on from the last checkpoint in out/llama/checkpoints (if any) with less memory: --resume=auto " \
+             "--out_dir=out/llama with any of "
+    for callee, phase, index, flags in (
+            ("take", "step 3's rollout", 0, "--rollout_micro_batch_size=16 (now 32)"),
+            ("score_batch", "step 3's scoring", 1, "--inference_micro_batch_size=4 (now 8)"),
+            ("update", "step 3's training", 2, "--micro_batch_size=1 (now 2)")):
+        kind = phase.split("'s ")[1]
+        assert ran_out(callee) == (
+            f"rank 0 ran out of GPU memory in {phase}. The plan's worst case for {kind} is "
+            f"{p.peak(p.phases[index]) / plan.GiB:.1f} GiB on this 79.6 GiB GPU (`python ppo.py --dry_run=8 "
+            f"--gpu_memory_gb=79.6` with this run's flags prints it line by line). {resume}{flags}, --offload_frozen, "
+            "--offload_optimizer (each changes nothing but float rounding and speed)")
+    assert ran_out("evaluate").startswith("rank 0 ran out of GPU memory in the evaluation after step 3. To go on")
+    assert ran_out("save_step").startswith("rank 0 ran out of GPU memory in step 3's checkpoint. To go on")
+    assert ran_out("something_else").startswith("rank 0 ran out of GPU memory in step 3. To go on")
+    # every flag it names is one a resumed run may change
+    for flag in re.findall(r"--(\w+)", ran_out("update").split("with any of ")[1]):
+        assert flag in checkpoint.MAY_CHANGE_ON_RESUME, flag
+    # flags already at their smallest are not offered; activation checkpointing is, for training, where it is off
+    small = dataclasses.replace(cfg, micro_batch_size=1, offload_frozen=True, offload_optimizer=True)
+    small_run = ppo.derive(small, 0, 8, torch.device("cuda"))
+    assert "with any of" not in ran_out("update", small, small_run)
+    off = dataclasses.replace(small, activation_checkpointing="off")
+    assert ran_out("update", off, ppo.derive(off, 0, 8, torch.device("cuda"))).endswith(
+        "with any of --activation_checkpointing=on (each changes nothing but float rounding and speed)")
+    assert "activation_checkpointing" not in ran_out("take", off, ppo.derive(off, 0, 8, torch.device("cuda")))
 
 
 def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
