@@ -581,7 +581,8 @@ def command_line(argv=None):
     """`python ppo.py [flags]` (argv, else sys.argv[1:]): fire parses the flags into a Config and main() runs it.
     The exit status: 0; 1 for a dry run that does not fit; 2 for a usage error, one line without a traceback
     (PPO_DEBUG=1 shows it; runtime.run_command)."""
-    result = run_command(Config, main, argv, name="ppo.py")
+    script = os.path.basename(sys.argv[0])  # ppo.py, or a fork's script that ends with ppo.command_line()
+    result = run_command(Config, main, argv, name=script if script.endswith(".py") else "ppo.py")
     return result if isinstance(result, int) else 1 if result and result.get("fits") is False else 0
 
 

@@ -156,7 +156,15 @@ def run_command(config_cls, main, argv=None, name=None):
     def cli(*args, **kwargs):  # a function, not the class: --help lists the flags alone, not each field again
         return config_cls(*args, **kwargs)
 
-    cli.__signature__, cli.__doc__ = inspect.signature(config_cls), config_cls.__doc__
+    def shown(p):  # fire's help writes a None default's type as Optional[<annotation>]: X, not X | None
+        args = typing.get_args(p.annotation) if isinstance(p.annotation, types.UnionType) else ()
+        if p.default is None and type(None) in args and len(args) == 2:
+            return p.replace(annotation=next(a for a in args if a is not type(None)))
+        return p
+
+    sig = inspect.signature(config_cls)
+    cli.__signature__ = sig.replace(parameters=[shown(p) for p in sig.parameters.values()])
+    cli.__doc__ = config_cls.__doc__
     try:
         return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
     except UsageError as e:

@@ -11715,7 +11715,7 @@ def test_run_command_prints_a_usage_error_as_one_line(monkeypatch, capsys):
     assert issubclass(UsageError, ValueError)  # (what callers that predate it catch)
 
 
-def test_help_lists_every_option_with_default_and_comment():
+def test_help_lists_every_option_with_default_and_comment(tmp_path):
     import dataclasses
 
     import ppo
@@ -11735,6 +11735,15 @@ def test_help_lists_every_option_with_default_and_comment():
         start = shown.split("...")[0]
         assert shown.startswith(repr(f.default)) or len(start) > 10 and repr(f.default).startswith(start), (f.name, shown)
         assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
+    assert "Type: Optional[float] Default: None" in by_name["non_stop_penalty"]  # not Optional[float | None]
+    assert "| None" not in out
+    # a fork's script that ends with ppo.command_line() names itself, not ppo.py
+    fork = tmp_path / "my_run.py"
+    fork.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport ppo\nraise SystemExit(ppo.command_line())\n")
+    p = subprocess.run([sys.executable, str(fork), "--help"], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**os.environ, "PAGER": "cat"})
+    mine = p.stdout + p.stderr
+    assert p.returncode == 0 and "SYNOPSIS\n    my_run.py <flags>" in mine and "ppo.py <flags>" not in mine, mine[:500]
 
 
 @slow
