@@ -15,7 +15,8 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
     eval/response_length   mean response length in tokens (EOS included)
     eval/stop_rate         fraction of responses that ended with EOS
     eval/reward_errors     reward calls that failed or timed out, scored --reward_on_error (reward functions only)
-    time/eval              seconds
+    time/eval              seconds (with --async_rollout, first waiting for the batch drawn ahead, since the
+                           evaluation refills the generation copy it is drawn from)
 and its rows (prompt, response, score, kl, length, stopped) in out_dir/samples/step-N.jsonl (runtime.Logger).
 
 Keyed, so it repeats and leaves training alone: the sampling noise of eval row g comes from rollout.eval_seeds
@@ -48,13 +49,17 @@ def due(step, cfg):
 
 
 @torch.no_grad()
-def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id, generate=generate):
+def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id, generate=generate,
+             wait=None):
     """The actor m["actor"] after `step` steps on every prompt of `prompts` (a data.PromptSet) -> (metrics, rows):
     the eval/* numbers with step and `counters` (episode, epoch), and one dict per prompt in the file's order.
     reward: a reward.RewardCaller, or None with a reward model. score_batch: ppo.score_batch, the training loop's
     scoring forward (passed in: this file sits below ppo.py), run here without the critic. generate: rollout.generate,
-    or ppo.py's async_rollout.Rollouts.generate_beside, which runs it where the rollouts are generated."""
+    or ppo.py's async_rollout.Rollouts.generate_beside, which runs it where the rollouts are generated. wait: called
+    first, its time in time/eval: Rollouts.wait, for a batch --async_rollout draws from the copy this refills."""
     t0 = time.time()
+    if wait is not None:
+        wait()
     E, W = len(prompts), run.world
     k = math.ceil(E / W)
     mine = range(run.rank * k, (run.rank + 1) * k)  # global eval rows; those >= E pad the last rank's share

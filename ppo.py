@@ -474,7 +474,7 @@ def main(cfg: Config, reward_fn=None):
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
-                                    generate=rollouts.generate_beside)
+                                    generate=rollouts.generate_beside, wait=rollouts.wait)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
     tr = checkpoint.resume(ckpt, m, run.trained, cfg, stateful)  # (ckpt None: a new run at step 0)
@@ -555,7 +555,6 @@ def main(cfg: Config, reward_fn=None):
                                      **log.state())
                 checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
             if evalset and due(step, cfg) and not stopping:  # after the checkpoint: a failed evaluation loses no step
-                rollouts.wait()  # --async_rollout: the evaluation refills the copy the next batch is drawn from
                 log.log_eval(*evaluate_at(step, counted))
             if stopping:
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} "
