@@ -170,7 +170,11 @@ def run_command(config_cls, main, argv=None, name=None):
     except UsageError as e:
         if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
             raise
-        print("error: " + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        line = "error: " + str(e).replace("\n", " ")
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its summary of the failed ranks shows it
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
         return 2
 
 

@@ -7994,6 +7994,37 @@ def run_torchrun(args, nproc=2, timeout=300):
     return p
 
 
+def test_torchruns_summary_names_the_failed_rank_and_its_error(tiny_run, tmp_path):
+    # torchrun ends a failed run with a summary of its ranks, whose root cause said "To enable traceback see: ..."
+    # while the other ranks' errors (a peer's connection closed) came last in the output. Now the root cause is the
+    # rank that failed, with its exception (and notes); a usage error is its one line
+    fork = tmp_path / "my_run.py"
+    fork.write_text(f"""import os, sys
+sys.path.insert(0, {REPO!r})
+import ppo, reward
+
+
+def judge(record, response):
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("the judge is down on rank 1")
+    return 0.0
+
+reward.REWARD_FNS["judge"] = judge
+raise SystemExit(ppo.command_line())
+""")
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
+            "total_steps": 1}
+    failed, usage = concurrently(
+        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "a"}.items())]),
+        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "b",
+                                                                       "total_steps": 0}.items())]))
+    root = failed.stderr[failed.stderr.index("Root Cause (first observed failure)"):]
+    assert failed.returncode != 0 and "rank      : 1 (local_rank: 1)" in root, failed.stderr[-3000:]
+    assert "RuntimeError: the judge is down on rank 1" in root and "--reward_on_error=X scores such" in root, root
+    root = usage.stderr[usage.stderr.index("Root Cause (first observed failure)"):]
+    assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 1, not 0" in root, root
+
+
 def two_rank_grads(policy, out):
     """torchrun worker: each of 2 ranks takes half the rows and half the ptx pairs; FSDP2 reduces the gradients."""
     import ppo
