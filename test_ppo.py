@@ -7994,6 +7994,7 @@ def run_torchrun(args, nproc=2, timeout=300):
     return p
 
 
+@slow
 def test_torchruns_summary_names_the_failed_rank_and_its_error(tiny_run, tmp_path):
     # torchrun ends a failed run with a summary of its ranks, whose root cause said "To enable traceback see: ..."
     # while the other ranks' errors (a peer's connection closed) came last in the output. Now the root cause is the
@@ -10701,6 +10702,7 @@ ppo.update = marked
     assert [r["lr"] for r in rows] == [TINY_ARGS["lr"]] * 2 + [lr] * 2 and rows[3]["critic_lr"] == lr
 
 
+@slow
 def test_out_of_memory_in_a_run_says_where_and_its_advice_resumes(tiny_run, tmp_path):
     # a CUDA out-of-memory error (raised here on the CPU where a CUDA allocation would) leaves main() with torch's
     # message and a note: the step and phase, and the resume with flags that shrink that phase. The resume it
