@@ -55,7 +55,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 import checkpoint
@@ -577,7 +576,6 @@ def main(cfg: Config, reward_fn=None):
     return log.history[-1] if log.history else None
 
 
-@record  # under torchrun, a rank's exception is written where torchrun's summary of the failed ranks shows it
 def command_line(argv=None):
     """`python ppo.py [flags]` (argv, else sys.argv[1:]): fire parses the flags into a Config and main() runs it.
     The exit status: 0; 1 for a dry run that does not fit; 2 for a usage error, one line without a traceback

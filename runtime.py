@@ -4,6 +4,7 @@ torchrun), printing on rank 0, sums over ranks, the free disk, the phase timer, 
 log and stopping on a signal. Plumbing that ppo.py calls so that its main loop reads as the algorithm; nothing here
 knows about models.
 """
+import atexit
 import datetime
 import inspect
 import json
@@ -13,7 +14,9 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
+import traceback
 import types
 import typing
 from dataclasses import asdict, fields
@@ -45,7 +48,69 @@ def setup_distributed():
         else:  # plain `python ppo.py`: a group of one, on an in-memory store (no port to collide on)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    global PEERS
+    if "RANK" in os.environ and dist.get_world_size() > 1 and PEERS is None:
+        PEERS = PeerWatch(dist.get_rank())
     return dist.get_rank(), dist.get_world_size(), device
+
+
+class PeerWatch:
+    """A rank that fails leaves the others waiting for it in their next collective. NCCL sees no dead peer, so they
+    wait until the process group's timeout (PG_TIMEOUT_MIN), and torchrun's SIGTERM reaches no Python handler while
+    the main thread waits in CUDA (where one does, it promises a checkpoint that cannot come). torchrun kills the
+    ranks of the failed one's node 30 s later (its --shutdown_timeout does not apply there); another node's wait
+    out the timeout. So a failing rank posts its error in torchrun's store (post, from run_command), and a thread on
+    every rank polls that key: a rank that is not failing itself GRACE_S after a post prints the failed rank's
+    error, writes it where torchrun's summary reads it and exits with status 1. Nothing is posted when a run stops
+    on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which outlives the ranks."""
+    POLL_S, GRACE_S = 1.0, 3.0
+
+    def __init__(self, rank):
+        self.rank, self.failing = rank, False
+        self.key = f"ppo/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one key per torchrun attempt
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)  # its store client gone before the interpreter's teardown, which it aborted
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=60)
+
+    @staticmethod
+    def _store():
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=30))
+
+    def post(self, e):
+        """This rank fails with e: tells the others (the first failure's words stay) and stops watching them."""
+        self.failing = True
+        first = (str(e).splitlines() or [""])[0][:500]
+        try:
+            self._store().compare_set(self.key, "", f"rank {self.rank} failed: {type(e).__name__}: {first}")
+        except Exception:  # noqa: BLE001 -- the store gone too: torchrun ends the ranks itself
+            pass
+
+    def _watch(self):
+        try:
+            store = self._store()
+            while not store.check([self.key]):
+                if self.stopped.wait(self.POLL_S):
+                    return
+            what = store.get(self.key).decode()
+        except Exception:  # noqa: BLE001 -- a store that stops answering: torchrun itself is ending
+            return
+        del store
+        if self.stopped.wait(self.GRACE_S) or self.failing:  # a rank failing at the same moment prints its own error
+            return
+        line = (f"rank {self.rank}: stopping, since {what} (this rank would wait for it in its next collective); "
+                "the last complete checkpoint is kept")
+        os.write(2, (line + "\n").encode())
+        torchrun_summary(line)
+        os._exit(1)
+
+
+PEERS = None  # setup_distributed's PeerWatch, under torchrun with more than one rank
 
 
 def print0(*args, **kwargs):
@@ -167,15 +232,24 @@ def run_command(config_cls, main, argv=None, name=None):
     cli.__doc__ = config_cls.__doc__
     try:
         return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
-    except UsageError as e:
-        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
-            raise
+    except Exception as e:
+        if PEERS is not None:  # the other ranks stop rather than wait for this one in a collective
+            PEERS.post(e)
         line = "error: " + str(e).replace("\n", " ")
+        usage = isinstance(e, UsageError) and os.environ.get("PPO_DEBUG", "0") in ("", "0")
+        torchrun_summary("".join(traceback.format_exception(e)).rstrip() if not usage else line)
+        if not usage:
+            raise
         print(line, file=sys.stderr, flush=True)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its summary of the failed ranks shows it
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
         return 2
+
+
+def torchrun_summary(text):
+    """Under torchrun: text (a traceback, an error's line) is what its summary of the failed ranks shows for this
+    rank, in place of "To enable traceback see ...". The file torchrun names, in the form its readers take."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": text, "timestamp": str(int(time.time()))}, f)
 
 
 def hold_to_types(cfg):

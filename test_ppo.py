@@ -7967,9 +7967,9 @@ def test_a_timed_out_group_is_killed_whole(tmp_path):
     assert run_as_a_group([sys.executable, "-c", "print('out'); import sys; sys.exit(3)"], 60).returncode == 3
 
 
-def run_torchrun(args, nproc=2, timeout=300):
+def run_torchrun(args, nproc=2, timeout=300, env=None):
     """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank; another port if the
-    one drawn was taken before torchrun bound it."""
+    one drawn was taken before torchrun bound it. env: variables set besides."""
     import socket
 
     used, lock = TORCHRUN_PORTS
@@ -7983,9 +7983,9 @@ def run_torchrun(args, nproc=2, timeout=300):
             used.add(port)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={port}", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("RANK", None)
-        p = run_as_a_group(cmd, timeout, env=env, cwd=REPO)
+        variables = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        variables.pop("RANK", None)
+        p = run_as_a_group(cmd, timeout, env=variables, cwd=REPO)
         # the port is free when drawn, not when torchrun binds it seconds later: any process on the machine may take
         # it meanwhile (a connection's local port, another suite's torchrun). torchrun then fails in its rendezvous,
         # before a rank starts (nothing written): on another port the run is the same
@@ -8024,6 +8024,38 @@ raise SystemExit(ppo.command_line())
     assert "RuntimeError: the judge is down on rank 1" in root and "--reward_on_error=X scores such" in root, root
     root = usage.stderr[usage.stderr.index("Root Cause (first observed failure)"):]
     assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 1, not 0" in root, root
+
+
+@slow
+def test_ranks_stop_soon_after_another_rank_fails(tiny_run, tmp_path):
+    # rank 1's reward function raises while rank 0's takes minutes (as a rank waits in an NCCL collective for a
+    # dead peer). torchrun killed rank 0 30 s later (whatever its --shutdown_timeout), and on another node nothing
+    # would have. runtime.PeerWatch: rank 0 stops a few seconds after rank 1 posted its error, saying why; torchrun's
+    # summary still names rank 1's error
+    fork = tmp_path / "my_run.py"
+    fork.write_text(f"""import os, sys, time
+sys.path.insert(0, {REPO!r})
+import ppo, reward
+
+
+def judge(record, response):
+    if os.environ["RANK"] == "1":
+        print("FAILING", time.time(), flush=True)
+        raise RuntimeError("the judge is down on rank 1")
+    time.sleep(150)
+    return 0.0
+
+reward.REWARD_FNS["judge"] = judge
+raise SystemExit(ppo.command_line())
+""")
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
+            "total_steps": 1, "out_dir": tmp_path / "a"}
+    p = run_torchrun([str(fork), *(f"--{k}={v}" for k, v in args.items())])
+    took = time.time() - float(re.search(r"FAILING (\S+)", p.stdout).group(1))  # from rank 1's failure to the end
+    assert p.returncode != 0 and took < 20, (took, p.stderr[-3000:])
+    assert "rank 0: stopping, since rank 1 failed: RuntimeError: reward function judge failed on response 0" in p.stderr
+    root = p.stderr[p.stderr.index("Root Cause (first observed failure)"):]
+    assert "rank      : 1 (local_rank: 1)" in root and "RuntimeError: the judge is down on rank 1" in root, root
 
 
 def two_rank_grads(policy, out):
