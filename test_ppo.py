@@ -7995,43 +7995,12 @@ def run_torchrun(args, nproc=2, timeout=300, env=None):
 
 
 @slow
-def test_torchruns_summary_names_the_failed_rank_and_its_error(tiny_run, tmp_path):
-    # torchrun ends a failed run with a summary of its ranks, whose root cause said "To enable traceback see: ..."
-    # while the other ranks' errors (a peer's connection closed) came last in the output. Now the root cause is the
-    # rank that failed, with its exception (and notes); a usage error is its one line
-    fork = tmp_path / "my_run.py"
-    fork.write_text(f"""import os, sys
-sys.path.insert(0, {REPO!r})
-import ppo, reward
-
-
-def judge(record, response):
-    if os.environ["RANK"] == "1":
-        raise RuntimeError("the judge is down on rank 1")
-    return 0.0
-
-reward.REWARD_FNS["judge"] = judge
-raise SystemExit(ppo.command_line())
-""")
-    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
-            "total_steps": 1}
-    failed, usage = concurrently(
-        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "a"}.items())]),
-        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "b",
-                                                                       "total_steps": 0}.items())]))
-    root = failed.stderr[failed.stderr.index("Root Cause (first observed failure)"):]
-    assert failed.returncode != 0 and "rank      : 1 (local_rank: 1)" in root, failed.stderr[-3000:]
-    assert "RuntimeError: the judge is down on rank 1" in root and "--reward_on_error=X scores such" in root, root
-    root = usage.stderr[usage.stderr.index("Root Cause (first observed failure)"):]
-    assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 1, not 0" in root, root
-
-
-@slow
-def test_ranks_stop_soon_after_another_rank_fails(tiny_run, tmp_path):
+def test_ranks_stop_soon_after_another_rank_fails_and_torchrun_names_it(tiny_run, tmp_path):
     # rank 1's reward function raises while rank 0's takes minutes (as a rank waits in an NCCL collective for a
     # dead peer). torchrun killed rank 0 30 s later (whatever its --shutdown_timeout), and on another node nothing
-    # would have. runtime.PeerWatch: rank 0 stops a few seconds after rank 1 posted its error, saying why; torchrun's
-    # summary still names rank 1's error
+    # would have. runtime.PeerWatch: rank 0 stops a few seconds after rank 1 posted its error, saying why. And
+    # torchrun's summary of the failed ranks, whose root cause said "To enable traceback see: ...", names rank 1 with
+    # its exception (and notes); a usage error, its one line
     fork = tmp_path / "my_run.py"
     fork.write_text(f"""import os, sys, time
 sys.path.insert(0, {REPO!r})
@@ -8049,13 +8018,19 @@ reward.REWARD_FNS["judge"] = judge
 raise SystemExit(ppo.command_line())
 """)
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
-            "total_steps": 1, "out_dir": tmp_path / "a"}
-    p = run_torchrun([str(fork), *(f"--{k}={v}" for k, v in args.items())])
+            "total_steps": 1}
+    p, usage = concurrently(
+        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "a"}.items())]),
+        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "b",
+                                                                       "total_steps": 0}.items())]))
     took = time.time() - float(re.search(r"FAILING (\S+)", p.stdout).group(1))  # from rank 1's failure to the end
     assert p.returncode != 0 and took < 20, (took, p.stderr[-3000:])
     assert "rank 0: stopping, since rank 1 failed: RuntimeError: reward function judge failed on response 0" in p.stderr
     root = p.stderr[p.stderr.index("Root Cause (first observed failure)"):]
     assert "rank      : 1 (local_rank: 1)" in root and "RuntimeError: the judge is down on rank 1" in root, root
+    assert "--reward_on_error=X scores such" in root  # (the error the reward caller raised from it)
+    root = usage.stderr[usage.stderr.index("Root Cause (first observed failure)"):]
+    assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 1, not 0" in root, root
 
 
 def two_rank_grads(policy, out):
