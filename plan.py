@@ -57,6 +57,7 @@ and the gradients in flight are estimates of the largest set of tensors live at 
 """
 import dataclasses
 import math
+import os
 import traceback
 
 import torch
@@ -550,22 +551,61 @@ def dry_run(cfg, run):
     return dict(fits=fits)
 
 
-def preflight(cfg, run, gpu_bytes):
-    """The line a CUDA run prints before any model loads: its plan's peak against the memory of the GPU at hand
-    (gpu_bytes, as torch.cuda reports it), so that a run that cannot fit says so in its first seconds, not after
-    loading. The plan is a worst case (every prompt and response at its limit): a run it does not fit may go on
-    for a while on shorter ones, and runs out of memory at the first batch that comes near it."""
-    gb = math.floor(gpu_bytes / GiB * 10) / 10
+def preflight(cfg, run, memory_bytes=None, local_ranks=None):
+    """The line a run prints before any model loads: its plan's peak against the memory at hand, so that a run that
+    cannot fit says so in its first seconds, not after loading. On CUDA memory_bytes is the GPU's (as torch.cuda
+    reports it); on a CPU it is what this machine has available (available_host_bytes), shared by its local_ranks
+    ranks (torchrun's LOCAL_WORLD_SIZE), where a run past it is killed by the kernel without a word. The plan is a
+    worst case (every prompt and response at its limit): a run it does not fit may go on for a while on shorter
+    ones, and runs out of memory at the first batch that comes near it."""
+    cuda = run.device.type == "cuda"
+    if memory_bytes is None:
+        memory_bytes = torch.cuda.get_device_properties(run.device).total_memory if cuda else available_host_bytes()
+    n = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if memory_bytes is None:
+        return "memory plan: not computed (this machine's available memory is unknown); the run goes on"
+    gb = math.floor(memory_bytes / (1 if cuda else n) / GiB * 10) / 10
     try:
         text, fits = report(dataclasses.replace(cfg, gpu_memory_gb=gb), run)
     except Exception as e:  # noqa: BLE001 -- advice, not worth the run (load_inputs has checked what the user gave)
         return f"memory plan: not computed ({type(e).__name__}: {e}); the run goes on"
     peak = text.rsplit("\n", 1)[-1]  # "peak 61.3 GiB per GPU of 79.1: fits"
+    flags = f"--dry_run={run.world} --gpu_memory_gb={gb:g}"
+    if not cuda:  # on a CPU: per rank, of the memory available to this machine's ranks; the plan of this CPU's run
+        peak = peak.replace(" per GPU of ", " per rank of ") + (f" ({n} ranks on this machine)" if n > 1 else "")
+        flags += (f" --dtype={'bf16' if run.dtype == torch.bfloat16 else 'fp32'} "
+                  f"--activation_checkpointing={'on' if run.activation_checkpointing else 'off'}")
     if fits:
         return f"memory plan: {peak} (the worst case; --dry_run={run.world} prints the plan)"
     return (f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): the first "
-            f"batch near it will run out of memory. `python ppo.py --dry_run={run.world} --gpu_memory_gb={gb:g}` with "
-            "this run's flags prints the plan and which flags shrink its largest lines")
+            f"batch near it will run out of memory{'' if cuda else ' (the kernel kills the process)'}. `python "
+            f"ppo.py {flags}` with this run's flags prints the plan and which flags shrink its largest lines")
+
+
+def available_host_bytes(root="/"):
+    """Memory this process may still take on this machine: /proc/meminfo's MemAvailable, or less under a container's
+    cgroup limit (v2 memory.max, v1 memory.limit_in_bytes) less its usage but for its inactive file cache; None where
+    none of them can be read (not Linux). root: where /proc and /sys are (a test's folder)."""
+    found = []
+    try:
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for folder, limit, usage, cache in (("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+                                        ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                         "total_inactive_file")):
+        folder = os.path.join(root, folder)
+        try:
+            with open(os.path.join(folder, limit)) as f, open(os.path.join(folder, usage)) as g:
+                cap, used = f.read().strip(), int(g.read())
+            if cap != "max":
+                with open(os.path.join(folder, "memory.stat")) as f:
+                    stat = dict(line.split() for line in f if line.strip())
+                found.append(int(cap) - used + int(stat.get(cache, 0)))
+        except (OSError, ValueError):
+            pass
+    return min(found) if found else None
 
 
 # What main() was calling when a CUDA allocation failed, the plan's phase for it, and the flags that shrink that phase

@@ -453,8 +453,8 @@ def main(cfg: Config, reward_fn=None):
         release = checkpoint.claim(cfg.out_dir, cfg.resume, cfg.overwrite, ckpt)  # out_dir is this run's, or a refusal
         print0(f"config: {json.dumps(asdict(cfg))}\nrun: world {world}, device {device}, dtype {run.dtype}, "
                f"micro-batch {run.local_micro}")
-        if device.type == "cuda" and rank == 0:  # the plan's peak against this GPU, before any model loads
-            print(plan.preflight(cfg, run, torch.cuda.get_device_properties(device).total_memory), flush=True)
+        if rank == 0:  # the plan's peak against this GPU, or this machine's available memory, before any model loads
+            print(plan.preflight(cfg, run), flush=True)
 
         # ---- models (actor, critic, reference, generation copy, reward model), data, KL controller
         mesh = init_device_mesh(device.type, (world,))

@@ -10732,6 +10732,7 @@ ppo.update = update
 """
     p = run_script(ppo_script(args, setup))
     assert p.returncode != 0 and "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in p.stderr
+    assert re.search(r"\nmemory plan: peak \d+\.\d GiB per rank of \d+(\.\d)?: fits ", p.stdout), p.stdout[:3000]
     note = p.stderr[p.stderr.index("rank 0 ran out of GPU memory"):].split("\n")[0]
     assert note.startswith("rank 0 ran out of GPU memory in step 2's training. The plan's worst case for training is "
                            ), p.stderr[-3000:]
@@ -13632,6 +13633,55 @@ def test_an_out_of_memory_error_names_its_phase_and_its_plan_and_how_to_go_on(tm
     assert ran_out("update", off, ppo.derive(off, 0, 8, torch.device("cuda"))).endswith(
         "with any of --activation_checkpointing=on (each changes nothing but float rounding and speed)")
     assert "activation_checkpointing" not in ran_out("take", off, ppo.derive(off, 0, 8, torch.device("cuda")))
+
+
+def test_a_cpu_run_prints_its_plan_against_the_memory_this_machine_has(tmp_path):
+    # on a CPU a run past the machine's memory was killed by the kernel without a word, minutes into loading. The
+    # preflight line compares the plan of this CPU's run (its dtype, no activation checkpointing) per rank with the
+    # memory available to the machine's ranks, and the --dry_run command it gives prints that same plan
+    import dataclasses
+
+    import ppo
+
+    policy, rm = write_configs(tmp_path, "Llama-3.1-8B")
+    cfg = plan_config(model=policy, reward_model=rm, rollout_batch_size=16, mini_batch_size=8, micro_batch_size=2)
+    for dtype in ("fp32", "bf16"):
+        mine = dataclasses.replace(cfg, dtype=dtype)
+        run = ppo.derive(mine, 0, 1, torch.device("cpu"))
+        said = plan.preflight(mine, run, memory_bytes=24 * plan.GiB)
+        command = re.search(r"`python ppo.py (.*)` with this run's flags", said).group(1)
+        assert said.startswith("warning: memory plan: peak ") and " GiB per rank of 24: does not fit, " in said, said
+        assert "(the kernel kills the process)" in said and f"--dtype={dtype} --activation_checkpointing=off" in command
+        flags = dict(f[2:].split("=") for f in command.split())
+        dry = dataclasses.replace(mine, gpu_memory_gb=float(flags["gpu_memory_gb"]), dtype=flags["dtype"],
+                                  activation_checkpointing=flags["activation_checkpointing"], dry_run=1)
+        text, fits = plan.report(dry, ppo.derive(dry, 0, int(flags["dry_run"]), torch.device("cuda")))
+        assert not fits and text.splitlines()[-1].replace(" per GPU of ", " per rank of ") in said  # the same plan
+    # two ranks on the machine share its memory; a small model fits
+    said = plan.preflight(cfg, ppo.derive(cfg, 0, 2, torch.device("cpu")), memory_bytes=24 * plan.GiB, local_ranks=2)
+    assert " GiB per rank of 12: does not fit (2 ranks on this machine), " in said, said
+    (tmp_path / "small").mkdir()
+    small = plan_config(model=write_configs(tmp_path / "small", "Qwen2.5-1.5B")[0], rollout_batch_size=16,
+                        mini_batch_size=8, micro_batch_size=2, reward_model="")
+    said = plan.preflight(small, ppo.derive(small, 0, 1, torch.device("cpu")), memory_bytes=256 * plan.GiB)
+    assert re.fullmatch(r"memory plan: peak \d+\.\d GiB per rank of 256: fits \(the worst case; --dry_run=1 prints "
+                        r"the plan\)", said), said
+    # the memory available: MemAvailable, or a container's cgroup limit less its usage but for inactive file cache
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 41943040 kB\nMemAvailable:   20971520 kB\n")
+    assert plan.available_host_bytes(tmp_path) == 20 * plan.GiB
+    v2, v1 = tmp_path / "sys" / "fs" / "cgroup", tmp_path / "sys" / "fs" / "cgroup" / "memory"
+    v1.mkdir(parents=True)
+    for folder, files in ((v2, {"memory.max": 8 * plan.GiB, "memory.current": 6 * plan.GiB,
+                                "memory.stat": f"anon 1\ninactive_file {plan.GiB}\n"}),
+                          (v1, {"memory.limit_in_bytes": 2**63 - 4096, "memory.usage_in_bytes": 6 * plan.GiB,
+                                "memory.stat": "total_inactive_file 0\n"})):
+        for name, value in files.items():
+            (folder / name).write_text(f"{value}\n")
+    assert plan.available_host_bytes(tmp_path) == 3 * plan.GiB  # 8 - 6 + 1
+    (v2 / "memory.max").write_text("max\n")
+    assert plan.available_host_bytes(tmp_path) == 20 * plan.GiB
+    assert plan.available_host_bytes(tmp_path / "nothing") is None
 
 
 def test_readme_plans_are_what_dry_run_prints(tmp_path, monkeypatch, capsys):
