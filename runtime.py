@@ -57,9 +57,9 @@ def setup_distributed():
 class PeerWatch:
     """A rank that fails leaves the others waiting for it in their next collective. NCCL sees no dead peer, so they
     wait until the process group's timeout (PG_TIMEOUT_MIN), and torchrun's SIGTERM reaches no Python handler while
-    the main thread waits in CUDA (where one does, it promises a checkpoint that cannot come). torchrun kills the
-    ranks of the failed one's node 30 s later (its --shutdown_timeout does not apply there); another node's wait
-    out the timeout. So a failing rank posts its error in torchrun's store (post, from run_command), and a thread on
+    the main thread waits in CUDA (a handler that runs promises a checkpoint that cannot come). torchrun kills the
+    ranks on the failed one's node 30 s later (its --shutdown_timeout does not apply there); those on other nodes
+    wait out the timeout. So a failing rank posts its error in torchrun's store (post, from run_command), and a thread on
     every rank polls that key: a rank that is not failing itself GRACE_S after a post prints the failed rank's
     error, writes it where torchrun's summary reads it and exits with status 1. Nothing is posted when a run stops
     on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which outlives the ranks."""

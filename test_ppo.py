@@ -7967,9 +7967,9 @@ def test_a_timed_out_group_is_killed_whole(tmp_path):
     assert run_as_a_group([sys.executable, "-c", "print('out'); import sys; sys.exit(3)"], 60).returncode == 3
 
 
-def run_torchrun(args, nproc=2, timeout=300, env=None):
+def run_torchrun(args, nproc=2, timeout=300):
     """torchrun on a fresh port (no --standalone rendezvous to race), one thread per rank; another port if the
-    one drawn was taken before torchrun bound it. env: variables set besides."""
+    one drawn was taken before torchrun bound it."""
     import socket
 
     used, lock = TORCHRUN_PORTS
@@ -7983,9 +7983,9 @@ def run_torchrun(args, nproc=2, timeout=300, env=None):
             used.add(port)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={port}", *args]
-        variables = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        variables.pop("RANK", None)
-        p = run_as_a_group(cmd, timeout, env=variables, cwd=REPO)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("RANK", None)
+        p = run_as_a_group(cmd, timeout, env=env, cwd=REPO)
         # the port is free when drawn, not when torchrun binds it seconds later: any process on the machine may take
         # it meanwhile (a connection's local port, another suite's torchrun). torchrun then fails in its rendezvous,
         # before a rank starts (nothing written): on another port the run is the same
