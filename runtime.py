@@ -49,8 +49,8 @@ def setup_distributed():
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     global PEERS
-    if "RANK" in os.environ and dist.get_world_size() > 1 and PEERS is None:
-        PEERS = PeerWatch(dist.get_rank())
+    if "RANK" in os.environ and PEERS is None:  # torchrun: a rank that fails tells the others and torchrun's summary
+        PEERS = PeerWatch(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -59,23 +59,37 @@ class PeerWatch:
     wait until the process group's timeout (PG_TIMEOUT_MIN), and torchrun's SIGTERM reaches no Python handler while
     the main thread waits in CUDA (a handler that runs promises a checkpoint that cannot come). torchrun kills the
     ranks on the failed one's node 30 s later (its --shutdown_timeout does not apply there); those on other nodes
-    wait out the timeout. So a failing rank posts its error in torchrun's store (post, from run_command), and a thread on
+    wait out the timeout. So a failing rank posts its error in torchrun's store (fail: from sys.excepthook, for an
+    exception that ends the process whatever its script, and from run_command for a usage error), and a thread on
     every rank polls that key: a rank that is not failing itself GRACE_S after a post prints the failed rank's
     error, writes it where torchrun's summary reads it and exits with status 1. Nothing is posted when a run stops
     on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which outlives the ranks."""
     POLL_S, GRACE_S = 1.0, 3.0
 
-    def __init__(self, rank):
+    def __init__(self, rank, world):
         self.rank, self.failing = rank, False
         self.key = f"ppo/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one key per torchrun attempt
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
-        self.thread.start()
-        atexit.register(self.stop)  # its store client gone before the interpreter's teardown, which it aborted
+        self.previous_hook, sys.excepthook = sys.excepthook, self._excepthook
+        self.stopped, self.thread = threading.Event(), None
+        if world > 1:
+            self.thread = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
+            self.thread.start()
+            atexit.register(self.stop)  # its store client gone before the interpreter's teardown, which it aborted
 
     def stop(self):
         self.stopped.set()
         self.thread.join(timeout=60)
+
+    def _excepthook(self, kind, e, tb):  # an exception about to end the process
+        self.fail(e, "".join(traceback.format_exception(kind, e, tb)).rstrip())
+        self.previous_hook(kind, e, tb)
+
+    def fail(self, e, summary):
+        """This rank fails with e: summary (its traceback, or a usage error's line) goes where torchrun's summary of
+        the failed ranks reads it, and e's first line to the other ranks."""
+        torchrun_summary(summary)
+        if self.thread is not None:
+            self.post(e)
 
     @staticmethod
     def _store():
@@ -110,7 +124,7 @@ class PeerWatch:
         os._exit(1)
 
 
-PEERS = None  # setup_distributed's PeerWatch, under torchrun with more than one rank
+PEERS = None  # setup_distributed's PeerWatch, under torchrun
 
 
 def print0(*args, **kwargs):
@@ -232,15 +246,15 @@ def run_command(config_cls, main, argv=None, name=None):
     cli.__doc__ = config_cls.__doc__
     try:
         return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
-    except Exception as e:
-        if PEERS is not None:  # the other ranks stop rather than wait for this one in a collective
-            PEERS.post(e)
-        line = "error: " + str(e).replace("\n", " ")
-        usage = isinstance(e, UsageError) and os.environ.get("PPO_DEBUG", "0") in ("", "0")
-        torchrun_summary("".join(traceback.format_exception(e)).rstrip() if not usage else line)
-        if not usage:
+    except UsageError as e:
+        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
             raise
+        line = "error: " + str(e).replace("\n", " ")
         print(line, file=sys.stderr, flush=True)
+        if PEERS is not None:  # under torchrun: the other ranks and torchrun's summary are told
+            PEERS.fail(e, line)
+        else:
+            torchrun_summary(line)
         return 2
 
 

@@ -8000,11 +8000,13 @@ def test_ranks_stop_soon_after_another_rank_fails_and_torchrun_names_it(tiny_run
     # dead peer). torchrun killed rank 0 30 s later (whatever its --shutdown_timeout), and on another node nothing
     # would have. runtime.PeerWatch: rank 0 stops a few seconds after rank 1 posted its error, saying why. And
     # torchrun's summary of the failed ranks, whose root cause said "To enable traceback see: ...", names rank 1 with
-    # its exception (and notes); a usage error, its one line
-    fork = tmp_path / "my_run.py"
-    fork.write_text(f"""import os, sys, time
-sys.path.insert(0, {REPO!r})
-import ppo, reward
+    # its exception (and notes); a usage error, its one line. The run is a script that calls ppo.main itself; the
+    # usage error, one that ends with ppo.command_line()
+    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
+            "total_steps": 1}
+    setup = """
+import os, time
+import reward
 
 
 def judge(record, response):
@@ -8015,14 +8017,12 @@ def judge(record, response):
     return 0.0
 
 reward.REWARD_FNS["judge"] = judge
-raise SystemExit(ppo.command_line())
-""")
-    args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "reward_fn": "judge",
-            "total_steps": 1}
-    p, usage = concurrently(
-        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "a"}.items())]),
-        lambda: run_torchrun([str(fork), *(f"--{k}={v}" for k, v in {**args, "out_dir": tmp_path / "b",
-                                                                       "total_steps": 0}.items())]))
+"""
+    mine, fork = tmp_path / "mine.py", tmp_path / "my_run.py"
+    mine.write_text(ppo_script({**args, "out_dir": str(tmp_path / "a")}, setup))
+    fork.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport ppo\nraise SystemExit(ppo.command_line())\n")
+    p, usage = concurrently(lambda: run_torchrun([str(mine)]), lambda: run_torchrun(
+        [str(fork), *(f"--{k}={v}" for k, v in {**args, "reward_fn": "sentiment", "total_steps": 0}.items())]))
     took = time.time() - float(re.search(r"FAILING (\S+)", p.stdout).group(1))  # from rank 1's failure to the end
     assert p.returncode != 0 and took < 20, (took, p.stderr[-3000:])
     assert "rank 0: stopping, since rank 1 failed: RuntimeError: reward function judge failed on response 0" in p.stderr
