@@ -576,7 +576,8 @@ def preflight(cfg, run, memory_bytes=None, local_ranks=None):
         flags += (f" --dtype={'bf16' if run.dtype == torch.bfloat16 else 'fp32'} "
                   f"--activation_checkpointing={'on' if run.activation_checkpointing else 'off'}")
     if fits:
-        return f"memory plan: {peak} (the worst case; --dry_run={run.world} prints the plan)"
+        how = f"--dry_run={run.world}" if cuda else f"`python ppo.py {flags}` with this run's flags"
+        return f"memory plan: {peak} (the worst case; {how} prints the plan)"
     return (f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): the first "
             f"batch near it will run out of memory{'' if cuda else ' (the kernel kills the process)'}. `python "
             f"ppo.py {flags}` with this run's flags prints the plan and which flags shrink its largest lines")

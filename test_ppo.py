@@ -13664,8 +13664,9 @@ def test_a_cpu_run_prints_its_plan_against_the_memory_this_machine_has(tmp_path)
     small = plan_config(model=write_configs(tmp_path / "small", "Qwen2.5-1.5B")[0], rollout_batch_size=16,
                         mini_batch_size=8, micro_batch_size=2, reward_model="")
     said = plan.preflight(small, ppo.derive(small, 0, 1, torch.device("cpu")), memory_bytes=256 * plan.GiB)
-    assert re.fullmatch(r"memory plan: peak \d+\.\d GiB per rank of 256: fits \(the worst case; --dry_run=1 prints "
-                        r"the plan\)", said), said
+    assert re.fullmatch(r"memory plan: peak \d+\.\d GiB per rank of 256: fits \(the worst case; `python ppo.py "
+                        r"--dry_run=1 --gpu_memory_gb=256 --dtype=(bf16|fp32) --activation_checkpointing=off` with this "
+                        r"run's flags prints the plan\)", said), said
     # the memory available: MemAvailable, or a container's cgroup limit less its usage but for inactive file cache
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "meminfo").write_text("MemTotal: 41943040 kB\nMemAvailable:   20971520 kB\n")
