@@ -8463,7 +8463,7 @@ ppo.due, ppo.generate = due_and_told, held
     train = [r for r in rows if "objective/scores" in r]
     assert [r["step"] for r in rows if "eval/score" in r] == [0, 1, 2, 3]
     # the wait for the batch drawn ahead (held a second) is in the evaluation's time, not lost between two lines
-    assert all(r["time/eval"] >= 1.0 for r in rows if "eval/score" in r and r["step"] in (1, 2)), rows
+    assert all(r["time/eval"] >= 0.9 for r in rows if "eval/score" in r and r["step"] in (1, 2)), rows
     assert [r["val/policy_lag"] for r in train] == [0, 1, 1] and without_measured(train) == without_measured(plain)
     wa, wb = actor_weights(plain_dir), actor_weights(tmp_path / "eval")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
