@@ -62,7 +62,8 @@ class PeerWatch:
     wait out the timeout. So a failing rank posts its error in torchrun's store (fail: from sys.excepthook, for an
     exception that ends the process whatever its script, and from run_command for a usage error), and a thread on
     every rank polls that key: a rank that is not failing itself GRACE_S after a post prints the failed rank's
-    error, writes it where torchrun's summary reads it and exits with status 1. Nothing is posted when a run stops
+    error, writes it where torchrun's summary reads it and exits with status 1 (at once on the SIGTERM torchrun
+    then sends, where a handler runs: StopSignal asks posted()). Nothing is posted when a run stops
     on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which outlives the ranks."""
     POLL_S, GRACE_S = 1.0, 3.0
 
@@ -92,9 +93,9 @@ class PeerWatch:
             self.post(e)
 
     @staticmethod
-    def _store():
+    def _store(seconds=30):
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=30))
+                             timeout=datetime.timedelta(seconds=seconds))
 
     def post(self, e):
         """This rank fails with e: tells the others (the first failure's words stay) and stops watching them."""
@@ -117,6 +118,19 @@ class PeerWatch:
         del store
         if self.stopped.wait(self.GRACE_S) or self.failing:  # a rank failing at the same moment prints its own error
             return
+        self.leave(what)
+
+    def posted(self):
+        """The failure another rank posted, or None (none, or this rank is failing itself): what a SIGTERM means."""
+        if self.thread is None or self.failing:
+            return None
+        try:
+            store = self._store(seconds=5)
+            return store.get(self.key).decode() if store.check([self.key]) else None
+        except Exception:  # noqa: BLE001 -- no store: a signal as any other
+            return None
+
+    def leave(self, what):
         line = (f"rank {self.rank}: stopping, since {what} (this rank would wait for it in its next collective); "
                 "the last complete checkpoint is kept")
         os.write(2, (line + "\n").encode())
@@ -527,6 +541,9 @@ class StopSignal:
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
+        failed = PEERS.posted() if PEERS is not None else None
+        if failed:  # torchrun passing on another rank's end: no step can finish without that rank
+            PEERS.leave(failed)
         now = time.monotonic()
         if self.first is not None and now - self.first < self.SAME_REQUEST_S:
             return

@@ -8026,6 +8026,7 @@ reward.REWARD_FNS["judge"] = judge
     took = time.time() - float(re.search(r"FAILING (\S+)", p.stdout).group(1))  # from rank 1's failure to the end
     assert p.returncode != 0 and took < 20, (took, p.stderr[-3000:])
     assert "rank 0: stopping, since rank 1 failed: RuntimeError: reward function judge failed on response 0" in p.stderr
+    assert "stopping after the step in flight" not in p.stderr  # torchrun's SIGTERM, heard: a step that cannot end
     root = p.stderr[p.stderr.index("Root Cause (first observed failure)"):]
     assert "rank      : 1 (local_rank: 1)" in root and "RuntimeError: the judge is down on rank 1" in root, root
     assert "--reward_on_error=X scores such" in root  # (the error the reward caller raised from it)
