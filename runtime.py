@@ -56,15 +56,16 @@ def setup_distributed():
 
 class PeerWatch:
     """A rank that fails leaves the others waiting for it in their next collective. NCCL sees no dead peer, so they
-    wait until the process group's timeout (PG_TIMEOUT_MIN), and torchrun's SIGTERM reaches no Python handler while
-    the main thread waits in CUDA (a handler that runs promises a checkpoint that cannot come). torchrun kills the
-    ranks on the failed one's node 30 s later (its --shutdown_timeout does not apply there); those on other nodes
-    wait out the timeout. So a failing rank posts its error in torchrun's store (fail: from sys.excepthook, for an
-    exception that ends the process whatever its script, and from run_command for a usage error), and a thread on
-    every rank polls that key: a rank that is not failing itself GRACE_S after a post prints the failed rank's
-    error, writes it where torchrun's summary reads it and exits with status 1 (at once on the SIGTERM torchrun
-    then sends, where a handler runs: StopSignal asks posted()). Nothing is posted when a run stops
-    on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which outlives the ranks."""
+    wait until the process group's timeout (PG_TIMEOUT_MIN), and the SIGTERM torchrun sends them reaches no Python
+    handler while the main thread waits in CUDA (one that runs would promise a checkpoint after a step that cannot
+    end). torchrun kills the ranks on the failed one's node 30 s later (its --shutdown_timeout does not apply
+    there); those on other nodes wait out the timeout. So a failing rank posts its error in torchrun's store (fail:
+    from sys.excepthook, for an exception that ends the process whatever its script, and from run_command for a
+    usage error). Another rank leaves at torchrun's SIGTERM where its handler runs (StopSignal asks posted()), and
+    else a thread that polls the key makes it leave GRACE_S after the post, unless it is failing itself: it prints
+    the failed rank's error, writes it where torchrun's summary reads it and exits with status 1. Nothing is posted
+    when a run stops on a signal (every rank checkpoints) or ends; the store is torchrun's (its agent's), which
+    outlives the ranks."""
     POLL_S, GRACE_S = 1.0, 3.0
 
     def __init__(self, rank, world):
