@@ -564,7 +564,7 @@ def preflight(cfg, run, memory_bytes=None, local_ranks=None):
     n = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if memory_bytes is None:
         return "memory plan: not computed (this machine's available memory is unknown); the run goes on"
-    gb = math.floor(memory_bytes / (1 if cuda else n) / GiB * 10) / 10
+    gb = gib_down(memory_bytes / (1 if cuda else n))
     try:
         text, fits = report(dataclasses.replace(cfg, gpu_memory_gb=gb), run)
     except Exception as e:  # noqa: BLE001 -- advice, not worth the run (load_inputs has checked what the user gave)
@@ -581,6 +581,11 @@ def preflight(cfg, run, memory_bytes=None, local_ranks=None):
     return (f"warning: memory plan: {peak}, in the worst case (every prompt and response at its limit): the first "
             f"batch near it will run out of memory{'' if cuda else ' (the kernel kills the process)'}. `python "
             f"ppo.py {flags}` with this run's flags prints the plan and which flags shrink its largest lines")
+
+
+def gib_down(n_bytes):
+    """Bytes in GiB, rounded down to 0.1 (a GPU of 81559 MiB: 79.6), never up past what is there."""
+    return math.floor(n_bytes / GiB * 10) / 10
 
 
 def available_host_bytes(root="/"):
@@ -613,8 +618,8 @@ def available_host_bytes(root="/"):
 # which a resumed run may change (checkpoint.MAY_CHANGE_ON_RESUME): the advice an out-of-memory error gets
 CALLEES = {"take": ("rollout", 0), "score_batch": ("scoring", 1), "update": ("training", 2),
            "evaluate": ("evaluation", None), "save_step": ("checkpoint", None), "export": ("export", None)}
-SHRINKS = {"rollout": ["rollout_micro_batch_size"], "evaluation": ["rollout_micro_batch_size"],
-           "scoring": ["inference_micro_batch_size"], "training": ["micro_batch_size", "activation_checkpointing"]}
+SHRINKS = {"rollout": "rollout_micro_batch_size", "evaluation": "rollout_micro_batch_size",
+           "scoring": "inference_micro_batch_size", "training": "micro_batch_size"}  # + checkpointing for training
 
 
 def out_of_memory(cfg, run, step, error, gpu_bytes=None):
@@ -628,7 +633,7 @@ def out_of_memory(cfg, run, step, error, gpu_bytes=None):
     if gpu_bytes is None:
         cuda = run.device.type == "cuda"
         gpu_bytes = torch.cuda.get_device_properties(run.device).total_memory if cuda else cfg.gpu_memory_gb * GiB
-    gb = math.floor(gpu_bytes / GiB * 10) / 10  # as preflight reads it
+    gb = gib_down(gpu_bytes)
     text = f"rank {run.rank} ran out of GPU memory in {where}."
     if index is not None:
         try:
@@ -638,10 +643,9 @@ def out_of_memory(cfg, run, step, error, gpu_bytes=None):
                      "flags prints it line by line).")
         except Exception as e:  # noqa: BLE001 -- advice: the error itself is what the user must see
             text += f" (The plan was not computed: {type(e).__name__}: {e}.)"
-    flags = [f"--{f}={max(1, getattr(cfg, f) // 2)} (now {getattr(cfg, f)})" for f in SHRINKS.get(phase, [])
-             if f.endswith("batch_size") and getattr(cfg, f) > 1]
-    flags += ["--activation_checkpointing=on"] * ("activation_checkpointing" in SHRINKS.get(phase, [])
-                                                  and not run.activation_checkpointing)
+    flags = [f"--{f}={getattr(cfg, f) // 2} (now {getattr(cfg, f)})" for f in [SHRINKS.get(phase)]
+             if f and getattr(cfg, f) > 1]
+    flags += ["--activation_checkpointing=on"] * (phase == "training" and not run.activation_checkpointing)
     flags += [f"--{f}" for f in ("offload_frozen", "offload_optimizer") if not getattr(cfg, f)]  # every phase
     if flags:
         text += (f" To go on from the last checkpoint in {cfg.out_dir}/checkpoints (if any) with less memory: "
