@@ -6,12 +6,14 @@ knows about models.
 """
 import atexit
 import datetime
+import difflib
 import inspect
 import json
 import math
 import os
 import re
 import shutil
+import shlex
 import signal
 import sys
 import threading
@@ -259,7 +261,9 @@ def run_command(config_cls, main, argv=None, name=None):
     sig = inspect.signature(config_cls)
     cli.__signature__ = sig.replace(parameters=[shown(p) for p in sig.parameters.values()])
     cli.__doc__ = config_cls.__doc__
+    argv = sys.argv[1:] if argv is None else shlex.split(argv) if isinstance(argv, str) else list(argv)
     try:
+        argv = check_flags(argv, [f.name for f in fields(config_cls)], name or "ppo.py")
         return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
     except UsageError as e:
         if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
@@ -271,6 +275,28 @@ def run_command(config_cls, main, argv=None, name=None):
         else:
             torchrun_summary(line)
         return 2
+
+
+def check_flags(argv, names, script):
+    """argv, or ["--help"] where it asks for help beside flags (fire listed the made config's members). A UsageError
+    for a word (before a lone "--", which fire's own flags follow) that is not one of the flags `names` written
+    --name=value, --name value, or --name / --noname for a bool: fire would take `-n` for the one flag that starts
+    with n (--non_stop_penalty), a word without a flag for the next field in order (the model, then the reward
+    model), and an unknown --name for a member of the config to look up once it is made."""
+    if "-h" in argv or "--help" in argv:
+        return ["--help"]
+    ours = argv[: argv.index("--")] if "--" in argv else argv
+    i = 0
+    while i < len(ours):
+        word, i = ours[i], i + 1
+        key = word[2:].split("=", 1)[0].replace("-", "_") if word.startswith("--") else None
+        if key not in names and not (key and "=" not in word and key.startswith("no") and key[2:] in names):
+            close = difflib.get_close_matches(key or word.lstrip("-"), names, n=1, cutoff=0.75)
+            raise UsageError(f"{word!r} is not a flag of {script}: each flag is written --name=value"
+                             + (f"; did you mean --{close[0]}?" if close else f" (`python {script} --help` lists them)"))
+        if "=" not in word and i < len(ours) and not re.match(r"--|-[a-zA-Z]", ours[i]):
+            i += 1  # its value, as fire reads it: the next word unless that is a flag
+    return argv
 
 
 def torchrun_summary(text):

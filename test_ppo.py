@@ -11759,6 +11759,40 @@ def test_run_command_prints_a_usage_error_as_one_line(monkeypatch, capsys):
     assert issubclass(UsageError, ValueError)  # (what callers that predate it catch)
 
 
+def test_a_word_that_is_not_a_flag_is_refused_by_name(monkeypatch, capsys):
+    # fire read `-n 3` as --non_stop_penalty=3, `-u` as --use_absolute_kl, words without a flag as the model and the
+    # reward model in field order, an unknown --name as a member of the config made from the others, and help asked
+    # beside a flag as the members of that config: each is now a usage error naming the word, or the flag list
+    import ppo
+
+    monkeypatch.delenv("PPO_DEBUG", raising=False)
+
+    def parsed(*argv):
+        return runtime.run_command(ppo.Config, lambda cfg: cfg, list(argv))
+
+    for argv, said in ((["-n", "3"], "error: '-n' is not a flag of ppo.py: each flag is written --name=value "
+                                      "(`python ppo.py --help` lists them)"),
+                       (["-u"], "'-u' is not a flag of ppo.py"),
+                       (["--lr=1e-6", "smollm2"], "'smollm2' is not a flag of ppo.py"),
+                       (["--lrr=1"], "'--lrr=1' is not a flag of ppo.py: each flag is written --name=value; did you "
+                                     "mean --lr?"),
+                       (["--non_stop_penalty", "-1", "-x"], "'-x' is not a flag"),
+                       (["--kl-coeff=0.1"], "did you mean --kl_coef?"),
+                       (["--seed=1", "-", "lr"], "'-' is not a flag")):
+        assert parsed(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: '") and said in err and err.count("\n") == 1, (argv, err)
+    cfg = parsed("--lr", "-1e-6", "--seed", "3", "--overwrite", "--noasync_rollout", "--kl-coef=0.2", "--non_stop_penalty",
+                 "-1", "--model=x")  # a value after its flag, a negative one too; bools by name; dashes for underscores
+    assert (cfg.lr, cfg.seed, cfg.overwrite, cfg.async_rollout, cfg.kl_coef, cfg.non_stop_penalty, cfg.model) == (
+        -1e-6, 3, True, False, 0.2, -1.0, "x")
+    for argv in (["--help"], ["-h"], ["--lr=1e-6", "--help"], ["--seed=2", "--", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            parsed(*argv)
+        out = "".join(capsys.readouterr())  # fire writes help to stderr when not on a terminal
+        assert e.value.code == 0 and "--non_stop_penalty=NON_STOP_PENALTY" in out and "GROUPS" not in out, argv
+
+
 def test_help_lists_every_option_with_default_and_comment(tmp_path):
     import dataclasses
 
