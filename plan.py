@@ -55,6 +55,7 @@ and the gradients in flight are estimates of the largest set of tensors live at 
     python ppo.py --dry_run=8 --model=meta-llama/Llama-3.1-8B-Instruct --reward_model=path/to/rm \
         --rollout_batch_size=512 --max_prompt_len=1024 --max_new_tokens=1024 --mini_batch_size=64
 """
+import contextlib
 import dataclasses
 import math
 import os
@@ -616,38 +617,54 @@ def available_host_bytes(root="/"):
 
 # What main() was calling when a CUDA allocation failed, the plan's phase for it, and the flags that shrink that phase
 # which a resumed run may change (checkpoint.MAY_CHANGE_ON_RESUME): the advice an out-of-memory error gets
-CALLEES = {"take": ("rollout", 0), "score_batch": ("scoring", 1), "update": ("training", 2),
-           "evaluate": ("evaluation", None), "save_step": ("checkpoint", None), "export": ("export", None)}
+CALLEES = {"build_models": ("loading", None), "add_optimizers": ("loading", None), "take": ("rollout", 0),
+           "score_batch": ("scoring", 1), "update": ("training", 2), "evaluate": ("evaluation", None),
+           "save_step": ("checkpoint", None), "export": ("export", None)}
 SHRINKS = {"rollout": "rollout_micro_batch_size", "evaluation": "rollout_micro_batch_size",
            "scoring": "inference_micro_batch_size", "training": "micro_batch_size"}  # + checkpointing for training
 
 
+@contextlib.contextmanager
+def out_of_memory_noted(cfg, run, step=0):
+    """A CUDA out-of-memory error raised inside leaves with out_of_memory's note."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        e.add_note(out_of_memory(cfg, run, step, e))
+        raise
+
+
 def out_of_memory(cfg, run, step, error, gpu_bytes=None):
     """The note a CUDA out-of-memory error gets in main(), beside torch's own message: the step and phase it ran out
-    in (from the traceback: what main() was calling), that phase's worst case in the plan against the GPU, and how
-    to go on from the last checkpoint with flags that shrink it."""
+    in (from the traceback: what main() was calling), that phase's worst case in the plan against the GPU (loading
+    the models: the plan's persistent memory), and how to go on (from the last checkpoint) with flags that shrink it."""
     frames = [f.name for f in traceback.extract_tb(error.__traceback__)]
     callee = frames[frames.index("main") + 1] if "main" in frames[:-1] else None
     phase, index = CALLEES.get(callee, ("", None))
-    where = {"": f"step {step}", "evaluation": f"the evaluation after step {step}"}.get(phase, f"step {step}'s {phase}")
+    where = {"": f"in step {step}", "evaluation": f"in the evaluation after step {step}",
+             "loading": "while loading the models"}.get(phase, f"in step {step}'s {phase}")
     if gpu_bytes is None:
         cuda = run.device.type == "cuda"
         gpu_bytes = torch.cuda.get_device_properties(run.device).total_memory if cuda else cfg.gpu_memory_gb * GiB
     gb = gib_down(gpu_bytes)
-    text = f"rank {run.rank} ran out of GPU memory in {where}."
-    if index is not None:
+    text = f"rank {run.rank} ran out of GPU memory {where}."
+    if index is not None or phase == "loading":
         try:
             p, _ = build(cfg, run)
-            text += (f" The plan's worst case for {phase} is {p.peak(p.phases[index]) / GiB:.1f} GiB on this "
-                     f"{gb:g} GiB GPU (`python ppo.py --dry_run={run.world} --gpu_memory_gb={gb:g}` with this run's "
-                     "flags prints it line by line).")
+            what, b = (f"worst case for {phase}", p.peak(p.phases[index])) if index is not None else (
+                "persistent memory (the models' shards, gradients and optimizer states)", sum(b for _, b in p.persistent))
+            text += (f" The plan's {what} is {b / GiB:.1f} GiB on this {gb:g} GiB GPU (`python ppo.py "
+                     f"--dry_run={run.world} --gpu_memory_gb={gb:g}` with this run's flags prints it line by line).")
         except Exception as e:  # noqa: BLE001 -- advice: the error itself is what the user must see
             text += f" (The plan was not computed: {type(e).__name__}: {e}.)"
     flags = [f"--{f}={getattr(cfg, f) // 2} (now {getattr(cfg, f)})" for f in [SHRINKS.get(phase)]
              if f and getattr(cfg, f) > 1]
     flags += ["--activation_checkpointing=on"] * (phase == "training" and not run.activation_checkpointing)
     flags += [f"--{f}" for f in ("offload_frozen", "offload_optimizer") if not getattr(cfg, f)]  # every phase
-    if flags:
+    if phase == "loading":  # nothing ran yet; a resumed run may change these flags and the number of GPUs
+        text += " To load with less memory per GPU: more GPUs (FSDP2 shards the models over them)" + (
+            ", or any of " * bool(flags)) + ", ".join(flags)
+    elif flags:
         text += (f" To go on from the last checkpoint in {cfg.out_dir}/checkpoints (if any) with less memory: "
                  f"--resume=auto --out_dir={cfg.out_dir} with any of " + ", ".join(flags) + " (each changes "
                  "nothing but float rounding and speed)")

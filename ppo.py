@@ -445,7 +445,9 @@ def main(cfg: Config, reward_fn=None):
         return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
     run = derive(cfg, rank, world, device)  # every flag checked
-    with gguf_parsed_once():  # a GGUF policy: its header parsed once for the tokenizer, the config and the weights
+    # a GGUF policy's header parsed once for the tokenizer, the config and the weights; an out-of-memory error while
+    # the models load gets a note, as the steps' do
+    with gguf_parsed_once(), plan.out_of_memory_noted(cfg, run):
         tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
         # the same seeds on every rank: the critic's fresh head must agree before sharding

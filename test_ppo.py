@@ -9532,18 +9532,20 @@ def test_two_runs_in_one_out_dir_and_a_stale_lock(tiny_run, tmp_path):
 
 def test_a_run_that_fails_before_its_loop_leaves_no_lock(tiny_run, tmp_path):
     # a failure after out_dir was claimed and before the training loop's `finally` (a model that does not build, say)
-    # left out_dir/.lock behind, which a run on another host (a requeued job) is refused on
+    # left out_dir/.lock behind, which a run on another host (a requeued job) is refused on. An out-of-memory error
+    # there gets the note a step's gets (plan.out_of_memory)
     out = tmp_path / "run"
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out)}
     setup = """
-import checkpoint
+import checkpoint, torch
 def build_models(*args):
     assert __import__("os").path.isfile(checkpoint.os.path.join(ppo_out, ".lock"))
-    raise MemoryError("no room for the critic")
+    raise torch.OutOfMemoryError("no room for the critic")
 checkpoint.build_models = build_models
 """.replace("ppo_out", repr(str(out)))
     p = run_script(ppo_script(args, setup))
-    assert p.returncode != 0 and "MemoryError: no room for the critic" in p.stderr, p.stderr[-2000:]
+    assert p.returncode != 0 and "OutOfMemoryError: no room for the critic" in p.stderr, p.stderr[-2000:]
+    assert "rank 0 ran out of GPU memory while loading the models. The plan's persistent memory" in p.stderr
     assert os.listdir(out) == []
 
 
@@ -13655,6 +13657,13 @@ def test_an_out_of_memory_error_names_its_phase_and_its_plan_and_how_to_go_on(tm
             f"--gpu_memory_gb=79.6` with this run's flags prints it line by line). {resume}{flags}, --offload_frozen, "
             "--offload_optimizer (each changes nothing but float rounding and speed)")
     assert ran_out("evaluate").startswith("rank 0 ran out of GPU memory in the evaluation after step 3. To go on")
+    for callee in ("build_models", "add_optimizers"):  # nothing ran yet: no resume, the plan's persistent memory
+        assert ran_out(callee) == (
+            "rank 0 ran out of GPU memory while loading the models. The plan's persistent memory (the models' shards, "
+            f"gradients and optimizer states) is {sum(b for _, b in p.persistent) / plan.GiB:.1f} GiB on this 79.6 GiB "
+            "GPU (`python ppo.py --dry_run=8 --gpu_memory_gb=79.6` with this run's flags prints it line by line). To "
+            "load with less memory per GPU: more GPUs (FSDP2 shards the models over them), or any of --offload_frozen, "
+            "--offload_optimizer")
     assert ran_out("save_step").startswith("rank 0 ran out of GPU memory in step 3's checkpoint. To go on")
     assert ran_out("something_else").startswith("rank 0 ran out of GPU memory in step 3. To go on")
     # every flag it names is one a resumed run may change
