@@ -617,9 +617,9 @@ def available_host_bytes(root="/"):
 
 # What main() was calling when a CUDA allocation failed, the plan's phase for it, and the flags that shrink that phase
 # which a resumed run may change (checkpoint.MAY_CHANGE_ON_RESUME): the advice an out-of-memory error gets
-CALLEES = {"build_models": ("loading", None), "add_optimizers": ("loading", None), "take": ("rollout", 0),
-           "score_batch": ("scoring", 1), "update": ("training", 2), "evaluate": ("evaluation", None),
-           "save_step": ("checkpoint", None), "export": ("export", None)}
+CALLEES = {"build_models": ("loading", None), "add_optimizers": ("loading", None), "resume": ("loading", None),
+           "take": ("rollout", 0), "score_batch": ("scoring", 1), "update": ("training", 2),
+           "evaluate": ("evaluation", None), "save_step": ("checkpoint", None), "export": ("export", None)}
 SHRINKS = {"rollout": "rollout_micro_batch_size", "evaluation": "rollout_micro_batch_size",
            "scoring": "inference_micro_batch_size", "training": "micro_batch_size"}  # + checkpointing for training
 

@@ -479,7 +479,8 @@ def main(cfg: Config, reward_fn=None):
                                     generate=rollouts.generate_beside, wait=rollouts.wait)
 
     # ---- resume: models, optimizers, schedulers, KL controller, samplers, metrics so far
-    tr = checkpoint.resume(ckpt, m, run.trained, cfg, stateful)  # (ckpt None: a new run at step 0)
+    with plan.out_of_memory_noted(cfg, run):  # (ckpt None: a new run at step 0)
+        tr = checkpoint.resume(ckpt, m, run.trained, cfg, stateful)
     history, first_step, run_id, bad_in_a_row = tr["metrics"], tr["step"] + 1, tr["run_id"], tr.get("bad_in_a_row", 0)
     log, stop = Logger(cfg, history, rank == 0, tr.get("wandb_id")), StopSignal()
 

@@ -13657,7 +13657,7 @@ def test_an_out_of_memory_error_names_its_phase_and_its_plan_and_how_to_go_on(tm
             f"--gpu_memory_gb=79.6` with this run's flags prints it line by line). {resume}{flags}, --offload_frozen, "
             "--offload_optimizer (each changes nothing but float rounding and speed)")
     assert ran_out("evaluate").startswith("rank 0 ran out of GPU memory in the evaluation after step 3. To go on")
-    for callee in ("build_models", "add_optimizers"):  # nothing ran yet: no resume, the plan's persistent memory
+    for callee in ("build_models", "add_optimizers", "resume"):  # nothing ran yet: no resume, the plan's persistent memory
         assert ran_out(callee) == (
             "rank 0 ran out of GPU memory while loading the models. The plan's persistent memory (the models' shards, "
             f"gradients and optimizer states) is {sum(b for _, b in p.persistent) / plan.GiB:.1f} GiB on this 79.6 GiB "
