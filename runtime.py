@@ -263,7 +263,7 @@ def run_command(config_cls, main, argv=None, name=None):
     cli.__doc__ = config_cls.__doc__
     argv = sys.argv[1:] if argv is None else shlex.split(argv) if isinstance(argv, str) else list(argv)
     try:
-        argv = check_flags(argv, [f.name for f in fields(config_cls)], name or "ppo.py")
+        argv = check_flags(argv, {f.name: f.type in (bool, "bool") for f in fields(config_cls)}, name or "ppo.py")
         return main(fire.Fire(cli, command=argv, name=name, serialize=lambda cfg: None))
     except UsageError as e:
         if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
@@ -277,12 +277,12 @@ def run_command(config_cls, main, argv=None, name=None):
         return 2
 
 
-def check_flags(argv, names, script):
+def check_flags(argv, flags, script):
     """argv, or ["--help"] where it asks for help beside flags (fire listed the made config's members). A UsageError
-    for a word (before a lone "--", which fire's own flags follow) that is not one of the flags `names` written
-    --name=value, --name value, or --name / --noname for a bool: fire would take `-n` for the one flag that starts
-    with n (--non_stop_penalty), a word without a flag for the next field in order (the model, then the reward
-    model), and an unknown --name for a member of the config to look up once it is made."""
+    for a word (before a lone "--", which fire's own flags follow) that is not one of `flags` ({name: is a bool})
+    written --name=value, --name value, or --name / --noname for a bool: fire would take `-n` for the one flag that
+    starts with n (--non_stop_penalty), a word without a flag for the next field in order (the model, then the
+    reward model), --nomodel for --model=False, and an unknown --name for a member of the config once it is made."""
     if "-h" in argv or "--help" in argv:
         return ["--help"]
     ours = argv[: argv.index("--")] if "--" in argv else argv
@@ -290,10 +290,10 @@ def check_flags(argv, names, script):
     while i < len(ours):
         word, i = ours[i], i + 1
         key = word[2:].split("=", 1)[0].replace("-", "_") if word.startswith("--") else None
-        if key not in names and not (key and "=" not in word and key.startswith("no") and key[2:] in names):
-            close = difflib.get_close_matches(key or word.lstrip("-"), names, n=1, cutoff=0.75)
-            raise UsageError(f"{word!r} is not a flag of {script}: each flag is written --name=value"
-                             + (f"; did you mean --{close[0]}?" if close else f" (`python {script} --help` lists them)"))
+        if key not in flags and not (key and "=" not in word and key.startswith("no") and flags.get(key[2:])):
+            close = difflib.get_close_matches(key or word.lstrip("-"), list(flags), n=1, cutoff=0.75)
+            hint = f"; did you mean --{close[0]}?" if close else f" (`python {script} --help` lists them)"
+            raise UsageError(f"{word!r} is not a flag of {script}: each flag is written --name=value{hint}")
         if "=" not in word and i < len(ours) and not re.match(r"--|-[a-zA-Z]", ours[i]):
             i += 1  # its value, as fire reads it: the next word unless that is a flag
     return argv

@@ -11780,7 +11780,9 @@ def test_a_word_that_is_not_a_flag_is_refused_by_name(monkeypatch, capsys):
                                      "mean --lr?"),
                        (["--non_stop_penalty", "-1", "-x"], "'-x' is not a flag"),
                        (["--kl-coeff=0.1"], "did you mean --kl_coef?"),
-                       (["--seed=1", "-", "lr"], "'-' is not a flag")):
+                       (["--seed=1", "-", "lr"], "'-' is not a flag"),
+                       (["--nomodel"], "'--nomodel' is not a flag of ppo.py: each flag is written --name=value; did "
+                                       "you mean --model?")):
         assert parsed(*argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: '") and said in err and err.count("\n") == 1, (argv, err)
