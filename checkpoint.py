@@ -318,18 +318,18 @@ def _set_aside_later_steps(out_dir, ckpt):
 
 def claim(out_dir, resume, overwrite, ckpt):
     """Every rank calls it before anything is written: rank 0 makes this run the owner of out_dir (_claim) and
-    every rank returns the function that gives it back, or raises FolderInUse with rank 0's reason. ckpt: the
-    checkpoint this run resumes (find), or None."""
+    every rank returns the function that gives it back, or raises rank 0's FolderInUse (or UsageError: out_dir
+    cannot be written). ckpt: the checkpoint this run resumes (find), or None."""
     release, why = (lambda: None), [None]
     if dist.get_rank() == 0:
         try:
             release = _claim(out_dir, resume, overwrite, ckpt)
-        except FolderInUse as e:
-            why = [str(e)]
+        except UsageError as e:  # FolderInUse, or out_dir cannot be written
+            why = [(type(e), str(e))]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(why, src=0)
     if why[0] is not None:
-        raise FolderInUse(why[0])
+        raise why[0][0](why[0][1])
     return release
 
 
@@ -400,14 +400,21 @@ def _claim(out_dir, resume, overwrite, ckpt):
             raise FolderInUse(f"--out_dir={out_dir} holds an earlier run ({used}): {how}, or pass --overwrite to "
                               "move the old run aside")
         aside = f"{out_dir.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(out_dir, aside)
+        try:
+            os.replace(out_dir, aside)
+        except OSError as e:
+            raise UsageError(f"--out_dir={out_dir}: cannot move the earlier run aside: {e.strerror} ({aside})") \
+                from None
         why = "--overwrite" if overwrite else "--resume=auto found no checkpoint to continue"
         print(f"{why}: the earlier run in {out_dir} moved to {aside}", flush=True)
-    os.makedirs(out_dir, exist_ok=True)
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        raise FolderInUse(f"--out_dir={out_dir} was just taken by another run ({lock})") from None
+        os.makedirs(out_dir, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            raise FolderInUse(f"--out_dir={out_dir} was just taken by another run ({lock})") from None
+    except OSError as e:  # where load_inputs' os.access was wrong: root on NFS (root squash), /proc, ACLs
+        raise UsageError(f"--out_dir={out_dir}: cannot write there: {e.strerror} ({e.filename})") from None
     me = dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime("%Y-%m-%d %H:%M:%S"))
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)

@@ -10193,6 +10193,37 @@ def test_claim_owns_the_folder_and_moves_nothing_it_continues(tmp_path, monkeypa
     assert (tmp_path / "out.old-U" / "metrics.jsonl").read_text() == '{"step": 2}\n'
 
 
+def test_an_out_dir_that_cannot_be_written_is_a_usage_error(tmp_path, monkeypatch):
+    # load_inputs' os.access check passes where the kernel then refuses (root on NFS with root squash, /proc, ACLs):
+    # makedirs, the lock and moving an earlier run aside raised OSError with a traceback, after the check named the
+    # folder fine. A usage error that names it, and nothing of an earlier run touched
+    import checkpoint as C
+
+    out = tmp_path / "out"
+    real_open, real_replace = os.open, os.replace
+
+    def refused(*args, **kw):
+        raise PermissionError(13, "Permission denied", args[0])
+
+    monkeypatch.setattr(C.os, "open", lambda path, *a, **k: refused(path) if path.endswith(".lock") else
+                        real_open(path, *a, **k))
+    with pytest.raises(UsageError, match=re.escape(f"--out_dir={out}: cannot write there: Permission denied "
+                                                   f"({out}/.lock)")):
+        C._claim(str(out), "", False, None)
+    monkeypatch.setattr(C.os, "open", real_open)
+    with pytest.raises(UsageError, match=re.escape(f"--out_dir=/proc/ppo-out/run: cannot write there: No such "
+                                                   "file or directory (/proc/ppo-out")):
+        C._claim("/proc/ppo-out/run", "", False, None)
+    os.makedirs(out, exist_ok=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    monkeypatch.setattr(C.os, "replace", refused)
+    with pytest.raises(UsageError, match=re.escape(f"--out_dir={out}: cannot move the earlier run aside: Permission "
+                                                   f"denied ({out}.old-")):
+        C._claim(str(out), "", True, None)
+    monkeypatch.setattr(C.os, "replace", real_replace)
+    assert os.listdir(out) == ["metrics.jsonl"]
+
+
 def test_two_runs_taking_over_one_stale_lock(tmp_path, monkeypatch):
     # both judge the lock stale at once: the one that gets there second found the other's new lock in place of the
     # stale one and deleted it, and both wrote into out_dir; or found no lock left and stopped on FileNotFoundError
