@@ -10211,8 +10211,7 @@ def test_an_out_dir_that_cannot_be_written_is_a_usage_error(tmp_path, monkeypatc
                                                    f"({out}/.lock)")):
         C._claim(str(out), "", False, None)
     monkeypatch.setattr(C.os, "open", real_open)
-    with pytest.raises(UsageError, match=re.escape(f"--out_dir=/proc/ppo-out/run: cannot write there: No such "
-                                                   "file or directory (/proc/ppo-out")):
+    with pytest.raises(UsageError, match=r"--out_dir=/proc/ppo-out/run: cannot write there: .+ \(/proc/ppo-out"):
         C._claim("/proc/ppo-out/run", "", False, None)
     os.makedirs(out, exist_ok=True)
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
