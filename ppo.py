@@ -261,7 +261,8 @@ def derive(cfg, rank, W, device):
     need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows,
          f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
     need(cfg.resume in ("", "auto") or os.path.isdir(cfg.resume),
-         f"--resume={cfg.resume}: no such folder (expected a checkpoint folder, or auto)")
+         f"--resume={cfg.resume}: {'not a' if os.path.exists(cfg.resume) else 'no such'} folder (expected a checkpoint "
+         "folder, or auto)")
     cuda = device.type == "cuda"
     need(not (cfg.async_rollout and cfg.lora_dropout > 0 and cuda), "--lora_dropout with --async_rollout on a GPU: "
          "the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")

@@ -307,6 +307,14 @@ def torchrun_summary(text):
             json.dump({"message": text, "timestamp": str(int(time.time()))}, f)
 
 
+def _not_finite(word):
+    """True for a word that float() reads as nan or +-inf ("nan", "-Infinity"), which fire leaves a string."""
+    try:
+        return isinstance(word, str) and not math.isfinite(float(word))
+    except ValueError:
+        return False
+
+
 def hold_to_types(cfg):
     """Each field of the dataclass cfg converted to its annotated type, or a UsageError naming the flag: fire reads
     "--lr=1" as an int and "--model=7" as one. The types: bool, int, float, str, X | None of these (a fork's field too:
@@ -328,7 +336,7 @@ def hold_to_types(cfg):
             v = tuple(v) if isinstance(v, (list, tuple)) else tuple(str(v).split(","))
             ok = all(isinstance(i, str) for i in v)
         elif want == tuple[float, float]:  # a band lo,hi: two numbers
-            v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+            v = tuple(v) if isinstance(v, (list, tuple)) else tuple(v.split(",")) if isinstance(v, str) else (v,)
             ok = len(v) == 2 and all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in v)
             v = tuple(float(i) for i in v) if ok else v
         elif want is str:
@@ -337,9 +345,10 @@ def hold_to_types(cfg):
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
         if not ok:
-            of = (" of ints" if want is tuple else " of two numbers" if want == tuple[float, float] else
-                  " of names" if want == tuple[str, ...] else "")
-            raise UsageError(f"--{f.name}={v!r}: expected {want.__name__}" + of)
+            finite = any(map(_not_finite, v if isinstance(v, tuple) else (v,)))  # fire keeps "nan" a word
+            what = {tuple: "tuple of ints", tuple[float, float]: f"tuple of two{' finite' * finite} numbers",
+                    tuple[str, ...]: "tuple of names", float: "a finite float" if finite else "float"}
+            raise UsageError(f"--{f.name}={v!r}: expected {what.get(want, want.__name__)}")
         setattr(cfg, f.name, v)
 
 

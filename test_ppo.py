@@ -11104,7 +11104,10 @@ def test_flags_are_held_to_their_types():
                       (dict(stop_token_ids=(2, 1.0)), "--stop_token_ids=(2, 1.0): expected tuple of ints"),
                       (dict(is_band=(1, 2, 3)), "--is_band=(1, 2, 3): expected tuple of two numbers"),
                       (dict(is_band=(True, 2)), "--is_band=(True, 2): expected tuple of two numbers"),
-                      (dict(lora_targets=("q_proj", 7)), "--lora_targets=('q_proj', 7): expected tuple of names")):
+                      (dict(lora_targets=("q_proj", 7)), "--lora_targets=('q_proj', 7): expected tuple of names"),
+                      (dict(lr="inf"), "--lr='inf': expected a finite float"),  # fire keeps nan and inf as words
+                      (dict(is_band="nan,1"), "--is_band=('nan', '1'): expected tuple of two finite numbers"),
+                      (dict(is_band=("a", 1)), "--is_band=('a', 1): expected tuple of two numbers")):
         with pytest.raises(UsageError, match=re.escape(match)):
             ppo.Config(**kw)
     cfg = ppo.Config(non_stop_penalty=None, total_steps=3, wandb=True, is_band=(1, 2), lora_targets="q_proj,v_proj",
@@ -11350,7 +11353,7 @@ F32_MAX = float(torch.finfo(torch.float32).max)
     (dict(target_kl=1.0, kl_horizon=8, rollout_batch_size=20, samples_per_prompt=2), 1,
      "--kl_horizon must be over a step's 40 rows / 5"),  # 1 - 0.2 x 40 / 8 = 0: beta would become 0
     (dict(target_kl=1.0, kl_horizon=9, rollout_batch_size=20, samples_per_prompt=2), 1, None),
-    (dict(resume=__file__), 1, f"--resume={__file__}: no such folder"),  # a file, not a checkpoint folder
+    (dict(resume=__file__), 1, f"--resume={__file__}: not a folder"),  # a file, not a checkpoint folder
     (dict(wandb_project="mine"), 1, "--wandb_project set without --wandb, so it would do nothing"),
     (dict(wandb_project="mine", wandb=True), 1, None),
     (dict(gpu_memory_gb=40.0), 1, "--gpu_memory_gb set without --dry_run, so it would do nothing"),
@@ -11581,6 +11584,8 @@ def bad_input_files(tiny_run, root):
                  few=root / "few.jsonl", unreadable=root / "secret.jsonl", no_config=root / "noconfig",
                  cut_safetensors=root / "cut", cut_gguf=root / "cut.gguf", rm_cut=root / "rm")
     files["bad_utf8"].write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    files["fifo"] = root / "prompts.fifo"  # nothing writes to it: opened for reading, it would wait forever
+    os.mkfifo(files["fifo"])
     write_jsonl(files["bad_json"], [good[0], '{"prompt": "hi"', good[1]])
     write_jsonl(files["no_field"], [good[0], '{"text": "hi"}'])
     write_jsonl(files["few"], good)
@@ -11659,10 +11664,15 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(lr=-1e-5), "--lr must be >= 0, not -1e-05"),
         (dict(max_new_tokens=0), "--max_new_tokens must be >= 1, not 0"),
         (dict(lr="fast"), "--lr='fast': expected float"),
+        (dict(kl_coef="nan"), "--kl_coef='nan': expected a finite float"),  # fire hands nan and inf over as words
+        (dict(max_grad_norm="-Infinity"), "--max_grad_norm='-Infinity': expected a finite float"),
+        (dict(is_band="0.5,-inf"), "--is_band=('0.5', '-inf'): expected tuple of two finite numbers"),
         (dict(kl_estimator="k9"), "--kl_estimator must be one of"),
         (dict(prompts=str(tmp_path / "nowhere.jsonl")),
          f"--prompts: prompt file not found: {tmp_path / 'nowhere.jsonl'}"),
         (dict(prompts=str(tmp_path)), f"--prompts: prompt file not found: {tmp_path} (a folder)"),
+        (dict(prompts=os.devnull), f"--prompts: {os.devnull}: not a regular file (a device): it is read more than once"),
+        (dict(prompts=f["fifo"]), f"--prompts: {f['fifo']}: not a regular file (a pipe)"),  # a shell's <(...) too
         (dict(prompts=f["bad_utf8"]), f"--prompts: {f['bad_utf8']}:2: not UTF-8 (byte b'\\xe9' at column 16)"),
         (dict(prompts=f["bad_json"]), f"--prompts: {f['bad_json']}:2: not valid JSON"),
         (dict(prompts=f["no_field"]), f"--prompts: {f['no_field']}:2: missing field: expected 'prompt' or 'messages'"),
@@ -11703,6 +11713,7 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
                                                   "config, which says where a sequence classifier reads its score"),
         (dict(wandb=True), "--wandb: no credentials for api.wandb.ai"),
         (dict(resume=str(tmp_path / "nowhere")), f"--resume={tmp_path / 'nowhere'}: no such folder"),
+        (dict(resume=f["fifo"]), f"--resume={f['fifo']}: not a folder"),
         (dict(tiny, resume=tiny_run["policy"]), f"cannot resume from {tiny_run['policy']}: a model folder (the HF "
                                                 "export, out_dir/actor?), not a training checkpoint"),
         (dict(tiny, eval_prompts=str(tmp_path / "nowhere.jsonl")),
