@@ -11859,6 +11859,7 @@ def test_help_lists_every_option_with_default_and_comment(tmp_path):
         assert shown.startswith(repr(f.default)) or len(start) > 10 and repr(f.default).startswith(start), (f.name, shown)
         assert " ".join(comment.split()) in by_name[f.name], (f.name, by_name[f.name])
     assert "Type: Optional[float] Default: None" in by_name["non_stop_penalty"]  # not Optional[float | None]
+    assert not re.findall(r"^ +-\w, --", out, re.M)  # fire's `-n, --non_stop_penalty`: a form the command refuses
     assert "| None" not in out
     # a fork's script that ends with ppo.command_line() names itself, not ppo.py
     fork = tmp_path / "my_run.py"
