@@ -167,9 +167,10 @@ def check_space(folder, local_bytes, what):
     free = shutil.disk_usage(folder).free if dist.get_rank() == 0 else 0
     need, free = all_sum([float(local_bytes) * 1.01 + 16 * 2**20, float(free)]).tolist()
     if need > free:
-        raise OSError(f"not enough disk space for {what} in {folder}: it needs about {need / 2**30:.2f} GiB, "
-                      f"{free / 2**30:.2f} GiB are free; nothing was written and the previous checkpoint is kept. "
-                      "Free some space (or move --out_dir), then resume with --resume=auto")
+        size = (lambda b: f"{b / 2**30:.2f} GiB") if need >= 2**30 else (lambda b: f"{b / 2**20:.1f} MiB")
+        raise OSError(f"not enough disk space for {what} in {folder}: it needs about {size(need)}, {size(free)} are "
+                      "free; nothing was written, and what earlier steps saved is kept. Free some space (or move "
+                      "--out_dir), then resume with --resume=auto")
 
 
 def phase_end(device, peaks, phase):
