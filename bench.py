@@ -80,6 +80,7 @@ import rollout
 from model import (FLEX_BLOCK, Transformer, attend, attention_block_mask, attention_mask_4d, decodes_transposed,
                    default_attn_impl, store_transposed)
 from rollout import CACHE_MULTIPLE, generate, pad_prompts
+from runtime import UsageError, check_flags, no_short_flags_in_help
 
 SHORT = ["What is {a} times {b}? Reply with the number only.", "Name the capital of {c}. One word.",
          "Is {a} a prime number? Answer yes or no.", "What is {a} plus {b}? Just the number.",
@@ -1814,13 +1815,35 @@ def decode_pool(policy, rows=8, max_prompt_len=64, max_new_tokens=64, stop_token
           f"recorded non-static inputs {counters['inductor']['cudagraph_recorded_non_static_inputs']}", flush=True)
 
 
-if __name__ == "__main__":
+COMMANDS = {"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
+            "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
+            "generation": generation, "decode_layout": decode_layout, "train_products": train_products,
+            "scoring_head": scoring_head, "sampler": sampler, "attention": attention, "real_shapes": real_shapes,
+            "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
+            "peak_owners": peak_owners, "decode_pool": decode_pool}
+
+
+def command_line(argv=None):
+    """`python bench.py COMMAND [ARGS] [--flags]`: a flag the command does not take is named before anything runs
+    (fire ran the benchmark first, minutes of it, and only then complained of the flag it had not used), as is a word
+    where no argument is left for it. Returns the exit status."""
+    import inspect
+
     import fire
 
-    fire.Fire({"ppo_step": ppo_step, "async_rollout": async_rollout, "lora_generation": lora_generation,
-               "lora_run": lora_run, "cpu_malloc": cpu_malloc, "cpu_phases": cpu_phases, "vs_commit": vs_commit,
-               "generation": generation, "decode_layout": decode_layout, "train_products": train_products,
-               "scoring_head": scoring_head, "sampler": sampler,
-               "attention": attention, "real_shapes": real_shapes,
-               "random_checkpoints": random_checkpoints, "word_prompts": word_prompts, "memory_vs_plan": memory_vs_plan,
-               "peak_owners": peak_owners, "decode_pool": decode_pool})
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        params = inspect.signature(COMMANDS[argv[0]]).parameters.values()
+        try:
+            argv[1:] = check_flags(argv[1:], {p.name: isinstance(p.default, bool) for p in params},
+                                   f"bench.py {argv[0]}", positional=sum(p.default is p.empty for p in params))
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    with no_short_flags_in_help(fire):  # (-d for --device: refused above)
+        fire.Fire(COMMANDS, command=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(command_line())

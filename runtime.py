@@ -298,12 +298,14 @@ def no_short_flags_in_help(fire):
         helptext._GetShortFlags = short
 
 
-def check_flags(argv, flags, script):
+def check_flags(argv, flags, script, positional=0):
     """argv, or ["--help"] where it asks for help beside flags (fire listed the made config's members). A UsageError
     for a word (before a lone "--", which fire's own flags follow) that is not one of `flags` ({name: is a bool})
     written --name=value, --name value, or --name / --noname for a bool: fire would take `-n` for the one flag that
     starts with n (--non_stop_penalty), a word without a flag for the next field in order (the model, then the
-    reward model), --nomodel for --model=False, and an unknown --name for a member of the config once it is made."""
+    reward model), --nomodel for --model=False, and an unknown --name for a member of the config once it is made
+    (or, for a function, complain of it only after the function ran). positional: how many words without a flag
+    may stand for the first arguments (a benchmark's FOLDER), in order."""
     if "-h" in argv or "--help" in argv:
         return ["--help"]
     ours = argv[: argv.index("--")] if "--" in argv else argv
@@ -311,6 +313,9 @@ def check_flags(argv, flags, script):
     while i < len(ours):
         word, i = ours[i], i + 1
         key = word[2:].split("=", 1)[0].replace("-", "_") if word.startswith("--") else None
+        if key is None and not word.startswith("-") and positional > 0:
+            positional -= 1
+            continue
         if key not in flags and not (key and "=" not in word and key.startswith("no") and flags.get(key[2:])):
             close = difflib.get_close_matches(key or word.lstrip("-"), list(flags), n=1, cutoff=0.75)
             hint = f"; did you mean --{close[0]}?" if close else f" (`python {script} --help` lists them)"

@@ -11839,6 +11839,33 @@ def test_a_word_that_is_not_a_flag_is_refused_by_name(monkeypatch, capsys):
         assert e.value.code == 0 and "--non_stop_penalty=NON_STOP_PENALTY" in out and "GROUPS" not in out, argv
 
 
+def test_a_benchmark_refuses_a_flag_it_does_not_take_before_it_runs(monkeypatch, capsys):
+    # fire ran `python bench.py generation --batchs=1` to its end (minutes) with the default batches, and only then
+    # complained of the flag it had not used; a word past the command's arguments went the same way
+    import bench
+
+    calls = []
+
+    def probe(folder, n=1, flag=False):
+        calls.append((folder, n, flag))
+
+    monkeypatch.setitem(bench.COMMANDS, "probe", probe)
+    assert bench.command_line(["probe", "/x", "--n=3", "--flag"]) == 0 and calls == [("/x", 3, True)]
+    for argv, said in ((["probe", "/x", "--flagg"], "error: '--flagg' is not a flag of bench.py probe: each flag is "
+                                                    "written --name=value; did you mean --flag?"),
+                       (["probe", "/x", "extra"], "'extra' is not a flag of bench.py probe"),
+                       (["probe", "/x", "-n", "2"], "'-n' is not a flag of bench.py probe"),  # fire's short form
+                       (["generation", "--batchs=1"], "did you mean --batches?")):
+        assert bench.command_line(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and said in err and err.count("\n") == 1, (argv, err)
+    assert calls == [("/x", 3, True)]
+    with pytest.raises(SystemExit) as e:
+        bench.command_line(["generation", "--help"])
+    out = "".join(capsys.readouterr())
+    assert e.value.code == 0 and "--batches=BATCHES" in out and not re.findall(r"^ +-\w, --", out, re.M)
+
+
 def test_help_lists_every_option_with_default_and_comment(tmp_path):
     import dataclasses
 
