@@ -49,6 +49,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from hf import finish_write, read_checkpoint, resolve, save_hf
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
+from reward import is_file_spec
 from runtime import UsageError, check_space, print0
 
 # Config fields that may differ between a checkpoint and the run resuming it: where and how often it
@@ -63,7 +64,8 @@ MAY_CHANGE_ON_RESUME = {"total_steps", "save_every", "log_every", "sample_every"
                         "offload_frozen", "offload_optimizer", "dry_run", "gpu_memory_gb"}
 MAY_CHANGE_ON_RESUME |= {"overwrite"}
 # Config fields naming a data file: a checkpoint's config.json keeps each file's sha256 (input_sha256), and resume
-# compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts).
+# compares what the file holds, not where it lies (a moved checkout still resumes with the default --prompts). So
+# with --reward_fn=FILE.py:NAME: the same NAME, in a file of the same contents (input_files).
 INPUT_FILES = ("prompts", "sft_data")
 # Config fields naming a model, which resume reads again (the reference, the tokenizer, the critic's start, a LoRA
 # base): config.json keeps a fingerprint of its files (model_sha256, model_fingerprint), and resume compares it, so a
@@ -684,9 +686,16 @@ def check_config(folder, cfg):
                          f"{cfg.total_steps} would move that horizon. Keep total_steps, or use lr_schedule=constant")
 
 
+def input_files(cfg):
+    """{field: path} of the files the run reads its data from (INPUT_FILES) and its reward function's file."""
+    files = {k: cfg[k] for k in INPUT_FILES if cfg.get(k)}
+    spec = cfg.get("reward_fn", "")
+    return files | ({"reward_fn": spec.rpartition(":")[0]} if is_file_spec(spec) else {})
+
+
 def input_hashes(cfg):
-    """{field: sha256} of each data file the run reads (INPUT_FILES), written beside the config it saves."""
-    return {k: file_sha256(getattr(cfg, k)) for k in INPUT_FILES if getattr(cfg, k) and os.path.isfile(getattr(cfg, k))}
+    """{field: sha256} of each file of input_files, written beside the config it saves."""
+    return {k: file_sha256(path) for k, path in input_files(asdict(cfg)).items() if os.path.isfile(path)}
 
 
 def model_hashes(cfg):
@@ -729,8 +738,10 @@ def same_setting(k, saved, now):
     compares the paths, as the run that wrote it did (the config-evolution rule of check_config). One written
     before a reward function from Python was recorded (python_reward_recorded) takes the one passed now."""
     hashes, models = saved.get("input_sha256", {}), saved.get("model_sha256", {})
-    if k in INPUT_FILES and k in hashes:
-        return bool(now[k]) and os.path.isfile(now[k]) and file_sha256(now[k]) == hashes[k]
+    if k in hashes:  # a data file, or a reward function's (FILE.py:NAME, the NAMEs the same)
+        path = input_files(now).get(k)
+        return (bool(path) and os.path.isfile(path) and file_sha256(path) == hashes[k]
+                and (k != "reward_fn" or now[k].rpartition(":")[2] == saved[k].rpartition(":")[2]))
     if k in MODEL_FIELDS and models.get(k):  # (None: a Hub id, compared by name)
         return bool(now[k]) and model_fingerprint(now[k]) == models[k]
     if k == "reward_fn" and now[k].startswith("python:") and not saved.get("python_reward_recorded"):

@@ -68,7 +68,7 @@ from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
-from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, python_name
+from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, is_file_spec, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
 from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
                      print0, progress, run_command, setup_distributed)
@@ -81,7 +81,7 @@ class Config:
     model: str = "smollm2"  # actor and reference: HF folder, Hub id, .gguf file, or "smollm2" (embedded)
     reward_model: str = ""  # sequence-classification reward model; "" uses the reward function reward_fn
     reward_model_random_head: bool = False  # let a causal LM be the reward model under a random score head (benchmarks)
-    reward_fn: str = "sentiment"  # built-in reward function when there is no reward model (see REWARD_FNS)
+    reward_fn: str = "sentiment"  # without a reward model: a built-in (REWARD_FNS), or FILE.py:NAME, a file's function
     prompts: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl")  # JSONL prompts
     prompt_key: str = "prompt"  # field holding a prompt string
     messages_key: str = "messages"  # field holding a chat message list
@@ -232,8 +232,9 @@ def derive(cfg, rank, W, device):
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     need((cfg.mini_batch_size // W) % local_micro == 0,
          f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
-    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:"),
-         f"--reward_fn must be one of {list(REWARD_FNS)} (or give --reward_model), not {cfg.reward_fn!r}")
+    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:") or is_file_spec(
+         cfg.reward_fn), f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of a Python file "
+         f"(or give --reward_model), not {cfg.reward_fn!r}")
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
          "--ptx_coef > 0, or leave --sft_data out")
@@ -437,11 +438,7 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
 def main(cfg: Config, reward_fn=None):
     """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn; the run records it
     as cfg.reward_fn = "python:module.name", so that a resume without it (or with another name) is refused."""
-    given = reward_fn is not None
-    need(not (given and cfg.reward_model), "main(cfg, reward_fn=...) and --reward_model both give the reward")
-    need(given or not cfg.reward_fn.startswith("python:"), f"--reward_fn={cfg.reward_fn} is a function passed from "
-         "Python: pass it again, ppo.main(cfg, reward_fn=...)")
-    cfg = replace(cfg, reward_fn=python_name(reward_fn)) if given else cfg  # what the saved config records
+    cfg = replace(cfg, reward_fn=recorded_name(reward_fn, cfg.reward_fn, cfg.reward_model))  # as the config saves it
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
@@ -450,6 +447,7 @@ def main(cfg: Config, reward_fn=None):
     # the models load gets a note, as the steps' do
     with gguf_parsed_once(), plan.out_of_memory_noted(cfg, run):
         tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
+        reward_fn = None if cfg.reward_model else reward_fn or reward_function(cfg.reward_fn)  # a file's: it runs
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
         # the same seeds on every rank: the critic's fresh head must agree before sharding
         random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)
@@ -464,7 +462,6 @@ def main(cfg: Config, reward_fn=None):
         m = checkpoint.add_optimizers(checkpoint.build_models(cfg, run, mesh), cfg, run)
     if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
         keep_freed_memory()
-    reward_fn = None if m["reward_model"] is not None else reward_fn or REWARD_FNS[cfg.reward_fn]
     reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "
            f"stop ids {stop_ids}, pad id {pad_id}")

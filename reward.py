@@ -2,10 +2,11 @@
 Reward functions: (prompt record, response text) -> one float score, for runs without a reward model.
 
 The record is the prompt's whole JSONL object, so a reward that checks a reference answer reads
-record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REWARD_FNS) or any callable from
-Python: main(cfg, reward_fn=f), recorded in the run's config as python:module.name (python_name), so that a resume
-must pass it again. A reward model, when given (--reward_model), replaces the function. ppo.py calls
-each through RewardCaller, which refuses anything but one number, naming the function and what it returned.
+record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REWARD_FNS), one from a Python file
+(--reward_fn=FILE.py:NAME, load_reward_fn), or any callable from Python: main(cfg, reward_fn=f), recorded in the run's
+config as python:module.name (python_name), so that a resume must pass it again. A reward model, when given
+(--reward_model), replaces the function. ppo.py calls each through RewardCaller, which refuses anything but one
+number, naming the function and what it returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
 verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised, timed out or returned
@@ -13,15 +14,24 @@ NaN, inf or a number beyond float32 is scored with a fixed value and counted (pp
 --reward_timeout, --reward_on_error, val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
+    python reward.py "84" --reward_fn=math.py:verify --record='{"answer": "84"}'  # a file's, on one record
 """
 import copy
+import difflib
 import functools
+import importlib.util
+import inspect
+import json
 import numbers
 import os
 import re
+import sys
 import threading
 import time
+import traceback
 import weakref
+
+from runtime import UsageError, need
 
 
 POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
@@ -81,6 +91,85 @@ def python_name(fn):
     inner = fn.func if isinstance(fn, functools.partial) else fn
     name = getattr(inner, "__qualname__", None) or type(inner).__qualname__
     return f"python:{getattr(inner, '__module__', None) or '?'}.{name}" + ("(partial)" if inner is not fn else "")
+
+
+def recorded_name(fn, flag, reward_model):
+    """--reward_fn as a run's config records it: the flag, or for a function passed from Python (ppo.main(cfg,
+    reward_fn=fn)) its python_name, once fn is checked to take (record, response). A UsageError for a flag that
+    names a function from Python with none passed (a resume's flag), or for a function beside a reward model."""
+    if fn is None:
+        need(not flag.startswith("python:"), f"--reward_fn={flag} is a function passed from Python: pass it again, "
+             "ppo.main(cfg, reward_fn=...)")
+        return flag
+    need(not reward_model, "main(cfg, reward_fn=...) and --reward_model both give the reward")
+    check_signature(fn, f"main(cfg, reward_fn=f): {python_name(fn)[7:]}")
+    return python_name(fn)
+
+
+def is_file_spec(spec):
+    """Whether --reward_fn has the form FILE.py:NAME, a function of a Python file (load_reward_fn)."""
+    path, _, name = spec.rpartition(":")
+    return path.endswith(".py") and name.isidentifier()
+
+
+def check_signature(fn, what):
+    """A UsageError unless fn can be called as fn(record, response) and returns its score (not a coroutine)."""
+    need(callable(fn), f"{what} is {type(fn).__name__} {fn!r:.60}, not a function")
+    need(not inspect.iscoroutinefunction(fn) and not inspect.iscoroutinefunction(getattr(fn, "__call__", None)),
+         f"{what} is async (async def): a reward function returns its score; wrap the coroutine in a def that "
+         "returns asyncio.run(...) of it (--reward_workers runs calls side by side)")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: its first call says
+        return
+    try:
+        signature.bind({}, "")
+    except TypeError as e:
+        raise UsageError(f"{what} takes {signature}, not (record, response): {e}") from None
+
+
+def load_reward_fn(spec):
+    """The function NAME of the Python file FILE, from --reward_fn=FILE.py:NAME, checked to take (record, response).
+    The file runs as a module (in every rank's process), with its folder first on sys.path as for a script, so that
+    it may import its neighbours. A UsageError names what is wrong: no such file, an error while the file runs (with
+    its line), no NAME in it (with the functions it has), a NAME that is no function of two arguments."""
+    path, _, name = spec.rpartition(":")
+    need(is_file_spec(spec), f"--reward_fn={spec}: expected FILE.py:NAME, the function NAME of a Python file, or a "
+         f"built-in one of {list(REWARD_FNS)}")
+    need(os.path.isfile(path), f"--reward_fn={spec}: {path} is " + ("a folder" if os.path.isdir(path) else
+         f"not found (from {os.getcwd()})" if not os.path.exists(path) else "not a regular file"))
+    abspath = os.path.abspath(path)
+    folder = os.path.dirname(abspath)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = "reward_file_" + re.sub(r"\W", "_", os.path.basename(path)[:-3])
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, path))
+    sys.modules[module_name] = module  # (a dataclass of the file looks its module up there)
+    try:
+        module.__spec__.loader.exec_module(module)
+    except BaseException as e:  # noqa: BLE001 -- whatever the file does while it runs (a sys.exit too) is named
+        del sys.modules[module_name]
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == abspath]
+        where = f" (line {lines[-1]})" if lines and not isinstance(e, SyntaxError) else ""  # (a SyntaxError names it)
+        raise UsageError(f"--reward_fn={spec}: running {path}{where} raised {type(e).__name__}: {e} "
+                         "(PPO_DEBUG=1 shows the traceback)") from e
+    if not hasattr(module, name):
+        defined = [k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", None) == module_name]
+        close = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
+        raise UsageError(f"--reward_fn={spec}: {path} defines no {name!r}" + (f"; did you mean {close[0]!r}?" if close
+                         else f"; its functions: {', '.join(defined) or 'none'}"))
+    fn = getattr(module, name)
+    check_signature(fn, f"--reward_fn={spec}")
+    return fn
+
+
+def reward_function(spec):
+    """What --reward_fn names: a built-in function, or a file's (load_reward_fn)."""
+    if spec in REWARD_FNS:
+        return REWARD_FNS[spec]
+    return load_reward_fn(spec)
 
 
 # -----------------------------------------------------------------------------
@@ -238,7 +327,21 @@ class RewardCaller:
         return results
 
 
+def score_one(text, reward_fn="sentiment", record=None):
+    """The score reward_fn (a built-in name, or FILE.py:NAME) gives the response text to a prompt record (a JSON
+    object, as a line of the prompts file holds; {} by default)."""
+    fn = reward_function(reward_fn)
+    record = json.loads(record) if isinstance(record, str) else record or {}
+    need(isinstance(record, dict), f"--record must be a JSON object, not {record!r:.60}")
+    return RewardCaller(fn)([record], [str(text)])[0][0]  # (fire reads "42" as an int)
+
+
 if __name__ == "__main__":
     import fire
 
-    fire.Fire(lambda text: sentiment_reward({}, str(text)))  # (fire reads "42" as an int)
+    try:
+        fire.Fire(score_one)
+    except UsageError as e:
+        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
+            raise
+        raise SystemExit(f"error: {e}")  # (exit status 1)

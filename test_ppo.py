@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -9118,6 +9119,148 @@ def test_a_reward_function_from_python_is_recorded_and_needed_on_resume(tiny_run
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     with pytest.raises(UsageError, match=r"main\(cfg, reward_fn=...\) and --reward_model both give the reward"):
         ppo.main(ppo.Config(reward_model=tiny_run["policy"]), reward_fn=len)
+
+
+REWARD_FILE = """
+from verify_helpers import last_number  # a neighbour of this file
+
+
+def verify(record, response):
+    return float(last_number(response) == record["answer"])
+
+
+def one_argument(record):
+    return 0.0
+
+
+async def judge(record, response):
+    return 1.0
+
+
+class Judge:
+    def __call__(self, record, response, strict=False):
+        return 0.5
+
+
+judge_object = Judge()
+THRESHOLD = 0.5
+"""
+
+
+def test_a_reward_function_from_a_file_is_loaded_or_refused_by_name(tmp_path, monkeypatch):
+    # --reward_fn=FILE.py:NAME runs the file as a module (its neighbours importable) and calls NAME(record, response);
+    # a file or function that cannot do that is a usage error naming the file and what is wrong, before a model loads
+    import ppo
+    import reward as R
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the loader puts the file's folder first)
+    (tmp_path / "verify_helpers.py").write_text("def last_number(text):\n    words = text.split()\n"
+                                                "    return words[-1] if words else None\n")
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    (tmp_path / "broken.py").write_text("def f(record, response):\n    return 1.0 +\n")
+    (tmp_path / "raises.py").write_text("import json\n\nCONFIG = json.loads('{')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "folder.py").mkdir()
+    f = R.load_reward_fn(f"{tmp_path}/rewards.py:verify")
+    assert f({"answer": "84"}, "it is 84") == 1.0 and f({"answer": "84"}, "it is 85") == 0.0
+    assert R.load_reward_fn(f"{tmp_path}/rewards.py:judge_object")({}, "") == 0.5  # a callable object
+    monkeypatch.chdir(tmp_path)  # a path relative to the working folder
+    assert R.reward_function("rewards.py:verify")({"answer": "1"}, "1") == 1.0
+    assert R.reward_function("sentiment") is R.sentiment_reward
+    for spec, message in [
+        ("rewards.py:verfy", "--reward_fn=rewards.py:verfy: rewards.py defines no 'verfy'; did you mean 'verify'?"),
+        ("rewards.py:score", "rewards.py defines no 'score'; its functions: verify, one_argument, judge, Judge"),
+        ("rewards.py:one_argument", "--reward_fn=rewards.py:one_argument takes (record), not (record, response): "
+                                    "too many positional arguments"),
+        ("rewards.py:judge", "--reward_fn=rewards.py:judge is async (async def)"),
+        ("rewards.py:THRESHOLD", "--reward_fn=rewards.py:THRESHOLD is float 0.5, not a function"),
+        ("broken.py:f", "running broken.py raised SyntaxError: invalid syntax (broken.py, line 2)"),
+        ("raises.py:f", "running raises.py (line 3) raised JSONDecodeError: Expecting property name"),
+        ("exits.py:f", "running exits.py (line 2) raised SystemExit: 3"),
+        ("missing.py:f", f"--reward_fn=missing.py:f: missing.py is not found (from {tmp_path})"),
+        ("folder.py:f", "--reward_fn=folder.py:f: folder.py is a folder"),
+        ("rewards.py:", "--reward_fn=rewards.py:: expected FILE.py:NAME, the function NAME of a Python file"),
+        ("rewards.py", "expected FILE.py:NAME, the function NAME of a Python file, or a built-in one of ['sentiment']"),
+    ]:
+        with pytest.raises(UsageError) as e:
+            R.reward_function(spec)
+        assert message in str(e.value), (spec, str(e.value))
+    assert "reward_file_broken" not in sys.modules  # a file that failed is not half-imported
+    for spec, ok in [("rewards.py:verify", True), ("a/b.py:f_2", True), ("rewards.py:", False), ("rewards:f", False),
+                     ("rewards.py:2f", False)]:
+        cfg = ppo.Config(reward_fn=spec)
+        if ok:
+            ppo.derive(cfg, 0, 1, torch.device("cpu"))
+        else:
+            with pytest.raises(UsageError, match="--reward_fn must be one of \\['sentiment'\\] or FILE.py:NAME"):
+                ppo.derive(cfg, 0, 1, torch.device("cpu"))
+    # a function passed from Python is checked alike, before anything loads
+    with pytest.raises(UsageError, match=r"main\(cfg, reward_fn=f\): test_ppo\..*<lambda> takes \(record\), not "):
+        ppo.main(ppo.Config(), reward_fn=lambda record: 0.0)
+    # the README's math_reward.py, and its `python reward.py TEXT --reward_fn=FILE.py:NAME --record=JSON` line, which
+    # tries a function on one response: the score the README says
+    readme = open(os.path.join(REPO, "README.md")).read()
+    (tmp_path / "math_reward.py").write_text(re.search(r"```python\n(# math_reward\.py.*?)```", readme, re.S)[1])
+    line, want = re.search(r"\npython (reward\.py [^\n]*?)  # (\S+)\n", readme).groups()
+    p = subprocess.run([sys.executable, os.path.join(REPO, "reward.py"), *shlex.split(line)[1:]], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == want == "1.0", p.stdout + p.stderr
+    assert R.reward_function("math_reward.py:math_verifier")({"answer": "84"}, "12 * 7 = 84.0") == 1.0
+
+
+def test_resume_compares_a_reward_files_contents_and_the_function_name(tmp_path):
+    # a checkpoint of a run with --reward_fn=FILE.py:NAME keeps the file's sha256 (input_sha256): resuming with the
+    # file moved takes it; with the file edited, another NAME or another reward function is refused
+    import dataclasses
+    import shutil
+
+    import ppo
+
+    a, b = tmp_path / "a" / "rewards.py", tmp_path / "b" / "rewards.py"
+    os.makedirs(a.parent), os.makedirs(b.parent)
+    a.write_text(REWARD_FILE)
+    shutil.copy(a, b)
+    cfg = ppo.Config(reward_fn=f"{a}:verify")
+    folder = tmp_path / "ckpt"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), input_sha256=C.input_hashes(cfg))))
+    assert C.input_hashes(cfg)["reward_fn"] == hashlib.sha256(a.read_bytes()).hexdigest()
+    C.check_config(str(folder), dataclasses.replace(cfg, reward_fn=f"{b}:verify"))  # moved: the same contents
+    for other in (f"{b}:judge", "sentiment", f"{tmp_path}/nowhere.py:verify"):
+        with pytest.raises(UsageError, match="is from another config.*'reward_fn'"):
+            C.check_config(str(folder), dataclasses.replace(cfg, reward_fn=other))
+    a.write_text(REWARD_FILE + "THRESHOLD = 0.6\n")
+    with pytest.raises(UsageError, match=r"'reward_fn'.*the files of \['reward_fn'\] have changed since \(sha256\)"):
+        C.check_config(str(folder), cfg)
+
+
+@slow
+def test_a_run_scores_with_a_reward_function_from_a_file(tiny_run, tmp_path):
+    # `python ppo.py --reward_fn=FILE.py:NAME`: every response is scored by the file's function with its prompt's
+    # record, the scores logged are its, and the checkpoint records the flag and the file's contents
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(TINY_PROMPTS)]
+    prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
+    calls = tmp_path / "calls.jsonl"
+    (tmp_path / "rewards.py").write_text(f"""
+import json
+
+
+def length(record, response):
+    with open({str(calls)!r}, "a") as f:
+        f.write(json.dumps([record, response]) + "\\n")
+    return len(response) / 8 + int(record["answer"])
+""")
+    out = tmp_path / "run"
+    p, rows_logged = run_ppo(tiny_run, out, prompts=prompts, reward_fn=f"{tmp_path}/rewards.py:length",
+                             total_steps=1)
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(seen) == TINY_ARGS["rollout_batch_size"] and all(set(r) == {"prompt", "answer"} for r, _ in seen)
+    assert {r["prompt"] for r, _ in seen} <= set(TINY_PROMPTS)
+    mean = sum(len(t) / 8 + int(r["answer"]) for r, t in seen) / len(seen)
+    assert rows_logged[0]["objective/scores"] == pytest.approx(mean, rel=1e-6), (rows_logged[0], mean)
+    saved = json.loads((out / "checkpoints" / "step-000001" / "config.json").read_text())
+    assert saved["reward_fn"] == f"{tmp_path}/rewards.py:length"
+    assert saved["input_sha256"]["reward_fn"] == hashlib.sha256((tmp_path / "rewards.py").read_bytes()).hexdigest()
 
 
 def test_more_ranks_than_gpus_is_a_clear_error(monkeypatch):
