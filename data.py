@@ -45,7 +45,7 @@ import torch
 
 from hf import check_model, check_same_tokenizer, load_tokenizer, read_config, stop_and_pad_ids
 from model import SUPPORTED, Transformer
-from runtime import UsageError, check_wandb, need, print0
+from runtime import UsageError, check_wandb, need, print0, run_function
 
 TOKENIZE_ROWS = 1024  # texts per tokenizer call (_tokenize)
 
@@ -517,6 +517,4 @@ def main(path="prompts.jsonl", max_prompt_len=64):
 
 
 if __name__ == "__main__":
-    import fire
-
-    fire.Fire(main)
+    raise SystemExit(run_function(main, "data.py"))

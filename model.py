@@ -875,7 +875,7 @@ def cpu_has_bf16():
 
 
 if __name__ == "__main__":
-    import fire
+    from runtime import run_function
 
     def main(path="smollm2", prompt="What is the capital of France?", new_tokens=24):
         """Greedy demo: a short answer from a checkpoint, with the plain loop (rollout.py is the fast path)."""
@@ -891,4 +891,4 @@ if __name__ == "__main__":
                 ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
         print(tok.decode(ids[0]))
 
-    fire.Fire(main)
+    raise SystemExit(run_function(main, "model.py"))

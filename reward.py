@@ -31,7 +31,7 @@ import time
 import traceback
 import weakref
 
-from runtime import UsageError, need
+from runtime import UsageError, need, run_function
 
 
 POSITIVE = set("""good great excellent wonderful amazing fantastic lovely beautiful delightful happy joy
@@ -327,21 +327,17 @@ class RewardCaller:
         return results
 
 
-def score_one(text, reward_fn="sentiment", record=None):
+def score_one(text: str, reward_fn: str = "sentiment", record: str | dict = "{}"):
     """The score reward_fn (a built-in name, or FILE.py:NAME) gives the response text to a prompt record (a JSON
-    object, as a line of the prompts file holds; {} by default)."""
+    object, as a line of the prompts file holds)."""
     fn = reward_function(reward_fn)
-    record = json.loads(record) if isinstance(record, str) else record or {}
+    try:
+        record = json.loads(record) if isinstance(record, str) else record
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--record={record!r:.60} is not JSON: {e}") from None
     need(isinstance(record, dict), f"--record must be a JSON object, not {record!r:.60}")
     return RewardCaller(fn)([record], [str(text)])[0][0]  # (fire reads "42" as an int)
 
 
 if __name__ == "__main__":
-    import fire
-
-    try:
-        fire.Fire(score_one)
-    except UsageError as e:
-        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
-            raise
-        raise SystemExit(f"error: {e}")  # (exit status 1)
+    raise SystemExit(run_function(score_one, "reward.py"))

@@ -281,6 +281,27 @@ def run_command(config_cls, main, argv=None, name=None):
         return 2
 
 
+def run_function(fn, script, argv=None):
+    """`python SCRIPT [ARGS] [--flags]` for a module's demo or self-check fn: fire calls fn with argv (else
+    sys.argv[1:]) and prints what it returns, once check_flags has named a flag fn does not take or a word past its
+    arguments (fire ran fn first, and then complained of what it had not used, offering the methods of fn's result).
+    Returns the exit status: 2 after a UsageError's one line ("error: ...")."""
+    import fire
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    params = inspect.signature(fn).parameters.values()
+    try:
+        argv = check_flags(argv, {p.name: isinstance(p.default, bool) for p in params}, script, positional=len(params))
+        with no_short_flags_in_help(fire):
+            fire.Fire(fn, command=argv, name=script)
+    except UsageError as e:
+        if os.environ.get("PPO_DEBUG", "0") not in ("", "0"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 @contextlib.contextmanager
 def no_short_flags_in_help(fire):
     """fire's help offers `-n, --non_stop_penalty` (a flag whose first letter no other flag has), a form that

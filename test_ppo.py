@@ -12009,6 +12009,34 @@ def test_a_benchmark_refuses_a_flag_it_does_not_take_before_it_runs(monkeypatch,
     assert e.value.code == 0 and "--batches=BATCHES" in out and not re.findall(r"^ +-\w, --", out, re.M)
 
 
+def test_a_modules_demo_refuses_a_flag_it_does_not_take_before_it_runs(capsys):
+    # `python data.py`, `python model.py` and `python reward.py` (runtime.run_function): fire ran the function and then
+    # complained of the flag it had not used (reward.py's offered the methods of the float it returned); a usage
+    # error of the function itself is its one line too
+    import runtime
+    import reward
+
+    calls = []
+
+    def demo(path="x", n=1, flag=False):
+        calls.append((path, n, flag))
+        return n + 1
+
+    assert runtime.run_function(demo, "demo.py", ["p", "--n=3", "--flag"]) == 0 and calls == [("p", 3, True)]
+    assert capsys.readouterr().out == "4\n"  # what it returns, printed
+    for argv, said in ((["--fla"], "'--fla' is not a flag of demo.py: each flag is written --name=value; did you mean "
+                                   "--flag?"),
+                       (["p", "2", "True", "extra"], "'extra' is not a flag of demo.py")):
+        assert runtime.run_function(demo, "demo.py", argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and said in err and err.count("\n") == 1, (argv, err)
+    assert calls == [("p", 3, True)]
+    assert runtime.run_function(reward.score_one, "reward.py", ["What a lovely day", "--record={bad"]) == 2
+    assert capsys.readouterr().err.startswith("error: --record='{bad' is not JSON: Expecting property name")
+    assert runtime.run_function(reward.score_one, "reward.py", ["What a lovely day", "--record=[1]"]) == 2
+    assert "error: --record must be a JSON object, not [1]" in capsys.readouterr().err
+
+
 def test_help_lists_every_option_with_default_and_comment(tmp_path):
     import dataclasses
 
