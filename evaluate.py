@@ -15,9 +15,12 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
     eval/response_length   mean response length in tokens (EOS included)
     eval/stop_rate         fraction of responses that ended with EOS
     eval/reward_errors     reward calls that failed or timed out, scored --reward_on_error (reward functions only)
+    eval/reward/<name>     mean of what a reward function returned under that name beside the score (a dict:
+                           reward.RewardCaller), over the prompts whose call did
     time/eval              seconds (with --async_rollout, first waiting for the batch drawn ahead, since the
                            evaluation refills the generation copy it is drawn from)
-and its rows (prompt, response, score, kl, length, stopped) in out_dir/samples/step-N.jsonl (runtime.Logger).
+and its rows (prompt, response, score, kl, length, stopped, and reward/<name>, null where a call did not report
+it) in out_dir/samples/step-N.jsonl (runtime.Logger).
 
 Keyed, so it repeats and leaves training alone: the sampling noise of eval row g comes from rollout.eval_seeds
 (seed, g), a key space training never draws from, the same at every evaluation (two evaluations differ by their
@@ -41,6 +44,9 @@ import torch.distributed as dist
 from gae import kl_estimate, masked_sum
 from rollout import eval_seeds, generate
 from runtime import all_sum, progress
+
+
+ROW = ("prompt", "response", "score", "kl", "length", "stopped")  # an eval row's columns, before reward/<name>
 
 
 def due(step, cfg):
@@ -82,11 +88,16 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
         scores = sc["score"][:n_real].tolist()
     kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
     kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
-    mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=n, stopped=e)
-                 for i, t, s, x, n, e in zip(idx, texts, scores, kl, mask.sum(1).tolist(), ro.ended.tolist())]
+    extras = reward.extras if reward is not None else [{}] * n_real  # what a reward function returned beside scores
+    mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=n, stopped=e,
+                      **{f"reward/{k}": v for k, v in more.items()})
+                 for i, t, s, x, n, e, more in zip(idx, texts, scores, kl, mask.sum(1).tolist(), ro.ended.tolist(),
+                                                   extras)]
     rows = [None] * W
     dist.all_gather_object(rows, mine_rows)
     rows = [r for part in rows for r in part]  # (E,) in the file's order: rank r holds rows [r k, (r + 1) k)
+    names = sorted({k for r in rows for k in r if k.startswith("reward/")})
+    rows = [{k: r.get(k) for k in (*ROW, *names)} for r in rows]  # every row the same columns (None: not reported)
     bad = [r for r in rows if not math.isfinite(r["score"])]
     if bad:  # on every rank alike (the gathered rows), as training refuses its own
         raise FloatingPointError(f"eval after step {step}: the reward gave non-finite scores to {len(bad)} of the {E} "
@@ -96,7 +107,8 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     metrics = {"step": step, **counters, "eval/score": statistics.fmean(col("score")),
                "eval/score_std": statistics.stdev(col("score")) if E > 1 else math.nan,  # (null)
                "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
-               "eval/stop_rate": statistics.fmean(col("stopped"))}
+               "eval/stop_rate": statistics.fmean(col("stopped")),
+               **{f"eval/{k}": statistics.fmean(r[k] for r in rows if r[k] is not None) for k in names}}
     if reward is not None:
         metrics["eval/reward_errors"] = all_sum(float(errors)).item()
     return dict(metrics, **{"time/eval": time.time() - t0}), rows

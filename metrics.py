@@ -9,6 +9,7 @@ import functools
 from math import nan
 
 import torch
+import torch.distributed as dist
 
 from gae import KL_ESTIMATORS, is_weights, kl_estimate, masked_sum, masked_var
 from runtime import all_sum
@@ -88,3 +89,19 @@ def phase_times(t0, t1, t2, t3, t4, tokens):
     start, t4: its end), and the response tokens of the step per second."""
     return {"time/rollout": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t4 - t0,
             "time/tokens_per_sec": tokens / (t4 - t0)}
+
+
+def reward_means(extras, prefix="reward/"):
+    """{prefix + name: mean over the responses of every rank whose reward call reported name} from a batch's
+    RewardCaller.extras ({name: float} per response): what a reward function returned beside the score (accuracy,
+    a format check). The names are gathered from every rank first (a rank may have seen none, or other ones), so
+    every rank sums the same list; a name no response reported is not logged."""
+    names = [sorted({k for e in extras for k in e})]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted({k for e in extras for k in e}))
+    names = sorted(set().union(*names))
+    if not names:
+        return {}
+    sums = all_sum([[sum(e.get(k, 0.0) for e in extras), sum(k in e for e in extras)] for k in names]).tolist()
+    return {prefix + k: s / n for k, (s, n) in zip(names, sums)}

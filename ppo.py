@@ -40,7 +40,9 @@ and a resumed run repeats the uninterrupted one (checkpoint.py).
     python ppo.py                                               # the embedded default (CPU, see README)
     python ppo.py --help                                        # every option, its default and meaning
     torchrun --nproc_per_node 8 ppo.py --model=... --reward_model=... --prompts=...
-From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float.
+    python ppo.py --reward_fn=my_rewards.py:verify              # verify(record: dict, response: str) -> float
+From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float (or a dict: the
+score under "score", and more numbers about the response, each logged as reward/<name>).
 """
 import functools
 import json
@@ -66,7 +68,7 @@ from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKL
                  estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
-from metrics import counters, learning_rates, phase_times, step_metrics
+from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, is_file_spec, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
@@ -546,7 +548,8 @@ def main(cfg: Config, reward_fn=None):
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             counted = counters(step, cfg, sampler)
-            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item()} if reward else {})  # all ranks
+            metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item(),  # all ranks
+                            **reward_means(reward.extras)} if reward else {})  # what the function said beside scores
             times = phase_times(t0, t1, t2, t3, time.time(), metrics["val/response_length"] * run.rows)
             metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics)
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))

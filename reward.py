@@ -189,7 +189,10 @@ class RewardCaller:
     inf or a number beyond float32 (the scores' dtype) is scored on_error and counted; with on_error None it stops
     the run, naming the function, the response and the error. A call that returns something other than one real
     number (a string, a complex number, a list) is a TypeError whatever on_error says: that is a bug of the function,
-    not a flaky verifier. Each call gets a copy of its record, so what a function does to it stays in that call."""
+    not a flaky verifier. Each call gets a copy of its record, so what a function does to it stays in that call.
+    A function may return a dict instead: the score under "score", and more numbers of the response under names of
+    its own (accuracy, a format check), kept per response in `extras` after each batch ({} for a number or a failed
+    call), which ppo.py logs as means, reward/<name> (metrics.reward_means)."""
 
     SLOW_S = 60.0  # without a timeout, a call running this long is reported (once)
 
@@ -206,6 +209,7 @@ class RewardCaller:
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
+        self.extras = []  # the last batch's: {name: float} per response
 
     def __call__(self, records, responses):
         records, responses = list(records), list(responses)
@@ -219,8 +223,11 @@ class RewardCaller:
                                             name=f"reward-watch-{self.name}", daemon=True)
             self.watcher.start()
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
-        scores, errors = [], 0
+        scores, errors, self.extras = [], 0, []
         for i, (ok, value) in enumerate(results):
+            extras = {}
+            if ok and isinstance(value, dict):  # {"score": x, "name": y, ...}: each name logged as reward/name
+                value, extras = self._entries(value, i, responses[i])
             if ok and real_number(value):  # NaN, inf, or beyond float32: a failed call, named, or scored on_error
                 try:
                     bad = not abs(float(value)) <= FLOAT32_MAX
@@ -232,6 +239,7 @@ class RewardCaller:
                       f"record {_brief(records[i])}: {value!r}")  # the record: which prompt lacks a field, say
             if not ok and self.on_error is None:
                 raise RuntimeError(f"{failed}; --reward_on_error=X scores such responses X instead") from value
+            self.extras.append(extras if ok else {})
             if not ok:
                 scores.append(float(self.on_error))
                 errors += 1
@@ -245,6 +253,24 @@ class RewardCaller:
                 raise TypeError(f"reward function {self.name} returned {value!r:.80} ({type(value).__name__}) for "
                                 f"response {i} ({responses[i]!r:.80}); it must return a float")
         return scores, errors
+
+    def _entries(self, returned, i, response):
+        """(score, {name: float}) of a dict a call returned: its "score", and its other entries, each a number
+        finite in float32 (what one response tells of itself: a verifier's accuracy, a format check, a length).
+        Anything else is a TypeError: the function's bug, as a return value that is no number."""
+        where = f"reward function {self.name} returned {returned!r:.120} for response {i} ({response!r:.80})"
+        if "score" not in returned:
+            raise TypeError(f"{where}: a dict it returns must hold the score under \"score\"")
+        if not real_number(returned["score"]):
+            raise TypeError(f"{where}: its \"score\" must be a float")
+        extras = {k: v for k, v in returned.items() if k != "score"}
+        for k, v in extras.items():
+            if not isinstance(k, str) or not k or "/" in k:
+                raise TypeError(f"{where}: {k!r} is no name for a metric (a string without '/')")
+            if not (real_number(v) and abs(float(v)) <= FLOAT32_MAX):
+                raise TypeError(f"{where}: its {k!r} must be a number finite in float32, not {v!r:.40} (leave the "
+                                "name out of the dict for a response it does not apply to)")
+        return returned["score"], {k: float(v) for k, v in extras.items()}
 
     def _call(self, record, response):
         """(True, what fn returned) or (False, the exception it raised). Without a timeout, a call still running

@@ -6841,6 +6841,68 @@ def test_fixed_kl_controller():
 # ==================================================================================================
 
 
+def test_a_reward_function_may_return_a_dict_with_the_score_and_more(tmp_path):
+    # {"score": x, "acc": ..., "format": ...}: the scores as from numbers, and the other entries per response in
+    # `extras` ({} for a number or a failed call), in the responses' order whatever the threads do; an entry that is
+    # no finite number, a dict without its score, a name with a "/" are the function's bugs, named
+    import numpy as np
+    from reward import RewardCaller
+
+    def verifier(record, response):
+        time.sleep(0.002 * ((len(response) * 7) % 5))  # the calls end in another order than they started
+        if response == "bad":
+            raise ConnectionError("judge unreachable")
+        if response == "plain":
+            return 0.5
+        n = len(response)
+        return {"score": n / 10, "acc": n % 2 == 0, "format": np.float32(n / 4), **({"long": 1} if n > 5 else {})}
+
+    texts = ["x" * (i * 5 % 11) for i in range(17)] + ["plain", "bad"]
+    want = [{"acc": float(len(t) % 2 == 0), "format": len(t) / 4, **({"long": 1.0} if len(t) > 5 else {})}
+            for t in texts[:-2]] + [{}, {}]
+    for workers, timeout in ((1, 0), (4, 0), (3, 30)):
+        caller = RewardCaller(verifier, workers, timeout, on_error=-1.0)
+        assert caller([{}] * len(texts), texts) == ([len(t) / 10 for t in texts[:-2]] + [0.5, -1.0], 1)
+        assert caller.extras == want, workers
+        assert caller([{}], ["plain"]) == ([0.5], 0) and caller.extras == [{}]  # the last batch's
+    nan = float("nan")
+    for bad, said in [({"acc": 1.0}, 'a dict it returns must hold the score under "score"'),
+                      ({"score": "1"}, 'its "score" must be a float'),
+                      ({"score": 1.0, "acc": nan}, "its 'acc' must be a number finite in float32, not nan (leave"),
+                      ({"score": 1.0, "acc": 1e39}, "its 'acc' must be a number finite in float32, not 1e+39"),
+                      ({"score": 1.0, "acc": [1]}, "its 'acc' must be a number finite in float32, not [1]"),
+                      ({"score": 1.0, "a/b": 1}, "'a/b' is no name for a metric (a string without '/')"),
+                      ({"score": 1.0, 3: 1}, "3 is no name for a metric")]:
+        with pytest.raises(TypeError, match=r"reward function .*<lambda> returned \{.*\} for response 0 \('x'\): " +
+                           re.escape(said)):
+            RewardCaller(lambda r, t: bad, on_error=0.0)([{}], ["x"])
+    # a score the dict holds that is not finite is a failed call, as a number is: scored on_error, no extras
+    caller = RewardCaller(lambda r, t: {"score": nan, "acc": 1.0}, on_error=0.0)
+    assert caller([{}] * 2, ["x", "y"]) == ([0.0, 0.0], 2) and caller.extras == [{}, {}]
+
+
+def test_reward_means_gather_the_names_of_every_rank(tmp_path):
+    # metrics.reward_means on 2 ranks: a name only one rank's responses reported (or none of a rank's) is still summed
+    # by both, over the responses that reported it, and the means are the same on every rank
+    script = tmp_path / "means.py"
+    script.write_text(f"""
+import json, os, sys
+sys.path.insert(0, {REPO!r})
+import torch.distributed as dist
+from metrics import reward_means
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+extras = [[{{"acc": 1.0}}, {{"acc": 0.0, "fmt": 2.0}}, {{}}], [{{"len": 3.0, "acc": 1.0}}]][rank]
+with open(os.path.join({str(tmp_path)!r}, f"means-{{rank}}.json"), "w") as f:  # (the ranks' stdout interleaves)
+    json.dump([reward_means(extras), reward_means([{{}}] if rank else [])], f)
+dist.destroy_process_group()
+""")
+    p = run_torchrun([str(script)], nproc=2, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    means = [json.loads((tmp_path / f"means-{rank}.json").read_text()) for rank in range(2)]
+    assert means == [[{"reward/acc": 2 / 3, "reward/fmt": 2.0, "reward/len": 3.0}, {}]] * 2
+
+
 def test_reward_caller_threads_timeouts_and_errors(capsys):
     from reward import RewardCaller
 
@@ -9237,7 +9299,8 @@ def test_resume_compares_a_reward_files_contents_and_the_function_name(tmp_path)
 @slow
 def test_a_run_scores_with_a_reward_function_from_a_file(tiny_run, tmp_path):
     # `python ppo.py --reward_fn=FILE.py:NAME`: every response is scored by the file's function with its prompt's
-    # record, the scores logged are its, and the checkpoint records the flag and the file's contents
+    # record, the scores logged are its, and what it returns beside the score (a dict) is logged as reward/<name>,
+    # in training and in the evaluation (with its rows); the checkpoint records the flag and the file's contents
     rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(TINY_PROMPTS)]
     prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
     calls = tmp_path / "calls.jsonl"
@@ -9248,16 +9311,29 @@ import json
 def length(record, response):
     with open({str(calls)!r}, "a") as f:
         f.write(json.dumps([record, response]) + "\\n")
-    return len(response) / 8 + int(record["answer"])
+    n = len(response)
+    return {{"score": n / 8 + int(record.get("answer", 0)), "chars": n, **({{"even": 1}} if n % 2 == 0 else {{}})}}
 """)
     out = tmp_path / "run"
-    p, rows_logged = run_ppo(tiny_run, out, prompts=prompts, reward_fn=f"{tmp_path}/rewards.py:length",
-                             total_steps=1)
+    p, logged = run_ppo(tiny_run, out, prompts=prompts, reward_fn=f"{tmp_path}/rewards.py:length", total_steps=1,
+                        eval_prompts=tiny_run["eval_prompts"])
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert len(seen) == TINY_ARGS["rollout_batch_size"] and all(set(r) == {"prompt", "answer"} for r, _ in seen)
-    assert {r["prompt"] for r, _ in seen} <= set(TINY_PROMPTS)
-    mean = sum(len(t) / 8 + int(r["answer"]) for r, t in seen) / len(seen)
-    assert rows_logged[0]["objective/scores"] == pytest.approx(mean, rel=1e-6), (rows_logged[0], mean)
+    E = len(TINY_EVAL_PROMPTS)
+    assert len(seen) == 2 * E + TINY_ARGS["rollout_batch_size"]  # evaluations before and after the step
+    train = seen[E : E + TINY_ARGS["rollout_batch_size"]]
+    assert all(set(r) == {"prompt", "answer"} for r, _ in train) and {r["prompt"] for r, _ in train} <= set(TINY_PROMPTS)
+    step, ev = [r for r in logged if "objective/scores" in r], [r for r in logged if "eval/score" in r]
+    assert step[0]["objective/scores"] == pytest.approx(statistics.fmean(len(t) / 8 + int(r["answer"])
+                                                                         for r, t in train), rel=1e-6)
+    assert step[0]["reward/chars"] == pytest.approx(statistics.fmean(len(t) for _, t in train), rel=1e-12)
+    even = [t for _, t in train if len(t) % 2 == 0]
+    assert step[0].get("reward/even") == (1.0 if even else None)
+    after = [t for _, t in seen[-E:]]
+    assert ev[1]["eval/reward/chars"] == pytest.approx(statistics.fmean(len(t) for t in after), rel=1e-12)
+    samples = [json.loads(line) for line in (out / "samples" / "step-000001.jsonl").read_text().splitlines()]
+    assert [(r["response"], r["reward/chars"]) for r in samples] == [(t, len(t)) for t in after]
+    assert [r.get("reward/even", "none") for r in samples] == [
+        (1.0 if len(t) % 2 == 0 else None) if any(len(u) % 2 == 0 for u in after) else "none" for t in after]
     saved = json.loads((out / "checkpoints" / "step-000001" / "config.json").read_text())
     assert saved["reward_fn"] == f"{tmp_path}/rewards.py:length"
     assert saved["input_sha256"]["reward_fn"] == hashlib.sha256((tmp_path / "rewards.py").read_bytes()).hexdigest()
@@ -12434,9 +12510,15 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
         at = batch["tokens"][:, 0] - 90
         return dict(old_logp=logp[at], ref_logp=ref[at], kl_exact=exact[at], score=scores[at])
 
-    def fake_reward(records, texts):  # the scores negated, every call counted an error
-        assert len(records) == len(texts) and texts == [" ".join(["7"] * L[r["i"]]) for r in records]
-        return [-float(scores[r["i"]]) for r in records], len(records)
+    reported = {0: {"acc": 0.0}, 2: {"acc": 0.0}, 3: {"acc": 1.0, "fmt": 2.5}, 4: {"fmt": -0.5}}  # beside the scores
+
+    class FakeReward:  # a RewardCaller: the scores negated, every call counted an error, and `reported` in extras
+        def __call__(self, records, texts):
+            assert len(records) == len(texts) and texts == [" ".join(["7"] * L[r["i"]]) for r in records]
+            self.extras = [reported.get(r["i"], {}) for r in records]
+            return [-float(scores[r["i"]]) for r in records], len(records)
+
+    fake_reward = FakeReward()
 
     class Gathered(Exception):
         pass
@@ -12476,15 +12558,18 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
     kl = torch.where(mask, per_token, 0).sum(1).tolist()
     score = [(-1 if reward_fn else 1) * float(s) for s in scores]
     rows = [dict(prompt=f"p{i}", response=" ".join(["7"] * L[i]), score=score[i], kl=kl[i], length=L[i],
-                 stopped=bool(ended[i])) for i in range(E)]
+                 stopped=bool(ended[i]), **({f"reward/{k}": reported.get(i, {}).get(k) for k in ("acc", "fmt")}
+                                            if reward_fn else {})) for i in range(E)]
     assert len(results) == W
     for metrics, got in results:
         assert [{**r, "kl": pytest.approx(r["kl"], rel=1e-5, abs=1e-6)} for r in rows] == got
+        assert all(list(r) == list(got[0]) for r in got)  # the same columns in the same order (a wandb.Table's)
         assert {k: v for k, v in metrics.items() if k != "time/eval"} == {
             "step": 5, "episode": 40, "epoch": 1.5, "eval/score": pytest.approx(statistics.fmean(score), rel=1e-12),
             "eval/score_std": pytest.approx(statistics.stdev(score), rel=1e-12),
             "eval/kl": pytest.approx(statistics.fmean(kl), rel=1e-5), "eval/response_length": statistics.fmean(L),
-            "eval/stop_rate": 0.6, **({"eval/reward_errors": E} if reward_fn else {})}
+            "eval/stop_rate": 0.6, **({"eval/reward_errors": E, "eval/reward/acc": pytest.approx(1 / 3, rel=1e-12),
+                                       "eval/reward/fmt": 1.0} if reward_fn else {})}
 
 
 @pytest.mark.parametrize("E", [1, 2])
