@@ -6,7 +6,8 @@ record["answer"]. ppo.py takes a built-in one by name (--reward_fn, a key of REW
 (--reward_fn=FILE.py:NAME, load_reward_fn), or any callable from Python: main(cfg, reward_fn=f), recorded in the run's
 config as python:module.name (python_name), so that a resume must pass it again. A reward model, when given
 (--reward_model), replaces the function. ppo.py calls each through RewardCaller, which refuses anything but one
-number, naming the function and what it returned.
+number (or a dict of numbers holding the score, the others logged as reward/<name>), naming the function and what it
+returned.
 
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
 verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised, timed out or returned
@@ -14,7 +15,7 @@ NaN, inf or a number beyond float32 is scored with a fixed value and counted (pp
 --reward_timeout, --reward_on_error, val/reward_errors).
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
-    python reward.py "84" --reward_fn=math.py:verify --record='{"answer": "84"}'  # a file's, on one record
+    python reward.py "84" --reward_fn=my_rewards.py:verify --record='{"answer": "84"}'  # a file's, on a record
 """
 import copy
 import difflib
@@ -355,14 +356,16 @@ class RewardCaller:
 
 def score_one(text: str, reward_fn: str = "sentiment", record: str | dict = "{}"):
     """The score reward_fn (a built-in name, or FILE.py:NAME) gives the response text to a prompt record (a JSON
-    object, as a line of the prompts file holds)."""
+    object, as a line of the prompts file holds), with what else the function returned (a dict)."""
     fn = reward_function(reward_fn)
     try:
         record = json.loads(record) if isinstance(record, str) else record
     except json.JSONDecodeError as e:
         raise UsageError(f"--record={record!r:.60} is not JSON: {e}") from None
     need(isinstance(record, dict), f"--record must be a JSON object, not {record!r:.60}")
-    return RewardCaller(fn)([record], [str(text)])[0][0]  # (fire reads "42" as an int)
+    caller = RewardCaller(fn)
+    (score,), _ = caller([record], [str(text)])  # (fire reads "42" as an int)
+    return {"score": score, **caller.extras[0]} if caller.extras[0] else score
 
 
 if __name__ == "__main__":

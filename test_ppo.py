@@ -12085,7 +12085,7 @@ def test_a_benchmark_refuses_a_flag_it_does_not_take_before_it_runs(monkeypatch,
     assert e.value.code == 0 and "--batches=BATCHES" in out and not re.findall(r"^ +-\w, --", out, re.M)
 
 
-def test_a_modules_demo_refuses_a_flag_it_does_not_take_before_it_runs(capsys):
+def test_a_modules_demo_refuses_a_flag_it_does_not_take_before_it_runs(capsys, tmp_path):
     # `python data.py`, `python model.py` and `python reward.py` (runtime.run_function): fire ran the function and then
     # complained of the flag it had not used (reward.py's offered the methods of the float it returned); a usage
     # error of the function itself is its one line too
@@ -12111,6 +12111,9 @@ def test_a_modules_demo_refuses_a_flag_it_does_not_take_before_it_runs(capsys):
     assert capsys.readouterr().err.startswith("error: --record='{bad' is not JSON: Expecting property name")
     assert runtime.run_function(reward.score_one, "reward.py", ["What a lovely day", "--record=[1]"]) == 2
     assert "error: --record must be a JSON object, not [1]" in capsys.readouterr().err
+    (tmp_path / "judge.py").write_text("def f(record, response):\n    return {'score': 0.5, 'correct': True}\n")
+    assert runtime.run_function(reward.score_one, "reward.py", ["x", f"--reward_fn={tmp_path}/judge.py:f"]) == 0
+    assert capsys.readouterr().out.split() == ["score:", "0.5", "correct:", "1.0"]  # what a dict's entries say
 
 
 def test_help_lists_every_option_with_default_and_comment(tmp_path):
