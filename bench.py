@@ -135,11 +135,11 @@ class NoCheckpoints:
     """ppo.main without its checkpoint writes (a 1.5B run's actor, critic and optimizer states are 36 GB)."""
 
     def __enter__(self):
-        self.saved = ppo.checkpoint.save, ppo.save_hf
-        ppo.checkpoint.save = ppo.save_hf = lambda *args, **kwargs: None
+        self.saved = ppo.checkpoint.save, ppo.checkpoint.export
+        ppo.checkpoint.save = ppo.checkpoint.export = lambda *args, **kwargs: None
 
     def __exit__(self, *exc):
-        ppo.checkpoint.save, ppo.save_hf = self.saved
+        ppo.checkpoint.save, ppo.checkpoint.export = self.saved
 
 
 class ProfileUpdate:
@@ -613,8 +613,9 @@ MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_linear_pointwise
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def _matmul_flops(name, shapes):
-    """FLOPs of one matmul call from its tensor arguments' shapes (attention: QK^T and PV, no causal saving)."""
+def _matmul_flops(name, shapes, causal=False):
+    """FLOPs of one matmul call from its tensor arguments' shapes (attention: QK^T and PV over the (query, key) pairs
+    it computes: with `causal`, query t sees keys 0..t, SDPA's top-left alignment, which the CPU kernel skips past)."""
     if name in ("mm", "mv", "addmm", "addmv"):
         a, b = shapes[-2:]
         return 2 * math.prod(a) * (b[1] if len(b) == 2 else 1)
@@ -625,7 +626,8 @@ def _matmul_flops(name, shapes):
         return 2 * math.prod(a) * b[2]
     # forward (q, k, v, ...), backward (grad_out, q, k, v, ...): q and grad_out (B, H, L, E), k (B, Hkv, S, E)
     (B, H, L, E), S = shapes[0], shapes[1 if name.endswith("_cpu") else 2][2]
-    return (4 if name.endswith("_cpu") else 10) * B * H * L * S * E  # backward: recomputes QK^T, 4 products more
+    pairs = sum(min(t + 1, S) for t in range(L)) if causal else L * S
+    return (4 if name.endswith("_cpu") else 10) * B * H * pairs * E  # backward: recomputes QK^T, 4 products more
 
 
 class _PhaseClock:
@@ -655,7 +657,7 @@ class _PhaseClock:
         self.on_phase(label)
 
     def install(self):
-        phase_end, evaluate, save, save_hf = ppo.phase_end, ppo.evaluate, ppo.checkpoint.save, ppo.save_hf
+        phase_end, evaluate, save, export = ppo.phase_end, ppo.evaluate, ppo.checkpoint.save, ppo.checkpoint.export
         following = {None: "rollout", "rollout": "score", "score": "train", "train": "step rest"}
 
         def timed_phase_end(device, peaks, phase):
@@ -675,7 +677,7 @@ class _PhaseClock:
             return wrapper
 
         ppo.phase_end, ppo.evaluate = timed_phase_end, timed("eval", evaluate)
-        ppo.checkpoint.save, ppo.save_hf = timed("checkpoint", save), timed("checkpoint", save_hf, count=False)
+        ppo.checkpoint.save, ppo.checkpoint.export = timed("checkpoint", save), timed("checkpoint", export, count=False)
 
 
 def _layout(a):
@@ -703,9 +705,11 @@ class _MatmulLog(TorchDispatchMode):
     def flops(self):
         """{phase: FLOPs of its matmul calls}."""
         out = {}
-        for (phase, func, meta, _), n in self.calls.items():
-            shapes = [m[0] for m in meta if _is_operand(m)]
-            out[phase] = out.get(phase, 0) + n * _matmul_flops(func.overloadpacket.__name__, shapes)
+        for (phase, func, meta, kwargs), n in self.calls.items():
+            name, shapes = func.overloadpacket.__name__, [m[0] for m in meta if _is_operand(m)]
+            at = 4 if name.endswith("_cpu") else 7  # is_causal's place in the flash forward's arguments, the backward's
+            causal = "flash" in name and bool(dict(kwargs).get("is_causal", len(meta) > at and meta[at]))
+            out[phase] = out.get(phase, 0) + n * _matmul_flops(name, shapes, causal)
         return out
 
 

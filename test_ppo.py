@@ -13183,6 +13183,37 @@ def test_device_seconds_counts_kernels_once():
     assert bench.device_seconds(events) == {"GEMMs": 2.0, "flex attention": 0.5, "the rest": 1.0}
 
 
+def test_what_bench_py_swaps_in_ppo_is_what_ppo_calls():
+    # bench.py swaps functions of ppo (and of ppo.checkpoint) in for a benchmark's run: one that ppo no longer has
+    # or calls makes the swap a silent no-op (NoCheckpoints set ppo.save_hf, gone from ppo, and every benchmark run
+    # wrote its HF export) or a crash (cpu_phases read ppo.save_hf: AttributeError)
+    import bench
+    import checkpoint
+
+    import ppo
+
+    text = open(bench.__file__).read()
+    read = {(name, attr) for name, attr in re.findall(r"\bppo\.(\w+)(?:\.(\w+))?", text) if name != "py"}
+    assert ("checkpoint", "export") in read and ("phase_end", "") in read
+    for name, attr in read:
+        assert hasattr(ppo, name), name
+        if attr and isinstance(getattr(ppo, name), types.ModuleType):
+            assert hasattr(getattr(ppo, name), attr), (name, attr)
+    swapped = {t for line in text.splitlines() if re.match(r"\s*ppo\.[\w.]+(\s*,\s*ppo\.[\w.]+)*\s*=[^=]", line)
+               for t in re.findall(r"ppo\.([\w.]+)", "=".join(line.split("=")[:-1]))}
+    assert {"checkpoint.save", "checkpoint.export", "phase_end", "update", "generate"} <= swapped, swapped
+    code = "\n".join(line for line in open(ppo.__file__).read().splitlines()  # ppo's uses, not its imports or defs
+                     if not re.match(r"\s*(from|import|def|class) ", line))
+    inner = open(checkpoint.__file__).read()
+    for target in swapped:  # used where ppo looks it up when it runs: ppo's code, or checkpoint.py's for its own
+        owner, _, name = target.rpartition(".")
+        if isinstance(getattr(ppo, owner or name), type):  # a method of a class ppo makes (Logger.log): it has it
+            assert hasattr(getattr(ppo, owner), name), target
+            continue
+        assert re.search(rf"(?<![\w.]){re.escape(target)}\b", code) or (
+            owner == "checkpoint" and re.search(rf"(?<!def )(?<![\w.]){name}\(", inner)), target
+
+
 def test_cpu_phases_counts_matmuls():
     # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
     # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
@@ -13205,6 +13236,16 @@ def test_cpu_phases_counts_matmuls():
     # the flash backward (grad_out, q, k, v, ...) recomputes QK^T: 10 B H L S E, S the keys' length (not the queries')
     shapes = [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8)]
     assert bench._matmul_flops("_scaled_dot_product_flash_attention_for_cpu_backward", shapes) == 10 * 2 * 4 * 16 * 20 * 8
+    # causal attention (model.py's full forward): query t sees keys 0..t, 16 * 17 / 2 pairs of the 16 x 16 (and of
+    # 16 x 20: SDPA's mask is top-left), forward and backward alike
+    q2 = torch.randn(2, 4, 16, 8, requires_grad=True)
+    log = bench._MatmulLog()
+    with log:
+        log.phase = "causal"
+        F.scaled_dot_product_attention(q2, q2, q2, is_causal=True).sum().backward()
+        log.phase = "causal, more keys"
+        F.scaled_dot_product_attention(q, k, k, is_causal=True)
+    assert log.flops() == {"causal": (4 + 10) * 2 * 4 * (16 * 17 // 2) * 8, "causal, more keys": 4 * 2 * 4 * 136 * 8}
     # a mask passed by keyword (SDPA's attn_mask) is recorded by its layout, as the operands are: calls with fresh
     # masks of one layout are one layout, timed once, and keep no mask alive
     log = bench._MatmulLog()
