@@ -441,6 +441,12 @@ def check_wandb(project):
 # the metrics log, stopping on a signal
 
 
+def reward_words(m, prefix):
+    """The console's words for what a reward function returned beside the score: "| name mean " for each metric
+    prefix + name of m (reward/correct, eval/reward/correct), or ""."""
+    return "".join(f"| {k[len(prefix):]} {v:.3f} " for k, v in sorted(m.items()) if k.startswith(prefix))
+
+
 class Logger:
     """metrics.jsonl (rewritten to the steps the models have seen on resume), stdout, wandb if asked; samples in
     out_dir/samples: train.jsonl (the sample printed every sample_every steps) and step-N.jsonl (an evaluation's
@@ -542,7 +548,8 @@ class Logger:
             self._to_wandb(lambda: m)
         if m["step"] % self.cfg.log_every == 0:
             vloss = f"| vloss {m['loss/value_avg']:.4f} " if "loss/value_avg" in m else ""  # with a critic
-            print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} | kl {m['objective/kl']:+.3f} "
+            print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} {reward_words(m, 'reward/')}"
+                  f"| kl {m['objective/kl']:+.3f} "
                   f"| entropy {m['objective/entropy']:.3f} | clipfrac {m['policy/clipfrac_avg']:.3f} "
                   f"{vloss}| len {m['val/response_length']:.1f} "
                   f"| stop {m['val/stop_rate']:.2f} | {m['time/step']:.1f}s", flush=True)
@@ -572,7 +579,8 @@ class Logger:
                                                                      data=[list(r.values()) for r in rows])},
                            evaluation=True)
         se = f"{m['eval/score_std'] / len(rows) ** 0.5:.3f}" if len(rows) > 1 else "n/a"  # (one prompt: no spread)
-        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} | kl {m['eval/kl']:+.3f} "
+        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} {reward_words(m, 'eval/reward/')}"
+              f"| kl {m['eval/kl']:+.3f} "
               f"| len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} | {len(rows)} prompts "
               f"| {m['time/eval']:.1f}s", flush=True)
 

@@ -9328,7 +9328,9 @@ def length(record, response):
     assert step[0]["reward/chars"] == pytest.approx(statistics.fmean(len(t) for _, t in train), rel=1e-12)
     even = [t for _, t in train if len(t) % 2 == 0]
     assert step[0].get("reward/even") == (1.0 if even else None)
+    assert f"| score {step[0]['objective/scores']:+.3f} | chars {step[0]['reward/chars']:.3f} " in p.stdout  # console
     after = [t for _, t in seen[-E:]]
+    assert f"| chars {ev[1]['eval/reward/chars']:.3f} " in p.stdout
     assert ev[1]["eval/reward/chars"] == pytest.approx(statistics.fmean(len(t) for t in after), rel=1e-12)
     samples = [json.loads(line) for line in (out / "samples" / "step-000001.jsonl").read_text().splitlines()]
     assert [(r["response"], r["reward/chars"]) for r in samples] == [(t, len(t)) for t in after]
