@@ -13216,6 +13216,42 @@ def test_what_bench_py_swaps_in_ppo_is_what_ppo_calls():
             owner == "checkpoint" and re.search(rf"(?<!def )(?<![\w.]){name}\(", inner)), target
 
 
+def test_the_gpu_scripts_flags_are_flags_of_their_commands(monkeypatch):
+    # .ci/gpu and .ci/smoke run on a lent GPU, minutes of it a stage: every `bench.py COMMAND` and `ppo.py` line
+    # there, and the FLAGS arrays they pass, checked here against the commands' flags (bench.command_line's check
+    # with fire's run swapped out, ppo's Config fields), so that a flag renamed since is found without a GPU
+    import dataclasses
+
+    import fire
+
+    import bench
+    import ppo
+    import runtime
+
+    monkeypatch.setattr(fire, "Fire", lambda *args, **kwargs: None)
+    ppo_flags = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(ppo.Config)}
+    checked = []
+    for script in (".ci/gpu", ".ci/smoke"):
+        text = re.sub(r"\\\n\s*", " ", open(os.path.join(REPO, script)).read())  # continuation lines joined
+        for array in re.findall(r"FLAGS=\((.*?)\)", text, re.S):
+            words = [w for w in shlex.split(array.replace("$", "")) if w.startswith("--")]
+            runtime.check_flags(words, ppo_flags, "ppo.py")
+            checked.append(words[0])
+        for line in text.splitlines():
+            line = re.split(r"\s(\|\||;;|#)\s?", line)[0]  # the command, not what follows it
+            run = r"(?:python3 |--nproc_per_node \d+ |\"\$\{TORCHRUN\[@\]\}\" )(bench\.py|ppo\.py) (.*)"
+            for command, rest in re.findall(run, "" if line.lstrip().startswith("#") else line):
+                rest = re.sub(r"\$\(\(.*?\)\)", "1", rest)  # $((STEPS + 1)): a number
+                words = [w for w in shlex.split(rest) if not w.startswith("${") and "$(" not in w]
+                if command == "bench.py":
+                    assert bench.command_line(words) == 0, (script, line)
+                else:
+                    runtime.check_flags(words, ppo_flags, "ppo.py")
+                checked.append(f"{command} {words[0] if words else ''}")
+    assert {"bench.py generation", "bench.py real_shapes", "bench.py decode_pool", "bench.py memory_vs_plan",
+            "ppo.py --model=/tmp/default/smollm2-135m-policy", "ppo.py --dry_run=1"} <= set(checked), checked
+
+
 def test_cpu_phases_counts_matmuls():
     # bench.py cpu_phases charges each phase its matmuls' FLOPs, counted at dispatch, and their time alone: a linear
     # layer's forward and backward are 6 T H O FLOPs, attention's forward 4 B H L S E, each once per call
