@@ -13216,10 +13216,11 @@ def test_what_bench_py_swaps_in_ppo_is_what_ppo_calls():
             owner == "checkpoint" and re.search(rf"(?<!def )(?<![\w.]){name}\(", inner)), target
 
 
-def test_the_gpu_scripts_flags_are_flags_of_their_commands(monkeypatch):
+def test_the_gpu_scripts_and_readme_commands_take_the_flags_they_give(monkeypatch):
     # .ci/gpu and .ci/smoke run on a lent GPU, minutes of it a stage: every `bench.py COMMAND` and `ppo.py` line
     # there, and the FLAGS arrays they pass, checked here against the commands' flags (bench.command_line's check
-    # with fire's run swapped out, ppo's Config fields), so that a flag renamed since is found without a GPU
+    # with fire's run swapped out, ppo's Config fields), so that a flag renamed since is found without a GPU; and
+    # the README's commands (its code blocks and `python ...` spans), which a reader copies
     import dataclasses
 
     import fire
@@ -13250,6 +13251,33 @@ def test_the_gpu_scripts_flags_are_flags_of_their_commands(monkeypatch):
                 checked.append(f"{command} {words[0] if words else ''}")
     assert {"bench.py generation", "bench.py real_shapes", "bench.py decode_pool", "bench.py memory_vs_plan",
             "ppo.py --model=/tmp/default/smollm2-135m-policy", "ppo.py --dry_run=1"} <= set(checked), checked
+    readme = open(os.path.join(REPO, "README.md")).read()
+    blocks, prose, fence = [], [], None  # the text of each ``` or ```bash block, and the lines outside them
+    for line in readme.splitlines():
+        if line.startswith("```"):
+            fence = line[3:] if fence is None else None
+            blocks += [[]] if fence in ("", "bash") else []
+        elif fence is None:
+            prose.append(line)
+        elif fence in ("", "bash"):
+            blocks[-1].append(line)
+    code = [line for b in blocks for line in re.sub(r"\\\n\s*", " ", "\n".join(b)).splitlines()]
+    code += re.findall(r"`([^`\n]+)`", "\n".join(prose))
+    shown = []
+    for line in code:
+        for command, rest in re.findall(r"(?:python |torchrun (?:\S+ )*?)(bench\.py|ppo\.py)((?: [^#]*)?)", line):
+            rest = re.split(r"\s(?:&&|\|\|?|;|2?>)\s|`", rest)[0]  # the command, not the next one or a redirection
+            try:
+                words = [w for w in shlex.split(rest) if not w.startswith("$") and w != "..."]  # (flags elsewhere)
+            except ValueError:  # prose about a command: "--dry_run=N <the run's flags>"
+                assert "<" in rest or "`" in line, line
+                continue
+            if command == "bench.py":
+                assert bench.command_line(words) == 0, line
+            else:
+                runtime.check_flags(words, ppo_flags, "ppo.py")
+            shown.append(f"{command} {words[0] if words else ''}")
+    assert len(shown) > 40 and {"bench.py cpu_phases", "ppo.py --reward_fn=math_reward.py:math_verifier"} <= set(shown)
 
 
 def test_cpu_phases_counts_matmuls():
