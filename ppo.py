@@ -234,9 +234,9 @@ def derive(cfg, rank, W, device):
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     need((cfg.mini_batch_size // W) % local_micro == 0,
          f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
-    need(cfg.reward_model or cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:") or is_file_spec(
-         cfg.reward_fn), f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of a Python file "
-         f"(or give --reward_model), not {cfg.reward_fn!r}")
+    named = cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:") or is_file_spec(cfg.reward_fn)
+    need(cfg.reward_model or named, f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of "
+         f"a Python file (or give --reward_model), not {cfg.reward_fn!r}")
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
          "--ptx_coef > 0, or leave --sft_data out")
