@@ -479,12 +479,15 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None):
     training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
     if not path:  # then the evaluation's own flags would do nothing (set: not the Config's default)
-        idle = [f"--{k}" for k in ("eval_every", "eval_temperature")
+        idle = [f"--{k}" for k in ("eval_every", "eval_temperature", "eval_samples_per_prompt")
                 if getattr(cfg, k, None) != getattr(type(cfg), k, None)]
         need(not idle, f"{', '.join(idle)} set without held-out prompts (--eval_prompts={cfg.eval_prompts}"
              f"{', which finds a set beside the shipped prompts.jsonl only' * (cfg.eval_prompts == 'auto')}), so "
              f"{'they' if len(idle) > 1 else 'it'} would do nothing")
         return None
+    n = getattr(cfg, "eval_samples_per_prompt", 1)
+    need(n == 1 or cfg.eval_temperature > 0, f"--eval_samples_per_prompt={n} with --eval_temperature=0 (greedy) "
+         f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
     try:
         prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size)
     except UsageError as e:

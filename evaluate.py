@@ -3,9 +3,11 @@ Held-out evaluation: the actor's responses to a fixed prompt set (--eval_prompts
 scores the training rollouts. ppo.py runs it before the first step, every --eval_every steps and after the last
 one, and logs a line of its own in metrics.jsonl at the step whose weights it evaluated:
 
-    eval/score             mean score (reward model or function), before clipping, as objective/scores is
-    eval/score_std         standard deviation of the scores over the prompts: eval/score's standard error is
-                           eval/score_std / sqrt(prompts)
+    eval/score             mean score (reward model or function), before clipping, as objective/scores is; with
+                           --eval_samples_per_prompt=n, over the n responses to each prompt (mean@n)
+    eval/score_std         standard deviation of the scores over the prompts (of each prompt's mean score):
+                           eval/score's standard error is eval/score_std / sqrt(prompts)
+    eval/score_best        n > 1 only: mean over the prompts of each one's best score (pass@n for a 0/1 reward)
     eval/kl                mean over responses of the summed per-token KL estimate that the reward uses
                            (--kl_estimator, |.| with --use_absolute_kl), actor against reference logprobs at the
                            training temperature, as objective/kl is. On greedy responses (--eval_temperature=0, the
@@ -19,15 +21,16 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
                            reward.RewardCaller), over the prompts whose call did
     time/eval              seconds (with --async_rollout, first waiting for the batch drawn ahead, since the
                            evaluation refills the generation copy it is drawn from)
-and its rows (prompt, response, score, kl, length, stopped, and reward/<name>, null where a call did not report
-it) in out_dir/samples/step-N.jsonl (runtime.Logger).
+and its rows (prompt, response, score, kl, length, stopped, with n > 1 sample, and reward/<name>, null where a call
+did not report it) in out_dir/samples/step-N.jsonl (runtime.Logger). Row g of the E x n is sample g % n of prompt
+g // n, as in training.
 
 Keyed, so it repeats and leaves training alone: the sampling noise of eval row g comes from rollout.eval_seeds
 (seed, g), a key space training never draws from, the same at every evaluation (two evaluations differ by their
 weights alone). Nothing here draws from a global generator, moves a sampler or the KL controller, or changes a
 trained model: a run trains the same with or without evaluation, bitwise (tested).
 
-On W ranks each rank takes ceil(E / W) consecutive prompts of the E, the shares that run past the last prompt padded
+On W ranks each rank takes ceil(E n / W) consecutive rows of the E n, the shares that run past the last row padded
 with copies of it, up to whole shares of copies (every rank must run the same FSDP forwards); the padding is generated
 and scored, then dropped. The rows are gathered on every rank in the file's order and the metrics computed from them
 in that order, so W changes them by the float rounding of the forwards only.
@@ -66,10 +69,11 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     t0 = time.time()
     if wait is not None:
         wait()
-    E, W = len(prompts), run.world
-    k = math.ceil(E / W)
-    mine = range(run.rank * k, (run.rank + 1) * k)  # global eval rows; those >= E pad the last rank's share
-    idx, n_real = [min(g, E - 1) for g in mine], max(0, min(k, E - run.rank * k))
+    E, W, n = len(prompts), run.world, cfg.eval_samples_per_prompt
+    G = E * n  # global eval rows: row g is sample g % n of prompt g // n
+    k = math.ceil(G / W)
+    mine = range(run.rank * k, (run.rank + 1) * k)  # global eval rows; those >= G pad the last rank's share
+    idx, n_real = [min(g, G - 1) // n for g in mine], max(0, min(k, G - run.rank * k))  # the rows' prompts
     m["gen"].copy_weights_from(m["actor"])  # the weights after this step's update
     ro = generate(m["gen"], [prompts.ids[i] for i in idx], cfg.max_new_tokens, temperature=cfg.eval_temperature,
                   eos_token_id=stop_ids, pad_token_id=pad_id, seeds=eval_seeds(cfg.seed, mine).to(run.device),
@@ -89,26 +93,30 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
     kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
     extras = reward.extras if reward is not None else [{}] * n_real  # what a reward function returned beside scores
-    mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=n, stopped=e,
-                      **{f"reward/{k}": v for k, v in more.items()})
-                 for i, t, s, x, n, e, more in zip(idx, texts, scores, kl, mask.sum(1).tolist(), ro.ended.tolist(),
-                                                   extras)]
+    mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=L, stopped=e,
+                      **({"sample": g % n} if n > 1 else {}), **{f"reward/{name}": v for name, v in more.items()})
+                 for g, i, t, s, x, L, e, more in zip(mine, idx, texts, scores, kl, mask.sum(1).tolist(),
+                                                      ro.ended.tolist(), extras)]
     rows = [None] * W
     dist.all_gather_object(rows, mine_rows)
-    rows = [r for part in rows for r in part]  # (E,) in the file's order: rank r holds rows [r k, (r + 1) k)
-    names = sorted({k for r in rows for k in r if k.startswith("reward/")})
-    rows = [{k: r.get(k) for k in (*ROW, *names)} for r in rows]  # every row the same columns (None: not reported)
+    rows = [r for part in rows for r in part]  # (G,) in the file's order: rank r holds rows [r k, (r + 1) k)
+    names = sorted({name for r in rows for name in r if name.startswith("reward/")})
+    columns = (*ROW, *(("sample",) if n > 1 else ()), *names)
+    rows = [{c: r.get(c) for c in columns} for r in rows]  # every row the same columns (None: not reported)
     bad = [r for r in rows if not math.isfinite(r["score"])]
     if bad:  # on every rank alike (the gathered rows), as training refuses its own
-        raise FloatingPointError(f"eval after step {step}: the reward gave non-finite scores to {len(bad)} of the {E} "
-                                 f"prompts of {prompts.path} ({[r['score'] for r in bad[:4]]}), the first to "
-                                 f"{bad[0]['prompt']!r:.100}")
+        raise FloatingPointError(f"eval after step {step}: the reward gave non-finite scores to {len(bad)} of the {G} "
+                                 f"{'prompts' if n == 1 else f'responses ({n} a prompt)'} of {prompts.path} "
+                                 f"({[r['score'] for r in bad[:4]]}), the first to {bad[0]['prompt']!r:.100}")
     col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
-    metrics = {"step": step, **counters, "eval/score": statistics.fmean(col("score")),
-               "eval/score_std": statistics.stdev(col("score")) if E > 1 else math.nan,  # (null)
+    score = col("score")
+    per_prompt = [score[i * n : (i + 1) * n] for i in range(E)]  # each prompt's n scores
+    metrics = {"step": step, **counters, "eval/score": statistics.fmean(score),
+               "eval/score_std": statistics.stdev(map(statistics.fmean, per_prompt)) if E > 1 else math.nan,  # (null)
+               **({"eval/score_best": statistics.fmean(map(max, per_prompt))} if n > 1 else {}),
                "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
                "eval/stop_rate": statistics.fmean(col("stopped")),
-               **{f"eval/{k}": statistics.fmean(r[k] for r in rows if r[k] is not None) for k in names}}
+               **{f"eval/{name}": statistics.fmean(r[name] for r in rows if r[name] is not None) for name in names}}
     if reward is not None:
         metrics["eval/reward_errors"] = all_sum(float(errors)).item()
     return dict(metrics, **{"time/eval": time.time() - t0}), rows

@@ -119,6 +119,7 @@ class Config:
     eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl if --prompts is the shipped one; "": none
     eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
     eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
+    eval_samples_per_prompt: int = 1  # responses to each held-out prompt (eval_temperature > 0): mean@n and best@n
     # PPO
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
@@ -196,7 +197,7 @@ LIMITS = {
     ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
-             "keep_checkpoints", "reward_workers"),
+             "keep_checkpoints", "reward_workers", "eval_samples_per_prompt"),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
              "eval_temperature", "lora_rank"),

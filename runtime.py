@@ -578,11 +578,13 @@ class Logger:
             self._to_wandb(lambda: {**m, "eval/samples": wandb.Table(columns=list(rows[0]),
                                                                      data=[list(r.values()) for r in rows])},
                            evaluation=True)
-        se = f"{m['eval/score_std'] / len(rows) ** 0.5:.3f}" if len(rows) > 1 else "n/a"  # (one prompt: no spread)
-        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} {reward_words(m, 'eval/reward/')}"
-              f"| kl {m['eval/kl']:+.3f} "
-              f"| len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} | {len(rows)} prompts "
-              f"| {m['time/eval']:.1f}s", flush=True)
+        n = getattr(self.cfg, "eval_samples_per_prompt", 1)
+        E = len(rows) // n  # prompts, n responses each (eval/score_std: of their mean scores)
+        se = f"{m['eval/score_std'] / E ** 0.5:.3f}" if E > 1 else "n/a"  # (one prompt: no spread)
+        best = f"| best@{n} {m['eval/score_best']:+.3f} " if "eval/score_best" in m else ""
+        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} {best}{reward_words(m, 'eval/reward/')}"
+              f"| kl {m['eval/kl']:+.3f} | len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} "
+              f"| {E} prompts{f' x {n}' if n > 1 else ''} | {m['time/eval']:.1f}s", flush=True)
 
     def state(self):
         """What a checkpoint keeps of the log: the metrics so far and the wandb run a resumed run continues."""

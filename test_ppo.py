@@ -12491,7 +12491,7 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
     exact, scores = torch.rand(E, R_, generator=g), torch.randn(E, generator=g)
     ended = torch.tensor([True, False, True, False, True])
     cfg = types.SimpleNamespace(max_new_tokens=R_, eval_temperature=0.3, temperature=0.7, seed=11, max_prompt_len=8,
-                                kl_estimator=kl_estimator, use_absolute_kl=absolute)
+                                kl_estimator=kl_estimator, use_absolute_kl=absolute, eval_samples_per_prompt=1)
 
     class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
         def __len__(self):
@@ -12592,7 +12592,7 @@ def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
     prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)], records=[{}] * E,
                       path="few.jsonl")
     cfg = types.SimpleNamespace(max_new_tokens=3, eval_temperature=0.0, seed=11, max_prompt_len=4, kl_estimator="k1",
-                                use_absolute_kl=False)
+                                use_absolute_kl=False, eval_samples_per_prompt=1)
     seen = {}
 
     def fake_generate(model, ids, n, seeds, pad_token_id, **kw):
@@ -12639,6 +12639,99 @@ def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
         assert math.isnan(metrics.pop("eval/score_std")) and metrics.pop("time/eval") >= 0
         assert metrics == {"step": 3, "episode": 24, "epoch": 1.0, "eval/score": 0.25, "eval/kl": pytest.approx(-0.5),
                            "eval/response_length": 2, "eval/stop_rate": 1.0}
+
+
+def test_evaluate_several_samples_per_prompt(monkeypatch):
+    # --eval_samples_per_prompt=n: global eval row g is sample g % n of prompt g // n, drawn with eval_seeds(seed, g)
+    # (so n = 1 keys the rows as before); E = 3 prompts x 2 on 4 ranks, shares of 2, the last rank's padding alone.
+    # eval/score is the mean over the 6 responses, eval/score_std the spread of the 3 prompts' means (its standard
+    # error still over sqrt(prompts)), eval/score_best the mean of each prompt's best (pass@n for a 0/1 reward); the
+    # rows say their sample
+    import evaluate as EV
+
+    E, n, W = 3, 2, 4
+    G = E * n
+    score = [0.5, -1.0, 2.0, 2.0, 0.0, 1.5]  # per global row
+    length = [1, 3, 2, 2, 3, 1]
+    key = {int(s): g for g, s in enumerate(R.eval_seeds(11, range(8)))}  # a row's seed -> the row
+
+    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
+        def __len__(self):
+            return len(self.ids)
+
+    prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)], records=[{}] * E,
+                      path="heldout.jsonl")
+    cfg = types.SimpleNamespace(max_new_tokens=3, eval_temperature=0.7, seed=11, max_prompt_len=4, kl_estimator="k1",
+                                use_absolute_kl=False, eval_samples_per_prompt=n)
+    seen = {}
+
+    def fake_generate(model, ids, new, seeds, pad_token_id, temperature, **kw):
+        rows = [key[int(s)] for s in seeds]
+        seen[rank] = ([i for (i,) in ids], rows, temperature)
+        L = torch.tensor([length[min(g, G - 1)] for g in rows])
+        mask = torch.arange(3) < L[:, None]
+        row = torch.tensor(rows)[:, None] + 1000  # in the prompt's slot, for fake_score
+        return R.Rollout(tokens=torch.cat([row, torch.where(mask, 7, 0)], 1),
+                         prompt_len=1, prompt_mask=torch.ones(len(ids), 1, dtype=torch.bool), response_mask=mask,
+                         logprobs=torch.zeros(len(ids), 3), ended=L < 3, seeds=seeds)
+
+    def fake_score(actor, reference, critic, reward_model, batch, cfg, run, progress):
+        rows = batch["tokens"][:, 0] - 1000
+        return dict(old_logp=torch.zeros(len(rows), 3), ref_logp=torch.zeros(len(rows), 3), kl_exact=None,
+                    score=torch.tensor([score[min(g, G - 1)] for g in rows.tolist()]))
+
+    parts, results = {}, []
+
+    class Gathered(Exception):
+        pass
+
+    def gather(out, mine):
+        if rank not in parts:
+            parts[rank] = mine
+            raise Gathered
+        out[:] = [parts[r] for r in range(len(out))]
+
+    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
+    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: None), actor="actor", ref="ref", reward_model="rm")
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    for rank in [*range(W), *range(W)]:
+        run = types.SimpleNamespace(world=W, rank=rank, device=torch.device("cpu"), rollout_micro=2)
+        try:
+            results.append(EV.evaluate(2, dict(episode=8, epoch=0.5), m, prompts, None, fake_score, cfg, run, tok,
+                                       [0], 0, generate=fake_generate))
+        except Gathered:
+            pass
+    assert seen == {0: ([90, 90], [0, 1], 0.7), 1: ([91, 91], [2, 3], 0.7), 2: ([92, 92], [4, 5], 0.7),
+                    3: ([92, 92], [6, 7], 0.7)}  # the last rank: copies of the last row, keyed by their own rows
+    assert parts[3] == [] and len(results) == W
+    means = [statistics.fmean(score[2 * i : 2 * i + 2]) for i in range(E)]
+    for metrics, rows in results:
+        assert [(r["prompt"], r["sample"], r["score"], r["length"]) for r in rows] == [
+            (f"p{g // n}", g % n, score[g], length[g]) for g in range(G)]
+        assert list(rows[0]) == ["prompt", "response", "score", "kl", "length", "stopped", "sample"]
+        metrics.pop("time/eval")
+        assert metrics == {"step": 2, "episode": 8, "epoch": 0.5, "eval/score": pytest.approx(statistics.fmean(score)),
+                           "eval/score_std": pytest.approx(statistics.stdev(means)),
+                           "eval/score_best": pytest.approx(statistics.fmean([0.5, 2.0, 1.5])), "eval/kl": 0.0,
+                           "eval/response_length": pytest.approx(2.0), "eval/stop_rate": pytest.approx(4 / 6)}
+
+
+def test_eval_samples_per_prompt_needs_sampling_and_held_out_prompts(tmp_path):
+    # n greedy responses to a prompt are one response n times; without held-out prompts the flag would do nothing
+    import dataclasses
+
+    import data
+    import ppo
+
+    cfg = ppo.Config(eval_samples_per_prompt=4)  # the shipped prompts: their held-out set
+    with pytest.raises(UsageError, match=r"--eval_samples_per_prompt=4 with --eval_temperature=0 \(greedy\) would "
+                                         r"draw the same response 4 times: give --eval_temperature > 0"):
+        data.load_eval_prompts(cfg, tokenizer=None)
+    other = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    with pytest.raises(UsageError, match="--eval_samples_per_prompt set without held-out prompts"):
+        data.load_eval_prompts(dataclasses.replace(cfg, prompts=other, eval_temperature=0.5), tokenizer=None)
+    with pytest.raises(UsageError, match="--eval_samples_per_prompt must be >= 1, not 0"):
+        ppo.derive(dataclasses.replace(cfg, eval_samples_per_prompt=0), 0, 1, torch.device("cpu"))
 
 
 def test_eval_repeats_and_leaves_training_alone(tiny_run, tmp_path):
