@@ -12474,6 +12474,13 @@ def test_evaluation_is_due_before_the_first_step_every_eval_every_steps_and_afte
     assert [s for s in range(12) if due(s, cfg(20, 5))] == [0, 5]
 
 
+class Prompts(types.SimpleNamespace):
+    """A data.PromptSet's fields, for evaluate(): ids, texts, records, path."""
+
+    def __len__(self):
+        return len(self.ids)
+
+
 @pytest.mark.parametrize("kl_estimator, absolute, reward_fn", [("k1", False, False), ("k1", True, True),
                                                                 ("k3", False, False), ("exact", False, True)])
 def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_estimator, absolute, reward_fn):
@@ -12492,10 +12499,6 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
     ended = torch.tensor([True, False, True, False, True])
     cfg = types.SimpleNamespace(max_new_tokens=R_, eval_temperature=0.3, temperature=0.7, seed=11, max_prompt_len=8,
                                 kl_estimator=kl_estimator, use_absolute_kl=absolute, eval_samples_per_prompt=1)
-
-    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
-        def __len__(self):
-            return len(self.ids)
 
     prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)],
                       records=[{"i": i} for i in range(E)], path="heldout.jsonl")
@@ -12577,6 +12580,37 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
                                        "eval/reward/fmt": 1.0} if reward_fn else {})}
 
 
+def evaluate_on_ranks(monkeypatch, W, rollout_micro, call):
+    """evaluate() as on W ranks, in this process: call(run, m, tok) calls it for run.rank with stand-in models m (a
+    reward model "rm") and a tokenizer tok that writes ids as words, twice a rank, with the ranks' gather swapped for
+    one whose first pass records each rank's rows (ending that call) and whose second gathers them. Returns (the
+    second passes' results, {rank: its rows})."""
+    import evaluate as EV
+
+    parts, results, now = {}, [], {}
+    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: None), actor="actor", ref="ref", reward_model="rm")
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+
+    class Gathered(Exception):
+        pass
+
+    def gather(out, mine):
+        if now["rank"] not in parts:
+            parts[now["rank"]] = mine
+            raise Gathered
+        out[:] = [parts[r] for r in range(len(out))]
+
+    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
+    for rank in [*range(W), *range(W)]:
+        now["rank"] = rank
+        try:
+            results.append(call(types.SimpleNamespace(world=W, rank=rank, device=torch.device("cpu"),
+                                                      rollout_micro=rollout_micro), m, tok))
+        except Gathered:
+            pass
+    return results, parts
+
+
 @pytest.mark.parametrize("E", [1, 2])
 def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
     # E = 1 held-out prompt on 2 ranks: rank 1's share is a copy of it alone, generated with its own global row's key,
@@ -12584,10 +12618,6 @@ def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
     # that prompt's own numbers. E = 2, the second scored NaN: both ranks refuse it, rank 0 from the gathered rows
     # (each rank checking its own rows left rank 0 in the next collective)
     import evaluate as EV
-
-    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
-        def __len__(self):
-            return len(self.ids)
 
     prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)], records=[{}] * E,
                       path="few.jsonl")
@@ -12605,29 +12635,18 @@ def test_evaluate_one_prompt_a_rank_and_fewer(monkeypatch, E):
         return dict(old_logp=torch.tensor([[-1.0, -2.0, -9.0]]), ref_logp=torch.tensor([[-1.5, -1.0, 0.0]]),
                     kl_exact=None, score=torch.tensor([0.25, math.nan])[batch["tokens"][:, 0] - 90])
 
-    parts, results = {}, []
+    rank = None
 
-    class Gathered(Exception):
-        pass
-
-    def gather(out, mine):  # the first pass records each rank's rows, the second gathers them
-        if rank not in parts:
-            parts[rank] = mine
-            raise Gathered
-        out[:] = [parts[r] for r in range(len(out))]
-
-    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
-    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: None), actor="actor", ref="ref", reward_model="rm")
-    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
-    for rank in (0, 1, 0, 1):
-        run = types.SimpleNamespace(world=2, rank=rank, device=torch.device("cpu"), rollout_micro=1)
+    def call(run, m, tok):
+        nonlocal rank
+        rank = run.rank
         try:
-            results.append(EV.evaluate(3, dict(episode=24, epoch=1.0), m, prompts, None, fake_score, cfg, run, tok,
-                                       [0], 0, generate=fake_generate))
-        except Gathered:
-            pass
+            return EV.evaluate(3, dict(episode=24, epoch=1.0), m, prompts, None, fake_score, cfg, run, tok, [0], 0,
+                               generate=fake_generate)
         except FloatingPointError as e:
-            results.append(str(e))
+            return str(e)
+
+    results, parts = evaluate_on_ranks(monkeypatch, 2, 1, call)
     assert seen == {r: ([[90 + min(r, E - 1)]], R.eval_seeds(11, [r]).tolist()) for r in (0, 1)}
     if E == 2:
         assert results == ["eval after step 3: the reward gave non-finite scores to 1 of the 2 prompts of few.jsonl "
@@ -12655,10 +12674,6 @@ def test_evaluate_several_samples_per_prompt(monkeypatch):
     length = [1, 3, 2, 2, 3, 1]
     key = {int(s): g for g, s in enumerate(R.eval_seeds(11, range(8)))}  # a row's seed -> the row
 
-    class Prompts(types.SimpleNamespace):  # a data.PromptSet's fields
-        def __len__(self):
-            return len(self.ids)
-
     prompts = Prompts(ids=[[90 + i] for i in range(E)], texts=[f"p{i}" for i in range(E)], records=[{}] * E,
                       path="heldout.jsonl")
     cfg = types.SimpleNamespace(max_new_tokens=3, eval_temperature=0.7, seed=11, max_prompt_len=4, kl_estimator="k1",
@@ -12680,27 +12695,15 @@ def test_evaluate_several_samples_per_prompt(monkeypatch):
         return dict(old_logp=torch.zeros(len(rows), 3), ref_logp=torch.zeros(len(rows), 3), kl_exact=None,
                     score=torch.tensor([score[min(g, G - 1)] for g in rows.tolist()]))
 
-    parts, results = {}, []
+    rank = None
 
-    class Gathered(Exception):
-        pass
+    def call(run, m, tok):
+        nonlocal rank
+        rank = run.rank
+        return EV.evaluate(2, dict(episode=8, epoch=0.5), m, prompts, None, fake_score, cfg, run, tok, [0], 0,
+                           generate=fake_generate)
 
-    def gather(out, mine):
-        if rank not in parts:
-            parts[rank] = mine
-            raise Gathered
-        out[:] = [parts[r] for r in range(len(out))]
-
-    monkeypatch.setattr(EV.dist, "all_gather_object", gather)
-    m = dict(gen=types.SimpleNamespace(copy_weights_from=lambda src: None), actor="actor", ref="ref", reward_model="rm")
-    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
-    for rank in [*range(W), *range(W)]:
-        run = types.SimpleNamespace(world=W, rank=rank, device=torch.device("cpu"), rollout_micro=2)
-        try:
-            results.append(EV.evaluate(2, dict(episode=8, epoch=0.5), m, prompts, None, fake_score, cfg, run, tok,
-                                       [0], 0, generate=fake_generate))
-        except Gathered:
-            pass
+    results, parts = evaluate_on_ranks(monkeypatch, W, 2, call)
     assert seen == {0: ([90, 90], [0, 1], 0.7), 1: ([91, 91], [2, 3], 0.7), 2: ([92, 92], [4, 5], 0.7),
                     3: ([92, 92], [6, 7], 0.7)}  # the last rank: copies of the last row, keyed by their own rows
     assert parts[3] == [] and len(results) == W
