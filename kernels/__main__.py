@@ -4,6 +4,8 @@
     python -m kernels --device cuda    # GPU: bfloat16, N=16384, (H, V) = (4096, 128256), (896, 151936), (1536, 151936)
     python -m kernels --device cuda --tiles   # ... and the fused ops at a few candidate tiles (tuning)
     python -m kernels --target sm_90   # no GPU: compile for an H100, registers / spills / shared memory
+    ncu --profile-from-start off ... python -m kernels --device cuda --profile 4096,128256   # what bounds them
+    python -m kernels --device cuda --sweep 4096,128256   # the forwards at a few pipeline stages and vocab splits
 
 Rows: logprob+entropy (`linear_logprob_entropy`) and exact KL (`linear_kl`), each fused vs naive
 (float32 logits, log_softmax, gather / sum; the op's reference function on CPU). "fwd" runs under
@@ -29,10 +31,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-from kernels import aot, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_reference
+from kernels import (aot, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_kl,
+                     linear_logprob_entropy_reference)
+from kernels.kl import DEFAULT_KL_CONFIG
+from kernels.utils import DEFAULT_CONFIG
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOPS = {"logprob+entropy": (2, 8), "kl": (4, 12)}  # x N H V: forward, forward+backward
@@ -249,10 +255,102 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
           "algorithm's work (see the module docstring) for every column")
 
 
+def profiled_calls(N, H, V, device):
+    """(name, fn, inputs, grads, backward) of each fused kernel's work at one head, as step() runs it, for a profiler
+    to look at one call of each: cuBLAS's (N, H) @ (H, V) product (the ceiling), logprob+entropy's forward,
+    scoring's one pass over both heads, and the KL forward then backward (its first vocab chunk's dz kernel and two
+    GEMMs come first)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(N, H, generator=g, device=device).to(torch.bfloat16)
+    b = torch.randn(V, H, generator=g, device=device).to(torch.bfloat16)
+    (h, w, y), _ = make_inputs("logprob+entropy", N, H, V, torch.bfloat16, device, False)
+    kl_inputs, kl_grads = make_inputs("kl", N, H, V, torch.bfloat16, device, True)
+    return [("cuBLAS (N, H) @ (H, V)", lambda x, wt: x @ wt.T, (a, b), None, False),
+            ("logprob+entropy forward", linear_logprob_entropy, (h, w, y), None, False),
+            ("scoring's one pass forward", linear_logprob_entropy_kl, (h, w, y, *kl_inputs[2:]), None, False),
+            ("kl forward + backward", linear_kl, kl_inputs, kl_grads, True)]
+
+
+def cuda_profile(args, H, V):
+    """One call of each of profiled_calls between cudaProfilerStart and cudaProfilerStop (after a warm-up that
+    compiles), for Nsight Compute's `--profile-from-start off`; each call's median time outside the range first."""
+    dev = torch.device("cuda")
+    calls = profiled_calls(args.gpu_n, H, V, dev)
+    print(f"GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bfloat16, N={args.gpu_n}, H={H}, "
+          f"V={V}; median of {args.repeat} calls each (outside the profiled range)", flush=True)
+    for name, *call in calls:  # each compiled by cuda_measure's first call
+        ms, _ = cuda_measure(*call, args.repeat)
+        print(f"  {name:30s} {ms:8.2f} ms", flush=True)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _, *call in calls:
+        step(*call)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled one call of each, in this order", flush=True)
+
+
+def scoring_losses(hidden, weight, labels, ref_hidden, ref_weight, config=None):
+    """linear_logprob_entropy_kl's three differentiable outputs: logprob, entropy, kl (training with the KL loss)."""
+    logprob, entropy, _, kl = linear_logprob_entropy_kl(hidden, weight, labels, ref_hidden, ref_weight, config=config)
+    return logprob, entropy, kl
+
+
+def cuda_sweep(args, H, V, dev=torch.device("cuda"), measure=cuda_measure):
+    """The forwards (and the KL's and scoring's forward+backward) at a few pipeline stages and, for the KL alone,
+    vocab splits, side by side in one process: what profiling suggested. Scoring keeps linear_logprob_entropy's
+    splits (its logprob must be that op's, bit for bit), so only its stages move."""
+    N = args.gpu_n
+    a = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(V, H, device=dev, dtype=torch.bfloat16)
+    mm_ms, _ = measure(lambda x, w: x @ w.T, (a, b), None, False, args.repeat)
+    mm_tflops = 2 * N * H * V / mm_ms / 1e9
+    del a, b
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    print(f"GPU: {gpu}, torch {torch.__version__}, bfloat16, N={N}, H={H}, V={V}; "
+          f"cuBLAS bf16 {mm_ms:.2f} ms = {mm_tflops:.0f} TFLOP/s; median of {args.repeat} calls", flush=True)
+    lpe_inputs, lpe_grads = make_inputs("logprob+entropy", N, H, V, torch.bfloat16, dev, False)
+    kl_inputs, kl_grads = make_inputs("kl", N, H, V, torch.bfloat16, dev, False)
+    h, w, y = lpe_inputs
+    score_inputs = (h, w, y, kl_inputs[2], kl_inputs[3])
+    # (op, inputs, upstream gradients, forward+backward work x NHV, base config, [(stages, splits), ...])
+    rows = [("logprob+entropy", linear_logprob_entropy, lpe_inputs, None, 2, DEFAULT_CONFIG, [(3, 0), (4, 0)]),
+            ("scoring", linear_logprob_entropy_kl, score_inputs, None, 4, DEFAULT_CONFIG, [(2, 0), (3, 0), (4, 0)]),
+            ("kl", linear_kl, kl_inputs, None, 4, DEFAULT_KL_CONFIG,
+             [(3, 0), (4, 0), (3, 32), (4, 32), (3, 64), (4, 64)]),
+            ("logprob+entropy fwd+bwd", linear_logprob_entropy, lpe_inputs, lpe_grads, 8, DEFAULT_CONFIG,
+             [(3, 0), (4, 0)]),
+            ("scoring fwd+bwd", scoring_losses, score_inputs, [lpe_grads[0]] * 3, 12, DEFAULT_CONFIG,
+             [(2, 0), (3, 0), (4, 0)]),
+            ("kl fwd+bwd", linear_kl, kl_inputs, kl_grads, 12, DEFAULT_KL_CONFIG, [(3, 0), (4, 0)])]
+    print(f"{'op':23s} {'tiles n,v,h/warps':18s} {'stages':>6s} {'splits':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s}")
+    for op, fn, inputs, grads, work, base, variants in rows:
+        backward = grads is not None
+        for t in inputs[:2]:
+            t.requires_grad_(backward)
+        for stages, splits in variants:
+            cfg = replace(base, num_stages=stages, num_splits=splits)
+            ms, _ = measure(functools.partial(fn, config=cfg), inputs, grads, backward, args.repeat)
+            tflops = work * N * H * V / ms / 1e9
+            tiles = f"{cfg.block_n},{cfg.block_v},{cfg.block_h}/{cfg.num_warps}"
+            print(f"{op:23s} {tiles:18s} {stages:6d} {splits or 'auto':>6} {ms:8.2f} {tflops:8.0f} "
+                  f"{100 * tflops / mm_tflops:5.0f}", flush=True)
+    print("splits auto: the launchers' own (at least 16); TFLOP/s count each op's work: logprob+entropy 2NHV, scoring "
+          "4NHV (each head's logits once), kl 4NHV; forward+backward 8NHV, 12NHV and 12NHV")
+
+
+def head_shape(text):
+    try:
+        H, V = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not H,V (two integers, e.g. 4096,128256)")
+    return H, V
+
+
 # -----------------------------------------------------------------------------
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--n", type=int, default=4096, help="CPU: tokens")
@@ -267,8 +365,17 @@ def main():
                    "kernels/aot.py (n,v,h/warps/stages)")
     p.add_argument("--target", choices=("sm_90",), help="compile for this GPU (no GPU needed) and print the "
                    "machine-code report of kernels/aot.py at (--gpu_n, 4096, 128256) instead of timing")
+    p.add_argument("--profile", type=head_shape, metavar="H,V", help="GPU: one call of each fused kernel at this "
+                   "head (and cuBLAS's product) between cudaProfilerStart and Stop, for Nsight Compute: "
+                   "`ncu --profile-from-start off ... python -m kernels --device cuda --profile 4096,128256`")
+    p.add_argument("--sweep", type=head_shape, metavar="H,V", help="GPU: the fused forwards at this head at a few "
+                   "pipeline stages and (the KL) vocab splits, side by side")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     if args.worker:
         cpu_worker(json.loads(args.worker))
     elif args.target:
@@ -276,10 +383,15 @@ def main():
             sys.exit("--target: needs a compiled (not TRITON_INTERPRET=1) Triton with the JIT binder of "
                      "triton.runtime.jit; this one has none")
         aot.report(N=args.gpu_n)
-    elif args.device == "cuda":
+    elif args.device == "cuda" or args.profile or args.sweep:
         if not torch.cuda.is_available():
             sys.exit("--device cuda: no CUDA device visible to torch")
-        cuda_table(args)
+        if args.profile:
+            cuda_profile(args, *args.profile)
+        elif args.sweep:
+            cuda_sweep(args, *args.sweep)
+        else:
+            cuda_table(args)
     else:
         cpu_table(args)
 

@@ -79,7 +79,7 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
     kl_cfg = kl_cfg or default_config(dtype, DEFAULT_KL_CONFIG)
     h, w, f32, labels = ptr(dtype), ptr(dtype), ptr(torch.float32), ptr(torch.int64)
     strides = (H, 1, H, 1)  # contiguous (N, H) hidden and (V, H) weight
-    for op, c, pairs in (("logprob+entropy", cfg, 1), ("kl", kl_cfg, 2)):
+    for op, c in (("logprob+entropy", cfg), ("kl", kl_cfg)):
         BN, BV = c.block_n, c.block_v
         _, per_split = vocab_splits(c, torch.device("cuda"), N, V, sms=H100_SMS)  # as the launchers split V
         # the backward's first vocab chunk [0, v1): dz's rows are vc apart, vc a whole number of tiles, which
@@ -87,7 +87,7 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
         vc = vocab_chunk(c, N, V, c.gpu_chunk_elems, BV)
         v1 = min(vc, V)
         flags = dict(BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=c.block_h, DOT_PRECISION=dot_precision(dtype), UPCAST=False,
-                     num_warps=c.num_warps, num_stages=pipeline_stages(c, dtype.itemsize, pairs))
+                     num_warps=c.num_warps, num_stages=pipeline_stages(c, dtype.itemsize))
         if op == "logprob+entropy":
             yield (f"{op} fwd", logprob_entropy._logprob_entropy_fwd_kernel,
                    (h, w, labels, f32, N, V, H, per_split, *strides, 1.0), flags)
@@ -99,13 +99,12 @@ def launches(dtype: torch.dtype, N: int, H: int, V: int, cfg: TileConfig = None,
                    (h, w, h, w, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
             yield (f"{op} bwd", kl._kl_bwd_kernel,
                    (h, w, h, w, f32, f32, f32, ptr(dtype), N, H, H, 0, v1, *strides, *strides, vc, 1.0), flags)
-    # the one pass over both heads (scoring, training with the KL loss): linear_logprob_entropy's tiles and splits,
-    # two operand pairs in flight
+    # the one pass over both heads (scoring, training with the KL loss): linear_logprob_entropy's tiles and splits
     _, per_split = vocab_splits(cfg, torch.device("cuda"), N, V, sms=H100_SMS)
     vc = vocab_chunk(cfg, N, V, cfg.gpu_chunk_elems, cfg.block_v)
     v1 = min(vc, V)
     flags = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, DOT_PRECISION=dot_precision(dtype),
-                 UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize, 2))
+                 UPCAST=False, num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, dtype.itemsize))
     yield ("score fwd", kl._score_fwd_kernel,
            (h, w, h, w, labels, f32, N, V, H, H, per_split, *strides, *strides, 1.0), flags)
     yield ("score bwd", kl._score_bwd_kernel,

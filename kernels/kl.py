@@ -87,10 +87,11 @@ from kernels.utils import (
 )
 
 # two (BLOCK_N, BLOCK_V) fp32 logit tiles are live at once: half the columns of logprob_entropy's default, and
-# 4 warps. The fastest of aot.CANDIDATES on an H100 and an H200 (`python -m kernels --device cuda --tiles`, where
-# its 4 stages were lowered to the 3 that fit shared memory: utils.pipeline_stages): 1.18-1.34x forward+backward
-# over the former 64 x 128 tiles with 8 warps on the three heads there. The forward reloads 20 spilled values
-# once a vocab tile (0.8% of its loops' instructions), none in a K loop.
+# 4 warps. The fastest of aot.CANDIDATES on an H100 and an H200 (`python -m kernels --device cuda --tiles`, at 3
+# stages): 1.18-1.34x forward+backward over the former 64 x 128 tiles with 8 warps on the three heads there; 4
+# stages and 32 or 64 vocab splits were no faster (`--sweep`, H200). The forward is bound by L2 (93% of its
+# throughput, `--profile` under Nsight Compute): each 64-column tile reads its rows of both hidden states again.
+# It reloads 20 spilled values once a vocab tile (0.8% of its loops' instructions), none in a K loop.
 DEFAULT_KL_CONFIG = TileConfig(block_n=128, block_v=64, num_warps=4, num_stages=3)
 
 # -----------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def _dot_flags(hidden, ref_hidden):
 
 
 def _stages(cfg, hidden, ref_hidden):
-    return pipeline_stages(cfg, max(hidden.element_size(), ref_hidden.element_size()), n_operand_pairs=2)
+    return pipeline_stages(cfg, max(hidden.element_size(), ref_hidden.element_size()))
 
 
 @on_its_device

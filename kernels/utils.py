@@ -57,7 +57,7 @@ class TileConfig:
     block_h: int = 64  # Triton: hidden (reduction) step of tl.dot
     num_splits: int = 0  # Triton forward: vocab ranges per row block (0 = enough programs to fill the GPU)
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
     chunk_rows: int = 4096  # torch path: rows per chunk; with chunk_elems it also fixes the vocab chunk width
     chunk_vocab: int = 0  # both backwards and the torch forward: vocab columns per chunk (0 = from chunk_elems)
     chunk_elems: int = 1 << 23  # torch path: elements in one (chunk_rows, vocab) float32 chunk, 32 MiB
@@ -422,12 +422,15 @@ def prepare_grad(g, n: int, device, dtype) -> torch.Tensor:
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined operand tiles per program; an H100 block may hold 227 KiB
 
 
-def pipeline_stages(cfg: TileConfig, itemsize: int, n_operand_pairs: int = 1) -> int:
-    """cfg.num_stages, lowered until the software-pipelined tl.dot operands fit in shared memory:
-    each stage holds a (BLOCK_N, BLOCK_H) and a (BLOCK_H, BLOCK_V) tile per operand pair (two in the KL
-    kernels, whose K loops run one after the other). Matters for float32 inputs, twice the bytes of bf16."""
+def pipeline_stages(cfg: TileConfig, itemsize: int) -> int:
+    """cfg.num_stages, lowered until the software-pipelined tl.dot operands fit in shared memory: each stage holds
+    a (BLOCK_N, BLOCK_H) and a (BLOCK_H, BLOCK_V) tile. The kernels over both heads (kl.py) run one K loop after the
+    other, and Triton gives the second loop the first's buffers: one pair's stages are what a program holds (Nsight
+    Compute on an H200, Triton 3.6: scoring's one pass at 128 x 128 tiles and 2 stages took 65.5 KB, the KL forward
+    at 128 x 64 and 3 stages 73.7 KB; counting both pairs had lowered the one pass's 3 stages to 2 and the KL's 4 to
+    3). Matters for float32 inputs, twice the bytes of bf16."""
     stages = cfg.num_stages
-    per_stage = n_operand_pairs * (cfg.block_n + cfg.block_v) * cfg.block_h * itemsize
+    per_stage = (cfg.block_n + cfg.block_v) * cfg.block_h * itemsize
     while stages > 1 and stages * per_stage > SMEM_BUDGET:
         stages -= 1
     return stages
