@@ -8,6 +8,8 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
     eval/score_std         standard deviation of the scores over the prompts (of each prompt's mean score):
                            eval/score's standard error is eval/score_std / sqrt(prompts)
     eval/score_best        n > 1 only: mean over the prompts of each one's best score (pass@n for a 0/1 reward)
+    eval/score_best@k      for k = 2, 4, 8, ... below n: the same for k of the n responses, the expected best of k
+                           drawn without replacement, computed exactly (best_of: pass@k for a 0/1 reward)
     eval/kl                mean over responses of the summed per-token KL estimate that the reward uses
                            (--kl_estimator, |.| with --use_absolute_kl), actor against reference logprobs at the
                            training temperature, as objective/kl is. On greedy responses (--eval_temperature=0, the
@@ -55,6 +57,28 @@ ROW = ("prompt", "response", "score", "kl", "length", "stopped")  # an eval row'
 def due(step, cfg):
     """Whether ppo.py evaluates after `step` (0: before the first step, on a run that starts there)."""
     return step == 0 or (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.total_steps
+
+
+def best_of(scores, k):
+    """The expected best score of k responses drawn without replacement from one prompt's n: with the scores sorted,
+    s_0 <= ... <= s_(n-1), the i-th is the best of a k-subset when the other k - 1 come from the i below it, so
+    best@k = sum_i s_i C(i, k - 1) / C(n, k). Exact, no resampling; k = n gives the max, k = 1 the mean, and for a 0/1
+    reward it is the unbiased pass@k of Chen et al. (2021), 1 - C(n - c, k) / C(n, k), c of the n correct."""
+    n = len(scores)
+    return sum(s * (math.comb(i, k - 1) / math.comb(n, k)) for i, s in enumerate(sorted(scores)) if i >= k - 1)
+
+
+def score_metrics(per_prompt):
+    """eval/score, eval/score_std and, with n > 1 responses a prompt, eval/score_best and eval/score_best@k (k = 2, 4,
+    ... below n), from each prompt's n scores."""
+    n = len(per_prompt[0])
+    out = {"eval/score": statistics.fmean(s for scores in per_prompt for s in scores),
+           "eval/score_std": statistics.stdev(map(statistics.fmean, per_prompt)) if len(per_prompt) > 1 else math.nan}
+    if n > 1:
+        out["eval/score_best"] = statistics.fmean(map(max, per_prompt))
+        out.update({f"eval/score_best@{k}": statistics.fmean(best_of(scores, k) for scores in per_prompt)
+                    for k in (2 ** j for j in range(1, n.bit_length())) if k < n})
+    return out
 
 
 @torch.no_grad()
@@ -111,9 +135,7 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
     score = col("score")
     per_prompt = [score[i * n : (i + 1) * n] for i in range(E)]  # each prompt's n scores
-    metrics = {"step": step, **counters, "eval/score": statistics.fmean(score),
-               "eval/score_std": statistics.stdev(map(statistics.fmean, per_prompt)) if E > 1 else math.nan,  # (null)
-               **({"eval/score_best": statistics.fmean(map(max, per_prompt))} if n > 1 else {}),
+    metrics = {"step": step, **counters, **score_metrics(per_prompt),  # score_std: NaN (null) for one prompt
                "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
                "eval/stop_rate": statistics.fmean(col("stopped")),
                **{f"eval/{name}": statistics.fmean(r[name] for r in rows if r[name] is not None) for name in names}}

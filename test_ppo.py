@@ -12758,6 +12758,37 @@ def test_evaluate_several_samples_per_prompt(monkeypatch):
                            "eval/response_length": pytest.approx(2.0), "eval/stop_rate": pytest.approx(4 / 6)}
 
 
+def test_best_of_k_is_the_expected_best_of_k_responses():
+    # best_of(scores, k): the mean of the best over every k-subset of a prompt's n scores (ties, negatives), computed
+    # without enumerating them; for 0/1 scores the unbiased pass@k, 1 - C(n - c, k) / C(n, k); k = n the max, k = 1
+    # the mean. score_metrics logs it at k = 2, 4, 8, ... below n, beside best@n (eval/score_best)
+    import evaluate as EV
+
+    g, values = torch.Generator().manual_seed(5), [-1.5, 0.0, 0.25, 1.0, 1.0, 3.0]
+    for n in range(1, 9):
+        for _ in range(5):
+            scores = [values[i] for i in torch.randint(len(values), (n,), generator=g).tolist()]
+            for k in range(1, n + 1):
+                brute = statistics.fmean(max(c) for c in itertools.combinations(scores, k))
+                assert EV.best_of(scores, k) == pytest.approx(brute, abs=1e-12), (scores, k)
+            assert EV.best_of(scores, n) == max(scores) and EV.best_of(scores, 1) == pytest.approx(statistics.fmean(scores))
+            c = sum(s == 1.0 for s in scores)
+            binary = [float(s == 1.0) for s in scores]
+            for k in range(1, n + 1):
+                assert EV.best_of(binary, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+    assert EV.best_of([0.0] * 4095 + [1.0], 2048) == pytest.approx(0.5)  # binomials far past a float's range
+    per_prompt = [[1.0, 0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]]
+    m = EV.score_metrics(per_prompt)
+    assert list(m) == ["eval/score", "eval/score_std", "eval/score_best", "eval/score_best@2", "eval/score_best@4"]
+    assert m["eval/score"] == pytest.approx(0.4) and m["eval/score_std"] == pytest.approx(statistics.stdev([0.6, 0.2]))
+    assert m["eval/score_best"] == 1.0
+    assert m["eval/score_best@2"] == pytest.approx(((1 - 1 / 10) + (1 - 6 / 10)) / 2)  # pass@2, c = 3 and 1 of 5
+    assert m["eval/score_best@4"] == pytest.approx((1 + (1 - 1 / 5)) / 2)
+    assert [k for k in EV.score_metrics([[0.0] * 8] * 2) if "@" in k] == ["eval/score_best@2", "eval/score_best@4"]
+    assert list(EV.score_metrics([[1.0], [2.0]])) == ["eval/score", "eval/score_std"]  # n = 1: no best
+    assert math.isnan(EV.score_metrics([[1.0, 2.0]])["eval/score_std"])  # one prompt: no spread
+
+
 def test_eval_samples_per_prompt_needs_sampling_and_held_out_prompts(tmp_path):
     # n greedy responses to a prompt are one response n times; without held-out prompts the flag would do nothing
     import dataclasses
