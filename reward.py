@@ -12,7 +12,9 @@ returned.
 RewardCaller calls the function on a batch: in series, or in a pool of threads for a function that waits (a
 verifier in a subprocess, a judge behind HTTP), with a timeout per call; a call that raised, timed out or returned
 NaN, inf or a number beyond float32 is scored with a fixed value and counted (ppo.py: --reward_workers,
---reward_timeout, --reward_on_error, val/reward_errors).
+--reward_timeout, --reward_on_error, val/reward_errors). A function with the attribute batched = True (a judge
+model in the process, a service that takes lists) is called on lists instead, fn(records, responses) -> a list of
+as many scores, once a batch or once a part of it per worker.
 
     python reward.py "What a lovely, sunny day!"       # the built-in sentiment score of a text
     python reward.py "84" --reward_fn=my_rewards.py:verify --record='{"answer": "84"}'  # a file's, on a record
@@ -193,7 +195,11 @@ class RewardCaller:
     not a flaky verifier. Each call gets a copy of its record, so what a function does to it stays in that call.
     A function may return a dict instead: the score under "score", and more numbers of the response under names of
     its own (accuracy, a format check), kept per response in `extras` after each batch ({} for a number or a failed
-    call), which ppo.py logs as means, reward/<name> (metrics.reward_means)."""
+    call), which ppo.py logs as means, reward/<name> (metrics.reward_means).
+    A function whose attribute `batched` is True is called as fn(records, responses) on lists and returns a list (or
+    an array: anything with tolist()) of one score or dict per response: once on the whole batch, or with workers > 1
+    on that many contiguous parts of it, one a thread, the timeout applying to each call. A call that failed fails
+    each of its responses (each scored on_error and counted); a list of another length is a TypeError."""
 
     SLOW_S = 60.0  # without a timeout, a call running this long is reported (once)
 
@@ -208,6 +214,7 @@ class RewardCaller:
             raise ValueError(f"reward_on_error must be None or a score finite in float32, not {on_error!r:.40}")
         self.fn, self.workers, self.timeout, self.on_error = fn, int(workers), float(timeout), on_error
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self.batched = getattr(fn, "batched", False) is True
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
         self.extras = []  # the last batch's: {name: float} per response
@@ -223,7 +230,24 @@ class RewardCaller:
             self.watcher = threading.Thread(target=RewardCaller._watch, args=(weakref.ref(self),),
                                             name=f"reward-watch-{self.name}", daemon=True)
             self.watcher.start()
+        where = [f"response {i} ({t!r:.80}) to the prompt record {_brief(r)}"  # the record: a field missing, say
+                 for i, (r, t) in enumerate(zip(records, responses))]
+        if self.batched:  # contiguous parts, one call each: [a, b) of the batch
+            k = min(self.workers, len(calls))
+            bounds = [(j * len(calls) // k, (j + 1) * len(calls) // k) for j in range(k)]
+            calls = [([r for r, _ in calls[a:b]], [t for _, t in calls[a:b]]) for a, b in bounds]
         results = [self._call(*c) for c in calls] if self.workers == 1 and not self.timeout else self._threads(calls)
+        if self.batched:
+            results, parts = [], results
+            for (a, b), (ok, value) in zip(bounds, parts):
+                value = value.tolist() if ok and hasattr(value, "tolist") else value  # a numpy array, a tensor
+                if ok and not (isinstance(value, (list, tuple)) and len(value) == b - a):
+                    raise TypeError(f"batched reward function {self.name} returned {value!r:.80} for {b - a} responses "
+                                    f"(the first {responses[a]!r:.80}); it must return a list of {b - a} scores")
+                results += [(True, v) for v in value] if ok else [(False, value)] * (b - a)
+                if not ok:
+                    where[a:b] = [f"the batch of responses {a} to {b - 1} (the first {responses[a]!r:.80} to the "
+                                  f"prompt record {_brief(records[a])})"] * (b - a)
         scores, errors, self.extras = [], 0, []
         for i, (ok, value) in enumerate(results):
             extras = {}
@@ -236,8 +260,7 @@ class RewardCaller:
                     bad = True
                 if bad:
                     ok, value = False, FloatingPointError(f"returned {value!r:.40}, not a finite float32")
-            failed = (f"reward function {self.name} failed on response {i} ({responses[i]!r:.80}) to the prompt "
-                      f"record {_brief(records[i])}: {value!r}")  # the record: which prompt lacks a field, say
+            failed = f"reward function {self.name} failed on {where[i]}: {value!r}"
             if not ok and self.on_error is None:
                 raise RuntimeError(f"{failed}; --reward_on_error=X scores such responses X instead") from value
             self.extras.append(extras if ok else {})
@@ -277,7 +300,7 @@ class RewardCaller:
         """(True, what fn returned) or (False, the exception it raised). Without a timeout, a call still running
         after SLOW_S seconds is reported once (_watch)."""
         key = object()
-        self.running[key] = (time.monotonic(), response)
+        self.running[key] = (time.monotonic(), response)  # (batched: a list of them)
         try:
             return True, self.fn(record, response)
         except BaseException as e:  # noqa: BLE001 -- any failure of the user's function is scored or re-raised,
@@ -301,10 +324,11 @@ class RewardCaller:
                            if now - t0 >= rc.SLOW_S and key not in reported), key=lambda c: c[0])
             if slow:  # one line for those found at once (a pool of workers)
                 t0, response, _ = slow[0]
+                what = (f"a response ({response!r:.80})" if isinstance(response, str) else
+                        f"{len(response)} responses (the first {response[0]!r:.60})")
                 more = f" (and {len(slow) - 1} more calls past {rc.SLOW_S:g} s)" if len(slow) > 1 else ""
                 print(f"{f'rank {rank}: ' if rank else ''}reward function {rc.name} has run {now - t0:.0f} s on "
-                      f"a response ({response!r:.80}){more} and is waited for; --reward_timeout gives up such calls",
-                      flush=True)
+                      f"{what}{more} and is waited for; --reward_timeout gives up such calls", flush=True)
                 reported |= {key for _, _, key in slow}
             reported &= set(rc.running)  # the calls that ended
             wait, rc = rc.SLOW_S / 4, None  # no reference while it sleeps

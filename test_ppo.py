@@ -7167,6 +7167,63 @@ def test_reward_caller_runs_its_workers_at_once():
         assert most[0] == workers, (workers, timeout, most)
 
 
+def test_reward_caller_calls_a_batched_function_on_lists():
+    # fn.batched = True: fn(records, responses) once a batch (a copy of each record), or once a contiguous part with
+    # workers > 1, side by side; it returns a list (or anything with tolist()) of scores or dicts, in order. A part
+    # whose call raised or timed out scores each of its responses on_error (each counted), or stops the run naming
+    # the batch; a list of another length is a TypeError; an empty batch calls nothing
+    import threading
+
+    from reward import RewardCaller
+
+    calls, records = [], [{"answer": str(i)} for i in range(8)]
+    texts = [f"t{i}" for i in range(8)]
+
+    def judge(recs, resps):
+        calls.append((recs, resps))
+        recs[0].pop("answer")  # its copy
+        return torch.tensor([float(len(r)) for r in resps]) if len(resps) == 8 else [
+            {"score": i + 0.5, "len": len(r)} for i, r in enumerate(resps)]
+    judge.batched = True
+    caller = RewardCaller(judge)
+    assert caller(records, texts) == ([2.0] * 8, 0) and caller.extras == [{}] * 8
+    assert calls == [([{}] + records[1:], texts)] and records[0] == {"answer": "0"}
+    calls.clear()
+    barrier = threading.Barrier(3, timeout=5)  # answers only when the three parts are called at once
+
+    def parts(recs, resps):
+        barrier.wait()
+        return judge(recs, resps)
+    parts.batched = True
+    scores, errors = RewardCaller(parts, workers=3)(records, texts)
+    assert sorted(resps for _, resps in calls) == [texts[0:2], texts[2:5], texts[5:8]]  # contiguous: 2, 3 and 3
+    assert (scores, errors) == ([0.5, 1.5, 0.5, 1.5, 2.5, 0.5, 1.5, 2.5], 0)
+    calls.clear()
+    assert RewardCaller(parts, workers=3)([], []) == ([], 0) and calls == []
+
+    def flaky(recs, resps):
+        if "t3" in resps:
+            raise ConnectionError("judge down")
+        if "t6" in resps:
+            time.sleep(2)
+        return [1.0] * len(resps)
+    flaky.batched = True
+    assert RewardCaller(flaky, workers=3, timeout=1.0, on_error=-1.0)(records, texts) == (
+        [1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0], 6)
+    with pytest.raises(RuntimeError, match=r"reward function .*flaky failed on the batch of responses 2 to 3 \(the "
+                                           r"first 't2' to the prompt record .*\): ConnectionError\('judge down'\)"):
+        RewardCaller(flaky, workers=2)(records[:4], texts[:4])
+
+    def short(recs, resps):
+        return [1.0] * (len(resps) - 1)
+    short.batched = True
+    with pytest.raises(TypeError, match=r"batched reward function .*short returned \[1.0, 1.0\] for 3 responses "
+                                        r"\(the first 't0'\); it must return a list of 3 scores"):
+        RewardCaller(short)(records[:3], texts[:3])
+    not_marked = lambda rec, resp: 1.0  # noqa: E731 -- no attribute: one response a call, as before
+    assert RewardCaller(not_marked)(records[:2], texts[:2]) == ([1.0, 1.0], 0)
+
+
 def test_reward_caller_tracks_the_calls_in_flight():
     # running: key -> (its start on time.monotonic, its response), for each call from its start to its end, however
     # it ended (the watcher names a call in there that runs past SLOW_S: one left there would be named long after)
@@ -9336,29 +9393,40 @@ def test_resume_compares_a_reward_files_contents_and_the_function_name(tmp_path)
 
 
 @slow
-def test_a_run_scores_with_a_reward_function_from_a_file(tiny_run, tmp_path):
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_run_scores_with_a_reward_function_from_a_file(tiny_run, tmp_path, batched):
     # `python ppo.py --reward_fn=FILE.py:NAME`: every response is scored by the file's function with its prompt's
     # record, the scores logged are its, and what it returns beside the score (a dict) is logged as reward/<name>,
-    # in training and in the evaluation (with its rows); the checkpoint records the flag and the file's contents
+    # in training and in the evaluation (with its rows); the checkpoint records the flag and the file's contents.
+    # Batched (length.batched = True): the same scores, from one call a batch, on lists
     rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(TINY_PROMPTS)]
     prompts = write_jsonl(tmp_path / "qa.jsonl", rows)
-    calls = tmp_path / "calls.jsonl"
-    (tmp_path / "rewards.py").write_text(f"""
-import json
-
-
-def length(record, response):
+    calls, batches = tmp_path / "calls.jsonl", tmp_path / "batches.txt"
+    one = f"""
+def one(record, response):
     with open({str(calls)!r}, "a") as f:
         f.write(json.dumps([record, response]) + "\\n")
     n = len(response)
     return {{"score": n / 8 + int(record.get("answer", 0)), "chars": n, **({{"even": 1}} if n % 2 == 0 else {{}})}}
-""")
+"""
+    (tmp_path / "rewards.py").write_text("import json\n" + one + (f"""
+
+def length(records, responses):
+    with open({str(batches)!r}, "a") as f:
+        f.write(f"{{len(responses)}}\\n")
+    return [one(r, t) for r, t in zip(records, responses)]
+
+
+length.batched = True
+""" if batched else "\n\nlength = one\n"))
     out = tmp_path / "run"
     p, logged = run_ppo(tiny_run, out, prompts=prompts, reward_fn=f"{tmp_path}/rewards.py:length", total_steps=1,
                         eval_prompts=tiny_run["eval_prompts"])
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     E = len(TINY_EVAL_PROMPTS)
     assert len(seen) == 2 * E + TINY_ARGS["rollout_batch_size"]  # evaluations before and after the step
+    if batched:  # one call an evaluation, one the step
+        assert batches.read_text().split() == [str(E), str(TINY_ARGS["rollout_batch_size"]), str(E)]
     train = seen[E : E + TINY_ARGS["rollout_batch_size"]]
     assert all(set(r) == {"prompt", "answer"} for r, _ in train) and {r["prompt"] for r, _ in train} <= set(TINY_PROMPTS)
     step, ev = [r for r in logged if "objective/scores" in r], [r for r in logged if "eval/score" in r]
