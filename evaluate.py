@@ -10,6 +10,8 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
     eval/score_best        n > 1 only: mean over the prompts of each one's best score (pass@n for a 0/1 reward)
     eval/score_best@k      for k = 2, 4, 8, ... below n: the same for k of the n responses, the expected best of k
                            drawn without replacement, computed exactly (best_of: pass@k for a 0/1 reward)
+    eval/score_maj         n > 1, and a reward function that returns the answer it read as "pred" (reward.RewardCaller):
+                           mean over the prompts of the score of the majority answer (majority_score: maj@n)
     eval/kl                mean over responses of the summed per-token KL estimate that the reward uses
                            (--kl_estimator, |.| with --use_absolute_kl), actor against reference logprobs at the
                            training temperature, as objective/kl is. On greedy responses (--eval_temperature=0, the
@@ -23,9 +25,9 @@ one, and logs a line of its own in metrics.jsonl at the step whose weights it ev
                            reward.RewardCaller), over the prompts whose call did
     time/eval              seconds (with --async_rollout, first waiting for the batch drawn ahead, since the
                            evaluation refills the generation copy it is drawn from)
-and its rows (prompt, response, score, kl, length, stopped, with n > 1 sample, and reward/<name>, null where a call
-did not report it) in out_dir/samples/step-N.jsonl (runtime.Logger). Row g of the E x n is sample g % n of prompt
-g // n, as in training.
+and its rows (prompt, response, score, kl, length, stopped, with n > 1 sample, pred where a call gave one, and
+reward/<name>, null where a call did not report them) in out_dir/samples/step-N.jsonl (runtime.Logger). Row g of the
+E x n is sample g % n of prompt g // n, as in training.
 
 Keyed, so it repeats and leaves training alone: the sampling noise of eval row g comes from rollout.eval_seeds
 (seed, g), a key space training never draws from, the same at every evaluation (two evaluations differ by their
@@ -68,9 +70,22 @@ def best_of(scores, k):
     return sum(s * (math.comb(i, k - 1) / math.comb(n, k)) for i, s in enumerate(sorted(scores)) if i >= k - 1)
 
 
-def score_metrics(per_prompt):
+def majority_score(scores, preds):
+    """The score of a prompt's majority answer (self-consistency): among its responses' preds (None: no answer read,
+    no vote), the one given most often, the first of them in sample order on a tie, scored as the mean score of the
+    responses that gave it (the same score for a verifier of the answer alone). With no vote, the mean score."""
+    votes = [p for p in preds if p is not None]
+    if not votes:
+        return statistics.fmean(scores)
+    counts = {p: votes.count(p) for p in votes}  # in sample order
+    top = max(counts, key=counts.get)  # the first of the most frequent
+    return statistics.fmean(s for s, p in zip(scores, preds) if p == top)
+
+
+def score_metrics(per_prompt, preds=None):
     """eval/score, eval/score_std and, with n > 1 responses a prompt, eval/score_best and eval/score_best@k (k = 2, 4,
-    ... below n), from each prompt's n scores."""
+    ... below n), from each prompt's n scores; with preds (each prompt's n answers, None where none was read) and
+    n > 1, eval/score_maj."""
     n = len(per_prompt[0])
     out = {"eval/score": statistics.fmean(s for scores in per_prompt for s in scores),
            "eval/score_std": statistics.stdev(map(statistics.fmean, per_prompt)) if len(per_prompt) > 1 else math.nan}
@@ -78,6 +93,8 @@ def score_metrics(per_prompt):
         out["eval/score_best"] = statistics.fmean(map(max, per_prompt))
         out.update({f"eval/score_best@{k}": statistics.fmean(best_of(scores, k) for scores in per_prompt)
                     for k in (2 ** j for j in range(1, n.bit_length())) if k < n})
+        if preds is not None:
+            out["eval/score_maj"] = statistics.fmean(map(majority_score, per_prompt, preds))
     return out
 
 
@@ -117,15 +134,18 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
     kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
     extras = reward.extras if reward is not None else [{}] * n_real  # what a reward function returned beside scores
+    preds = reward.preds if reward is not None else [None] * n_real  # the answers it read ("pred"), or None
     mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=L, stopped=e,
-                      **({"sample": g % n} if n > 1 else {}), **{f"reward/{name}": v for name, v in more.items()})
-                 for g, i, t, s, x, L, e, more in zip(mine, idx, texts, scores, kl, mask.sum(1).tolist(),
-                                                      ro.ended.tolist(), extras)]
+                      **({"sample": g % n} if n > 1 else {}), **({"pred": p} if p is not None else {}),
+                      **{f"reward/{name}": v for name, v in more.items()})
+                 for g, i, t, s, x, L, e, more, p in zip(mine, idx, texts, scores, kl, mask.sum(1).tolist(),
+                                                         ro.ended.tolist(), extras, preds)]
     rows = [None] * W
     dist.all_gather_object(rows, mine_rows)
     rows = [r for part in rows for r in part]  # (G,) in the file's order: rank r holds rows [r k, (r + 1) k)
     names = sorted({name for r in rows for name in r if name.startswith("reward/")})
-    columns = (*ROW, *(("sample",) if n > 1 else ()), *names)
+    has_pred = any("pred" in r for r in rows)
+    columns = (*ROW, *(("sample",) if n > 1 else ()), *(("pred",) if has_pred else ()), *names)
     rows = [{c: r.get(c) for c in columns} for r in rows]  # every row the same columns (None: not reported)
     bad = [r for r in rows if not math.isfinite(r["score"])]
     if bad:  # on every rank alike (the gathered rows), as training refuses its own
@@ -135,7 +155,8 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
     score = col("score")
     per_prompt = [score[i * n : (i + 1) * n] for i in range(E)]  # each prompt's n scores
-    metrics = {"step": step, **counters, **score_metrics(per_prompt),  # score_std: NaN (null) for one prompt
+    preds = [[r["pred"] for r in rows[i * n : (i + 1) * n]] for i in range(E)] if has_pred else None
+    metrics = {"step": step, **counters, **score_metrics(per_prompt, preds),  # score_std: NaN (null) for one prompt
                "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
                "eval/stop_rate": statistics.fmean(col("stopped")),
                **{f"eval/{name}": statistics.fmean(r[name] for r in rows if r[name] is not None) for name in names}}

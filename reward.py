@@ -195,7 +195,9 @@ class RewardCaller:
     not a flaky verifier. Each call gets a copy of its record, so what a function does to it stays in that call.
     A function may return a dict instead: the score under "score", and more numbers of the response under names of
     its own (accuracy, a format check), kept per response in `extras` after each batch ({} for a number or a failed
-    call), which ppo.py logs as means, reward/<name> (metrics.reward_means).
+    call), which ppo.py logs as means, reward/<name> (metrics.reward_means). One name is not a metric: "pred", the
+    answer the function read in the response (a string, verl's name for it), kept in `preds`
+    (None where not given), which an evaluation with several responses a prompt takes a majority vote of.
     A function whose attribute `batched` is True is called as fn(records, responses) on lists and returns a list (or
     an array: anything with tolist()) of one score or dict per response: once on the whole batch, or with workers > 1
     on that many contiguous parts of it, one a thread, the timeout applying to each call. A call that failed fails
@@ -217,7 +219,7 @@ class RewardCaller:
         self.batched = getattr(fn, "batched", False) is True
         self.reported = set()  # the kinds of failure already printed (each kind once a run)
         self.running, self.watcher = {}, None  # the calls in flight: key -> (start, response); their watcher
-        self.extras = []  # the last batch's: {name: float} per response
+        self.extras, self.preds = [], []  # the last batch's: {name: float} and the "pred" entry (or None) per response
 
     def __call__(self, records, responses):
         records, responses = list(records), list(responses)
@@ -248,11 +250,11 @@ class RewardCaller:
                 if not ok:
                     where[a:b] = [f"the batch of responses {a} to {b - 1} (the first {responses[a]!r:.80} to the "
                                   f"prompt record {_brief(records[a])})"] * (b - a)
-        scores, errors, self.extras = [], 0, []
+        scores, errors, self.extras, self.preds = [], 0, [], []
         for i, (ok, value) in enumerate(results):
-            extras = {}
+            extras, pred = {}, None
             if ok and isinstance(value, dict):  # {"score": x, "name": y, ...}: each name logged as reward/name
-                value, extras = self._entries(value, i, responses[i])
+                value, extras, pred = self._entries(value, i, responses[i])
             if ok and real_number(value):  # NaN, inf, or beyond float32: a failed call, named, or scored on_error
                 try:
                     bad = not abs(float(value)) <= FLOAT32_MAX
@@ -264,6 +266,7 @@ class RewardCaller:
             if not ok and self.on_error is None:
                 raise RuntimeError(f"{failed}; --reward_on_error=X scores such responses X instead") from value
             self.extras.append(extras if ok else {})
+            self.preds.append(pred if ok else None)
             if not ok:
                 scores.append(float(self.on_error))
                 errors += 1
@@ -279,22 +282,27 @@ class RewardCaller:
         return scores, errors
 
     def _entries(self, returned, i, response):
-        """(score, {name: float}) of a dict a call returned: its "score", and its other entries, each a number
-        finite in float32 (what one response tells of itself: a verifier's accuracy, a format check, a length).
+        """(score, {name: float}, pred) of a dict a call returned: its "score", its other entries, each a number
+        finite in float32 (what one response tells of itself: a verifier's accuracy, a format check, a length), and
+        its "pred" (the answer read in the response: a string; None if absent or None).
         Anything else is a TypeError: the function's bug, as a return value that is no number."""
         where = f"reward function {self.name} returned {returned!r:.120} for response {i} ({response!r:.80})"
         if "score" not in returned:
             raise TypeError(f"{where}: a dict it returns must hold the score under \"score\"")
         if not real_number(returned["score"]):
             raise TypeError(f"{where}: its \"score\" must be a float")
-        extras = {k: v for k, v in returned.items() if k != "score"}
+        pred = returned.get("pred")
+        if not (pred is None or isinstance(pred, str)):
+            raise TypeError(f"{where}: its \"pred\" (the answer read in the response) must be a string (or None: "
+                            f"none read), not {pred!r:.40} ({type(pred).__name__})")
+        extras = {k: v for k, v in returned.items() if k not in ("score", "pred")}
         for k, v in extras.items():
             if not isinstance(k, str) or not k or "/" in k:
                 raise TypeError(f"{where}: {k!r} is no name for a metric (a string without '/')")
             if not (real_number(v) and abs(float(v)) <= FLOAT32_MAX):
                 raise TypeError(f"{where}: its {k!r} must be a number finite in float32, not {v!r:.40} (leave the "
                                 "name out of the dict for a response it does not apply to)")
-        return returned["score"], {k: float(v) for k, v in extras.items()}
+        return returned["score"], {k: float(v) for k, v in extras.items()}, pred
 
     def _call(self, record, response):
         """(True, what fn returned) or (False, the exception it raised). Without a timeout, a call still running
@@ -389,7 +397,8 @@ def score_one(text: str, reward_fn: str = "sentiment", record: str | dict = "{}"
     need(isinstance(record, dict), f"--record must be a JSON object, not {record!r:.60}")
     caller = RewardCaller(fn)
     (score,), _ = caller([record], [str(text)])  # (fire reads "42" as an int)
-    return {"score": score, **caller.extras[0]} if caller.extras[0] else score
+    more = {**caller.extras[0], **({"pred": caller.preds[0]} if caller.preds[0] is not None else {})}
+    return {"score": score, **more} if more else score
 
 
 if __name__ == "__main__":

@@ -582,6 +582,7 @@ class Logger:
         E = len(rows) // n  # prompts, n responses each (eval/score_std: of their mean scores)
         se = f"{m['eval/score_std'] / E ** 0.5:.3f}" if E > 1 else "n/a"  # (one prompt: no spread)
         best = f"| best@{n} {m['eval/score_best']:+.3f} " if "eval/score_best" in m else ""
+        best += f"| maj@{n} {m['eval/score_maj']:+.3f} " if "eval/score_maj" in m else ""
         print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} {best}{reward_words(m, 'eval/reward/')}"
               f"| kl {m['eval/kl']:+.3f} | len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} "
               f"| {E} prompts{f' x {n}' if n > 1 else ''} | {m['time/eval']:.1f}s", flush=True)

@@ -10859,6 +10859,10 @@ def test_logger_writes_steps_samples_and_evaluations(tmp_path, capsys):
         dict(step=2, prompt="prompt ", response="response 2", score=0.5)]
     assert [json.loads(line) for line in open(tmp_path / "samples" / "step-000003.jsonl")] == rows
     assert "eval    3 | score +0.500 +- 0.141 |" in capsys.readouterr().out
+    # n responses a prompt: best@n, and maj@n where the reward function read answers; the standard error over prompts
+    log.cfg = ppo.Config(out_dir=str(tmp_path), eval_samples_per_prompt=2)
+    log.log_eval({**ev, "step": 4, "eval/score_best": 0.75, "eval/score_maj": 0.25}, rows * 2)
+    assert "eval    4 | score +0.500 +- 0.141 | best@2 +0.750 | maj@2 +0.250 | kl" in capsys.readouterr().out
 
 
 def test_logger_continues_the_wandb_run_from_its_step(monkeypatch, tmp_path):
@@ -12626,11 +12630,13 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
         return dict(old_logp=logp[at], ref_logp=ref[at], kl_exact=exact[at], score=scores[at])
 
     reported = {0: {"acc": 0.0}, 2: {"acc": 0.0}, 3: {"acc": 1.0, "fmt": 2.5}, 4: {"fmt": -0.5}}  # beside the scores
+    preds = {1: "12", 3: "x"}  # the answers read ("pred"), a row's column (null in the others)
 
-    class FakeReward:  # a RewardCaller: the scores negated, every call counted an error, and `reported` in extras
+    class FakeReward:  # a RewardCaller: the scores negated, every call counted an error, `reported` in extras
         def __call__(self, records, texts):
             assert len(records) == len(texts) and texts == [" ".join(["7"] * L[r["i"]]) for r in records]
             self.extras = [reported.get(r["i"], {}) for r in records]
+            self.preds = [preds.get(r["i"]) for r in records]
             return [-float(scores[r["i"]]) for r in records], len(records)
 
     fake_reward = FakeReward()
@@ -12673,8 +12679,9 @@ def test_evaluate_rows_and_metrics_against_hand_computed_ones(monkeypatch, kl_es
     kl = torch.where(mask, per_token, 0).sum(1).tolist()
     score = [(-1 if reward_fn else 1) * float(s) for s in scores]
     rows = [dict(prompt=f"p{i}", response=" ".join(["7"] * L[i]), score=score[i], kl=kl[i], length=L[i],
-                 stopped=bool(ended[i]), **({f"reward/{k}": reported.get(i, {}).get(k) for k in ("acc", "fmt")}
-                                            if reward_fn else {})) for i in range(E)]
+                 stopped=bool(ended[i]), **({"pred": preds.get(i), **{f"reward/{k}": reported.get(i, {}).get(k)
+                                                                      for k in ("acc", "fmt")}} if reward_fn else {}))
+            for i in range(E)]
     assert len(results) == W
     for metrics, got in results:
         assert [{**r, "kl": pytest.approx(r["kl"], rel=1e-5, abs=1e-6)} for r in rows] == got
@@ -12855,6 +12862,39 @@ def test_best_of_k_is_the_expected_best_of_k_responses():
     assert [k for k in EV.score_metrics([[0.0] * 8] * 2) if "@" in k] == ["eval/score_best@2", "eval/score_best@4"]
     assert list(EV.score_metrics([[1.0], [2.0]])) == ["eval/score", "eval/score_std"]  # n = 1: no best
     assert math.isnan(EV.score_metrics([[1.0, 2.0]])["eval/score_std"])  # one prompt: no spread
+
+
+def test_majority_vote_of_the_answers_a_reward_function_read():
+    # a reward function's "pred" (the answer it read) is kept apart from its metrics (RewardCaller.preds, None where
+    # not given or the call failed; a non-string is its bug); an evaluation with n > 1 takes each prompt's majority
+    # answer (None: no vote; a tie: the first in sample order) and scores it as the mean score of the responses that
+    # gave it, or the prompt's mean with no vote: eval/score_maj (maj@n)
+    import evaluate as EV
+    from reward import RewardCaller
+
+    def verify(record, response):
+        if response == "boom":
+            raise ValueError("boom")
+        if response == "n":
+            return 0.5
+        return {"score": float(response == record["answer"]), "pred": response or None, "chars": len(response)}
+
+    caller = RewardCaller(verify, on_error=-1.0)
+    assert caller([{"answer": "7"}] * 5, ["7", "3", "", "boom", "n"]) == ([1.0, 0.0, 0.0, -1.0, 0.5], 1)
+    assert caller.preds == ["7", "3", None, None, None]
+    assert caller.extras == [{"chars": 1.0}, {"chars": 1.0}, {"chars": 0.0}, {}, {}]  # pred is no metric
+    with pytest.raises(TypeError, match=r"its \"pred\" \(the answer read in the response\) must be a string \(or "
+                                        r"None: none read\), not 7 \(int\)"):
+        RewardCaller(lambda rec, resp: {"score": 1.0, "pred": 7})([{}], ["7"])
+    assert EV.majority_score([1.0, 0.0, 1.0, 0.0, 0.0], ["7", "3", "7", "3", None]) == 1.0  # a tie: the first, "7"
+    assert EV.majority_score([0.0, 1.0, 1.0, 0.0], ["3", "7", "7", "3"]) == 0.0  # "3" came first
+    assert EV.majority_score([1.0, 0.0, 0.5], ["a", "b", "b"]) == 0.25  # the mean of the majority's scores
+    assert EV.majority_score([1.0, 0.0, 0.5], [None, None, None]) == pytest.approx(0.5)  # no vote: the mean
+    per_prompt, preds = [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [["a", "b", "b"], [None, "c", None]]
+    m = EV.score_metrics(per_prompt, preds)
+    assert list(m)[-2:] == ["eval/score_best@2", "eval/score_maj"] and m["eval/score_maj"] == pytest.approx(0.5)
+    assert "eval/score_maj" not in EV.score_metrics(per_prompt) and "eval/score_maj" not in EV.score_metrics(
+        [[1.0], [0.0]], [["a"], ["b"]])  # no answers given, or one response a prompt
 
 
 def test_eval_samples_per_prompt_needs_sampling_and_held_out_prompts(tmp_path):
