@@ -231,7 +231,7 @@ def lr_lambda(cfg):
 
     def f(i):
         warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
-        decay = 1.0 - i / total if cfg.lr_schedule == "linear" else 1.0
+        decay = 1.0 - i / total if cfg.lr_schedule == "linear" and total else 1.0  # (total_steps=0: no step)
         return warm * max(decay, 0.0)
 
     return f
@@ -680,7 +680,7 @@ def check_config(folder, cfg):
         print0(f"note: --lora_dropout with --micro_batch_size={cfg.micro_batch_size}, where {folder}'s run had "
                f"{saved['micro_batch_size']}: the dropout masks are drawn per micro-batch (lora.seed_dropout), so the "
                "resumed run draws others than the uninterrupted one would (the same in distribution)")
-    if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps:
+    if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps and cfg.total_steps:  # (0: evaluates)
         raise UsageError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
                          f"linear LR schedule decays to 0 at its last step; resuming with total_steps="
                          f"{cfg.total_steps} would move that horizon. Keep total_steps, or use lr_schedule=constant")

@@ -481,6 +481,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None):
     if not path:  # then the evaluation's own flags would do nothing (set: not the Config's default)
         idle = [f"--{k}" for k in ("eval_every", "eval_temperature", "eval_samples_per_prompt")
                 if getattr(cfg, k, None) != getattr(type(cfg), k, None)]
+        idle += ["--total_steps=0"] * (getattr(cfg, "total_steps", 1) == 0)  # (the evaluation alone)
         need(not idle, f"{', '.join(idle)} set without held-out prompts (--eval_prompts={cfg.eval_prompts}"
              f"{', which finds a set beside the shipped prompts.jsonl only' * (cfg.eval_prompts == 'auto')}), so "
              f"{'they' if len(idle) > 1 else 'it'} would do nothing")

@@ -57,8 +57,9 @@ ROW = ("prompt", "response", "score", "kl", "length", "stopped")  # an eval row'
 
 
 def due(step, cfg):
-    """Whether ppo.py evaluates after `step` (0: before the first step, on a run that starts there)."""
-    return step == 0 or (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.total_steps
+    """Whether ppo.py evaluates after `step` (0: before the first step, on a run that starts there; a run resumed at or
+    past its total_steps, --total_steps=0 the evaluation alone among them, evaluates the weights it resumed)."""
+    return step == 0 or (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step >= cfg.total_steps
 
 
 def best_of(scores, k):

@@ -95,7 +95,7 @@ class Config:
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the HF-format actor; one run at a time (out_dir/.lock)
     overwrite: bool = False  # a new run into an out_dir that holds one moves the old run aside (out_dir.old-<time>)
     # rollout
-    total_steps: int = 16  # PPO steps (one rollout batch each)
+    total_steps: int = 16  # PPO steps (one rollout batch each); 0: evaluate on --eval_prompts and stop
     rollout_batch_size: int = 16  # prompts per step, over all ranks (each sampled samples_per_prompt times)
     samples_per_prompt: int = 1  # responses sampled per prompt: a step has rollout_batch_size x this many rows
     max_new_tokens: int = 24  # response length limit
@@ -194,13 +194,13 @@ class Run:
 
 # Every number of Config has its range here but the signed four (derive: finite); outside it, or NaN/inf, is refused.
 LIMITS = {
-    ">= 1": ("total_steps", "rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
+    ">= 1": ("rollout_batch_size", "samples_per_prompt", "max_new_tokens", "max_prompt_len",
              "ppo_epochs", "mini_batch_size", "micro_batch_size", "inference_micro_batch_size",
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
              "keep_checkpoints", "reward_workers", "eval_samples_per_prompt"),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
-             "eval_temperature", "lora_rank"),
+             "eval_temperature", "lora_rank", "total_steps"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
@@ -487,7 +487,8 @@ def main(cfg: Config, reward_fn=None):
 
     try:
         step = done = first_step - 1  # the steps the weights have seen; a checkpoint is written before its evaluation
-        if evalset and due(done, cfg) and not any("eval/score" in h and h["step"] == done for h in history):
+        if evalset and due(done, cfg) and not (cfg.total_steps and any("eval/score" in h and h["step"] == done
+                                                                         for h in history)):  # (0: evaluate again)
             log.log_eval(*evaluate_at(done, counters(done, cfg, sampler)))
         for step in range(first_step, cfg.total_steps + 1):
             peaks = {}
@@ -565,7 +566,7 @@ def main(cfg: Config, reward_fn=None):
                 print0(f"stopped by signal {stop.received[0] if stop.received else '(on another rank)'} "
                        f"after step {step}; resume with --resume=auto --out_dir={cfg.out_dir}")
                 break
-        if first_step > cfg.total_steps:  # resumed after its last step, perhaps killed in its export: export again
+        if 0 < cfg.total_steps < first_step:  # resumed after its last step, perhaps killed in its export: export again
             print0(f"no step left after step {done} (total_steps {cfg.total_steps}): exporting its actor again")
             checkpoint.export(m["actor"], tokenizer, cfg, stop_ids, pad_id)
     except torch.OutOfMemoryError as e:  # where it ran out, the phase's plan, and the flags that would shrink it

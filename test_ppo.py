@@ -8181,7 +8181,7 @@ reward.REWARD_FNS["judge"] = judge
     mine.write_text(ppo_script({**args, "out_dir": str(tmp_path / "a")}, setup))
     fork.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport ppo\nraise SystemExit(ppo.command_line())\n")
     p, usage = concurrently(lambda: run_torchrun([str(mine)]), lambda: run_torchrun(
-        [str(fork), *(f"--{k}={v}" for k, v in {**args, "reward_fn": "sentiment", "total_steps": 0}.items())]))
+        [str(fork), *(f"--{k}={v}" for k, v in {**args, "reward_fn": "sentiment", "total_steps": -1}.items())]))
     took = time.time() - float(re.search(r"FAILING (\S+)", p.stdout).group(1))  # from rank 1's failure to the end
     assert p.returncode != 0 and took < 20, (took, p.stderr[-3000:])
     assert "rank 0: stopping, since rank 1 failed: RuntimeError: reward function judge failed on response 0" in p.stderr
@@ -8190,7 +8190,7 @@ reward.REWARD_FNS["judge"] = judge
     assert "rank      : 1 (local_rank: 1)" in root and "RuntimeError: the judge is down on rank 1" in root, root
     assert "--reward_on_error=X scores such" in root  # (the error the reward caller raised from it)
     root = usage.stderr[usage.stderr.index("Root Cause (first observed failure)"):]
-    assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 1, not 0" in root, root
+    assert "exitcode  : 2 " in root and "traceback : error: --total_steps must be >= 0, not -1" in root, root
 
 
 def two_rank_grads(policy, out):
@@ -9791,6 +9791,28 @@ def folder_snapshot(folder):
     """{relative path: bytes} of every file under folder."""
     return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
             for d, _, names in os.walk(folder) for n in names}
+
+
+@slow
+def test_total_steps_0_evaluates_and_stops(tiny_run, tmp_path):
+    # --total_steps=0: the held-out evaluation of the model alone (verl's val_only): its line at step 0 and its rows,
+    # no step, no checkpoint, no export. Resumed from a finished run: its weights evaluated at its step, again with
+    # other settings (2 samples a prompt: best@2), its checkpoints and export untouched
+    import shutil
+
+    fresh = tmp_path / "fresh"
+    p, logged = run_ppo(tiny_run, fresh, total_steps=0, eval_prompts=tiny_run["eval_prompts"])
+    assert [r["step"] for r in logged] == [0] and "eval/score" in logged[0] and "eval    0 | score" in p.stdout
+    assert (fresh / "samples" / "step-000000.jsonl").exists() and not {"checkpoints", "actor"} & set(os.listdir(fresh))
+    done = tmp_path / "done"
+    shutil.copytree(uninterrupted_run(tiny_run, total_steps=1)[0], done)
+    kept = {name: folder_snapshot(done / name) for name in ("actor", "checkpoints")}
+    p, logged = run_ppo(tiny_run, done, resume="auto", total_steps=0, eval_prompts=tiny_run["eval_prompts"],
+                        eval_samples_per_prompt=2, eval_temperature=0.7)
+    assert [r["step"] for r in logged if "objective/scores" in r] == [1]  # no step more
+    assert [(r["step"], "eval/score_best" in r) for r in logged if "eval/score" in r] == [(1, True)]
+    assert len((done / "samples" / "step-000001.jsonl").read_text().splitlines()) == 2 * len(TINY_EVAL_PROMPTS)
+    assert {name: folder_snapshot(done / name) for name in kept} == kept and "exporting" not in p.stdout
 
 
 def popen_ppo(tiny_run, out_dir, **kw):
@@ -11604,9 +11626,9 @@ def test_lora_targets_are_checked_and_read_from_the_command_line():
 
 def test_every_number_is_checked_against_its_range():
     # the issue's cases (mini_batch_size=0 and micro_batch_size=0 divided by zero, ppo_epochs=0 failed with an
-    # IndexError after a whole rollout, seed=-1 with numpy's message, total_steps=0 exited 0 having done nothing,
-    # a negative lr, max_new_tokens=0) and every other number of Config: each value outside its range, and NaN and
-    # inf for a float, is refused by name
+    # IndexError after a whole rollout, seed=-1 with numpy's message, total_steps=0 exited 0 having done nothing (it
+    # evaluates alone now, refused without held-out prompts), a negative lr, max_new_tokens=0) and every other number
+    # of Config: each value outside its range, and NaN and inf for a float, is refused by name
     import dataclasses
 
     import ppo
@@ -11993,7 +12015,7 @@ def test_bad_inputs_are_named_in_seconds(tiny_run, tmp_path):
         (dict(micro_batch_size=0), "--micro_batch_size must be >= 1, not 0"),
         (dict(ppo_epochs=0), "--ppo_epochs must be >= 1, not 0"),
         (dict(seed=-1), "--seed must be in [0, 2**32), not -1"),
-        (dict(total_steps=0), "--total_steps must be >= 1, not 0"),
+        (dict(total_steps=-1), "--total_steps must be >= 0, not -1"),
         (dict(lr=-1e-5), "--lr must be >= 0, not -1e-05"),
         (dict(max_new_tokens=0), "--max_new_tokens must be >= 1, not 0"),
         (dict(lr="fast"), "--lr='fast': expected float"),
@@ -12576,13 +12598,15 @@ print("SERVER", json.dumps(server))
 
 
 def test_evaluation_is_due_before_the_first_step_every_eval_every_steps_and_after_the_last():
+    # and at a step a run resumed at or past its total_steps (--total_steps=0: the evaluation alone) starts from
     from evaluate import due
 
     cfg = lambda every, total: types.SimpleNamespace(eval_every=every, total_steps=total)  # noqa: E731
-    assert [s for s in range(12) if due(s, cfg(3, 10))] == [0, 3, 6, 9, 10]
-    assert [s for s in range(12) if due(s, cfg(0, 7))] == [0, 7]
-    assert [s for s in range(12) if due(s, cfg(4, 8))] == [0, 4, 8]
-    assert [s for s in range(12) if due(s, cfg(20, 5))] == [0, 5]
+    assert [s for s in range(11) if due(s, cfg(3, 10))] == [0, 3, 6, 9, 10]
+    assert [s for s in range(8) if due(s, cfg(0, 7))] == [0, 7]
+    assert [s for s in range(9) if due(s, cfg(4, 8))] == [0, 4, 8]
+    assert [s for s in range(6) if due(s, cfg(20, 5))] == [0, 5]
+    assert due(11, cfg(0, 7)) and due(0, cfg(0, 0)) and due(5, cfg(0, 0)) and not due(5, cfg(0, 6))
 
 
 class Prompts(types.SimpleNamespace):
@@ -12911,6 +12935,9 @@ def test_eval_samples_per_prompt_needs_sampling_and_held_out_prompts(tmp_path):
     other = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     with pytest.raises(UsageError, match="--eval_samples_per_prompt set without held-out prompts"):
         data.load_eval_prompts(dataclasses.replace(cfg, prompts=other, eval_temperature=0.5), tokenizer=None)
+    with pytest.raises(UsageError, match=r"--total_steps=0 set without held-out prompts \(--eval_prompts=auto, which "
+                                         r"finds a set beside the shipped prompts.jsonl only\), so it would do nothing"):
+        data.load_eval_prompts(ppo.Config(prompts=other, total_steps=0), tokenizer=None)
     with pytest.raises(UsageError, match="--eval_samples_per_prompt must be >= 1, not 0"):
         ppo.derive(dataclasses.replace(cfg, eval_samples_per_prompt=0), 0, 1, torch.device("cpu"))
 
