@@ -204,6 +204,15 @@ def liger_fn():
     return fn
 
 
+def matmul_rate(N, H, V, dev, reps, measure=None):
+    """(ms, TFLOP/s) of cuBLAS's bf16 (N, H) @ (H, V), the ceiling every table compares with. measure: cuda_measure
+    (looked up when called, so that a test's stand-in takes its place)."""
+    a = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(V, H, device=dev, dtype=torch.bfloat16)
+    ms, _ = (measure or cuda_measure)(lambda x, w: x @ w.T, (a, b), None, False, reps)
+    return ms, 2 * N * H * V / ms / 1e9
+
+
 def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
     print(f"GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bfloat16, N={args.gpu_n}", flush=True)
     liger = liger_fn()
@@ -213,11 +222,7 @@ def cuda_table(args, dev=torch.device("cuda"), shapes=GPU_SHAPES):
               f"{'f+b ms':>8s} {'TFLOP/s':>8s} {'%mm':>5s} {'f+b MB':>8s}")
     for H, V in shapes:
         N = args.gpu_n
-        a = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(V, H, device=dev, dtype=torch.bfloat16)
-        mm_ms, _ = cuda_measure(lambda x, w: x @ w.T, (a, b), None, False, args.repeat)
-        mm_tflops = 2 * N * H * V / mm_ms / 1e9
-        del a, b
+        mm_ms, mm_tflops = matmul_rate(N, H, V, dev, args.repeat)
         print(f"\ncuBLAS bf16 ({N}, {H}) @ ({H}, {V}): {mm_ms:.2f} ms = {mm_tflops:.0f} TFLOP/s")
         print(header)
         print("-" * len(header), flush=True)
@@ -301,11 +306,7 @@ def cuda_sweep(args, H, V, dev=torch.device("cuda"), measure=cuda_measure):
     vocab splits, side by side in one process: what profiling suggested. Scoring keeps linear_logprob_entropy's
     splits (its logprob must be that op's, bit for bit), so only its stages move."""
     N = args.gpu_n
-    a = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(V, H, device=dev, dtype=torch.bfloat16)
-    mm_ms, _ = measure(lambda x, w: x @ w.T, (a, b), None, False, args.repeat)
-    mm_tflops = 2 * N * H * V / mm_ms / 1e9
-    del a, b
+    mm_ms, mm_tflops = matmul_rate(N, H, V, dev, args.repeat, measure)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     print(f"GPU: {gpu}, torch {torch.__version__}, bfloat16, N={N}, H={H}, V={V}; "
           f"cuBLAS bf16 {mm_ms:.2f} ms = {mm_tflops:.0f} TFLOP/s; median of {args.repeat} calls", flush=True)
