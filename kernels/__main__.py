@@ -369,8 +369,8 @@ def parser():
     p.add_argument("--profile", type=head_shape, metavar="H,V", help="GPU: one call of each fused kernel at this "
                    "head (and cuBLAS's product) between cudaProfilerStart and Stop, for Nsight Compute: "
                    "`ncu --profile-from-start off ... python -m kernels --device cuda --profile 4096,128256`")
-    p.add_argument("--sweep", type=head_shape, metavar="H,V", help="GPU: the fused forwards at this head at a few "
-                   "pipeline stages and (the KL) vocab splits, side by side")
+    p.add_argument("--sweep", type=head_shape, metavar="H,V", help="GPU: the fused ops at this head, forward and "
+                   "forward+backward, at a few pipeline stages and (the KL) vocab splits, side by side")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
