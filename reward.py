@@ -196,8 +196,8 @@ class RewardCaller:
     A function may return a dict instead: the score under "score", and more numbers of the response under names of
     its own (accuracy, a format check), kept per response in `extras` after each batch ({} for a number or a failed
     call), which ppo.py logs as means, reward/<name> (metrics.reward_means). One name is not a metric: "pred", the
-    answer the function read in the response (a string, verl's name for it), kept in `preds`
-    (None where not given), which an evaluation with several responses a prompt takes a majority vote of.
+    answer the function read in the response (a string, verl's name for it), kept in `preds` (None where not given),
+    which an evaluation with several responses a prompt takes a majority vote of.
     A function whose attribute `batched` is True is called as fn(records, responses) on lists and returns a list (or
     an array: anything with tolist()) of one score or dict per response: once on the whole batch, or with workers > 1
     on that many contiguous parts of it, one a thread, the timeout applying to each call. A call that failed fails
