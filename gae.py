@@ -21,8 +21,10 @@ Per-token reward (Ziegler et al. 2019; Stiennon et al. 2020):
     r_t += score                                at the LAST response token only:
                                                 the EOS token when the row ended,
                                                 else the last generated token
-  The score is clipped to [-score_clip, score_clip] when asked; a row that never
-  reached EOS gets the fixed `non_stop_penalty` as its score when that is set.
+  The score is clipped to [-score_clip, score_clip] when asked, then a length penalty is added
+  (DAPO's soft overlong punishment, Yu et al. 2025: 0 up to max_len - buffer tokens, falling
+  linearly to -factor at max_len); a row that never reached EOS gets the fixed
+  `non_stop_penalty` as its score when that is set.
   Some libraries put the score on the first pad after EOS instead; we don't.
 
 GAE (Schulman et al. 2016), with V_{t+1} = 0 after the last response token:
@@ -172,16 +174,33 @@ def kl_estimate(logp, ref_logp, kind="k1", kl_exact=None):
                            tuple(logp.shape), "one KL a token, (B, T) as logp")
 
 
-def final_score(score, ended=None, score_clip=None, non_stop_penalty=None):
+def overlong_penalty(lengths, max_len, buffer, factor=1.0):
+    """(B,) float32 DAPO's soft overlong punishment for responses of `lengths` tokens that could run to `max_len`:
+    0 up to max_len - buffer tokens, then falling linearly to -factor at max_len (and below it past max_len, where a
+    fork's longer responses would go). buffer 0: no penalty (zeros)."""
+    if not 0 <= buffer <= max_len:
+        raise ValueError(f"the overlong buffer must be in [0, max_len {max_len}], got {buffer}")
+    lengths = torch.as_tensor(lengths, dtype=torch.float32)
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    return -factor * (lengths - (max_len - buffer)).clamp(min=0) / buffer
+
+
+def final_score(score, ended=None, score_clip=None, non_stop_penalty=None, length_penalty=None):
     """(B,) the score that goes into the reward: the model's score clipped to [-score_clip, score_clip]
-    when asked, replaced by `non_stop_penalty` for rows that never reached EOS when that is set.
-    A fork that builds its own advantages (group-relative, say) takes this, not the raw score."""
+    when asked, plus `length_penalty` (B,) when given (overlong_penalty), replaced by `non_stop_penalty` for rows
+    that never reached EOS when that is set. A fork that builds its own advantages (group-relative, say) takes this,
+    not the raw score."""
     B = score.shape[0]
     if score_clip is not None and score_clip <= 0:
         raise ValueError(f"score_clip must be > 0, got {score_clip}")
     seq_score = score.to(_float_dtype(score))
     if score_clip is not None:
         seq_score = seq_score.clamp(-score_clip, score_clip)
+    if length_penalty is not None:
+        if tuple(length_penalty.shape) != (B,):
+            raise ValueError(f"length_penalty has shape {tuple(length_penalty.shape)}, expected ({B},)")
+        seq_score = seq_score + length_penalty.to(seq_score)
     if non_stop_penalty is not None:
         if ended is None:
             raise ValueError("non_stop_penalty needs `ended` (B,) bool: which rows reached EOS")

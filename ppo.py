@@ -19,7 +19,7 @@ Each step:
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, rloo, reinforce_pp (gae.py)
     5. optimise  ppo_epochs x minibatches x micro-batches (w: the sampler-trainer importance weight, gae.is_weights):
                    ratio = exp(logp - old_logp)
-                   pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))   [dual clip: min(pg, -c*A) for A < 0]
+                   pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))  [dual: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
     6. adaptive KL (optional): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon
@@ -65,7 +65,8 @@ from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, shape_rewards)
+                 estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, overlong_penalty,
+                 shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
@@ -109,6 +110,8 @@ class Config:
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
+    overlong_buffer: int = 0  # DAPO's overlong penalty: the score falls linearly over the last N of max_new_tokens
+    overlong_penalty: float = 1.0  # with overlong_buffer: how far it falls, at max_new_tokens (gae.overlong_penalty)
     reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
     reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
     reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
@@ -128,6 +131,7 @@ class Config:
     rollout_micro_batch_size: int = 32  # rows (samples) generated at once on a rank (capped at its share): the KV cache
     async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
+    clip_coef_high: float = 0.0  # the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28); 0: clip_coef's
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
@@ -199,8 +203,8 @@ LIMITS = {
              "rollout_micro_batch_size", "ptx_batch_size", "kl_horizon", "log_every", "max_bad_updates",
              "keep_checkpoints", "reward_workers", "eval_samples_per_prompt"),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
-             "score_clip", "loss_clip_val", "sample_every", "save_every", "dry_run", "reward_timeout", "eval_every",
-             "eval_temperature", "lora_rank", "total_steps"),
+             "score_clip", "loss_clip_val", "clip_coef_high", "sample_every", "save_every", "dry_run", "reward_timeout",
+             "eval_every", "eval_temperature", "lora_rank", "total_steps", "overlong_buffer", "overlong_penalty"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
@@ -256,11 +260,13 @@ def derive(cfg, rank, W, device):
         (cfg.wandb, ("wandb_project",), "without --wandb"),
         (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"),
         (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+        (cfg.overlong_buffer, ("overlong_penalty",), "without --overlong_buffer"),
         (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
         (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}"),
     ):
         idle = [f"--{k}" for k in flags if getattr(cfg, k) != getattr(Config, k)]
         need(on or not idle, f"{', '.join(idle)} set {why}, so {'they' if len(idle) > 1 else 'it'} would do nothing")
+    need(cfg.overlong_buffer <= cfg.max_new_tokens, f"--overlong_buffer must be <= max_new_tokens {cfg.max_new_tokens}")
     need(cfg.target_kl == 0 or cfg.kl_coef > 0, "--target_kl > 0 needs kl_coef > 0: the controller scales it, from 0")
     need(cfg.target_kl == 0 or 5 * cfg.kl_horizon > rows,
          f"--kl_horizon must be over a step's {rows} rows / 5: beta x (1 - 0.2 rows / horizon) <= 0")
@@ -328,12 +334,8 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
             tokens = mb["tokens"] if rm_pad is None else torch.where(mb["attention_mask"].bool(), mb["tokens"], rm_pad)
             v = reward_model(tokens, mb["attention_mask"], mb["position_ids"])
             part["score"] = reward_at_last_token(v, tokens, rm_pad)
-        for k, v in part.items():  # back to (B, R) or (B,): the micro-batch's rows, its (cropped) response columns
-            dst = out.setdefault(k, v.new_zeros((B, R)[: v.dim()]))
-            if v.dim() == 2:
-                dst[rows, : v.size(1)] = v
-            else:
-                dst[rows] = v
+        for k, v in part.items():  # into (B, R) or (B,): at the micro-batch's rows[, its (cropped) response columns]
+            out.setdefault(k, v.new_zeros((B, R)[: v.dim()]))[(rows, slice(0, v.size(-1)))[: v.dim()]] = v
         out["slots"], out["pad"] = out["slots"] + mb["slots"], out["pad"] + mb["pad"]
     checkpoint.reshard(actor, ref, critic, reward_model)
     return out
@@ -358,7 +360,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     logratio = torch.where(mask, pol["logp"] - old_logp, 0.0).clamp(-20.0, 20.0)
     ratio = logratio.exp()
     pg_losses = -adv * ratio
-    pg_losses2 = -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)
+    pg_losses2 = -adv * ratio.clamp(1 - cfg.clip_coef, 1 + (cfg.clip_coef_high or cfg.clip_coef))
     pg = torch.max(pg_losses, pg_losses2)
     if cfg.dual_clip > 0:
         pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
@@ -378,12 +380,10 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
         ret, old_values = torch.where(mask, mb["ret"], 0.0), torch.where(mask, mb["old_values"], 0.0)
         vpred = torch.where(mask, value_forward(critic, mb), 0.0)
         vf_losses = (vpred - ret).square()
-        if cfg.loss_clip_val > 0:
-            vclipped = torch.clamp(vpred, old_values - cfg.loss_clip_val, old_values + cfg.loss_clip_val)
-            vf_losses2 = (vclipped - ret).square()
-            vf = 0.5 * torch.max(vf_losses, vf_losses2)
-        else:
-            vf_losses2, vf = vf_losses, 0.5 * vf_losses
+        eps_v = cfg.loss_clip_val  # 0: no clip, the clipped term is the unclipped one
+        vclipped = torch.clamp(vpred, old_values - eps_v, old_values + eps_v) if eps_v > 0 else vpred
+        vf_losses2 = (vclipped - ret).square()
+        vf = 0.5 * torch.max(vf_losses, vf_losses2)
         stats.update(value_loss=tsum(vf), vf_clipfrac=tsum((vf_losses2 > vf_losses).float()))
         critic_loss = tsum(vf) * scale
     return tsum(actor_tok) * scale, critic_loss, {k: v.detach().double() for k, v in stats.items()}
@@ -513,7 +513,8 @@ def main(cfg: Config, reward_fn=None):
                                          f"{sc['score'].tolist()}")
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
-            score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty)  # (B,) as used
+            overlong = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty, overlong)  # used
             rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
                                         cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
 
@@ -593,8 +594,7 @@ def command_line(argv=None):
 
 if __name__ == "__main__":
     status = command_line()
-    # Skip the interpreter's teardown, where torch's gloo backend can still abort under load ("terminate called
-    # without an active exception": a thread destroyed while joinable, after destroy_process_group), failing a run
-    # that has finished, or turning a usage error's exit status 2 into an abort.
+    # Skip the interpreter's teardown, where torch's gloo backend can abort under load ("terminate called without an
+    # active exception", after destroy_process_group), failing a finished run or turning exit status 2 into an abort.
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(status)

@@ -56,7 +56,7 @@ import model as M
 import plan
 from data import PromptSampler, check_jsonl, check_reward_head, left_pad, load_prompts, load_sft
 from gae import (AdaptiveKLController, FixedKLController, compute_gae, compute_gae_reference, final_score, kl_estimate,
-                 masked_mean, masked_sum, masked_var, masked_whiten, random_prefix_mask, shape_rewards)
+                 masked_mean, masked_sum, masked_var, masked_whiten, overlong_penalty, random_prefix_mask, shape_rewards)
 from kernels import (TileConfig, linear_kl, linear_kl_reference, linear_logprob_entropy, linear_logprob_entropy_kl,
                      linear_logprob_entropy_reference)
 from kernels.kl import DEFAULT_KL_CONFIG
@@ -6592,6 +6592,31 @@ def test_absolute_kl_and_estimator_in_reward(kind):
     assert (rewards <= 0).all()
 
 
+def test_overlong_penalty_and_its_place_in_the_score():
+    # DAPO's soft overlong punishment by hand: max_len 10, buffer 4: 0 up to 6 tokens, then -1/4 a token to -1 at 10
+    # (and on below past max_len, where a fork's longer response would be); buffer 0 is no penalty; a buffer longer
+    # than max_len, or negative, is refused
+    got = overlong_penalty(torch.tensor([0, 3, 6, 7, 8, 10, 12]), max_len=10, buffer=4, factor=2.0)
+    assert got.dtype == torch.float32 and got.tolist() == [0.0, 0.0, 0.0, -0.5, -1.0, -2.0, -3.0]
+    assert overlong_penalty([2, 10], max_len=10, buffer=8).tolist() == [0.0, -1.0]  # a list of lengths
+    assert overlong_penalty(torch.tensor([5, 10]), max_len=10, buffer=0).tolist() == [0.0, 0.0]
+    for buffer in (11, -1):
+        with pytest.raises(ValueError, match=re.escape(f"buffer must be in [0, max_len 10], got {buffer}")):
+            overlong_penalty([3], max_len=10, buffer=buffer)
+    # in the score: the clipped score plus the penalty, then non_stop_penalty in place of a row that never ended
+    score, ended = torch.tensor([5.0, 0.5, 9.0, -0.25]), torch.tensor([True, True, False, True])
+    penalty = torch.tensor([-0.5, 0.0, -1.0, -0.25])
+    assert final_score(score, ended, score_clip=2.0, length_penalty=penalty).tolist() == [1.5, 0.5, 1.0, -0.5]
+    used = final_score(score, ended, score_clip=2.0, non_stop_penalty=-3.0, length_penalty=penalty)
+    assert used.tolist() == [1.5, 0.5, -3.0, -0.5]
+    mask = _lengths_mask([4, 2, 6, 1], 6)
+    zeros = torch.zeros(4, 6)
+    rewards, _ = shape_rewards(used, zeros, zeros, mask, 0.05)  # on each response's last token
+    assert [rewards[b, n - 1].item() for b, n in enumerate([4, 2, 6, 1])] == used.tolist()
+    with pytest.raises(ValueError, match=re.escape("length_penalty has shape (3,), expected (4,)")):
+        final_score(score, length_penalty=penalty[:3])
+
+
 def test_exact_kl_estimator_and_final_score():
     g = torch.Generator().manual_seed(7)
     mask = _lengths_mask([4, 2, 6], 6)
@@ -7742,6 +7767,18 @@ def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
     assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] > abs(rows[1]["objective/kl_k1"])  # k1 < 0 somewhere
 
 
+@slow
+def test_overlong_penalty_and_clip_higher_in_a_run(tiny_run, tmp_path):
+    # the flags reach the step: with a buffer as long as a response can be (6 tokens), each response of l tokens
+    # loses 0.5 x l / 6 of its score, so the step's mean score used is its mean score less 0.5 x the mean length / 6
+    _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, overlong_buffer=6, overlong_penalty=0.5,
+                      clip_coef_high=0.28)
+    for m in rows:
+        want = m["objective/scores"] - 0.5 * m["val/response_length"] / 6
+        assert m["objective/score_used"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert m["val/response_length"] > 0
+
+
 # -- the loss: micro-batches, ranks and NaN in masked slots --------------------------------------
 
 
@@ -8310,6 +8347,30 @@ def test_ppo_losses_hand_computed(monkeypatch):
     c0.backward()
     assert c0.item() == pytest.approx(0.5 * (0.25 + 1 + 1 + 1 + 64) * scale, rel=1e-6) and st0["vf_clipfrac"].item() == 0
     torch.testing.assert_close(vpred.grad[0], torch.tensor([-0.5, 1.0, -1.0, 1.0, 8.0, 0.0]) * scale, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_higher_lifts_only_the_upper_clip(monkeypatch):
+    # --clip_coef_high (DAPO's clip-higher): the ratio clipped to [1 - clip_coef, 1 + clip_coef_high]. By hand, with
+    # clip_coef 0.2 and clip_coef_high 0.3, tokens (ratio r, advantage A), the policy term max(-A r, -A clip(r)):
+    #   r=1.25, A=+2: max(-2.5, -2.5) = -2.5   inside [0.8, 1.3] now (clipped at 1.2 when symmetric): gradient -A r
+    #   r=1.5,  A=+1: max(-1.5, -1.3) = -1.3   above 1.3: clipped, gradient 0
+    #   r=0.7,  A=-1: max( 0.7,  0.8) =  0.8   below 0.8: the lower clip is clip_coef's, gradient 0
+    #   r=1.5,  A=-1: max( 1.5,  1.3) =  1.5   the pessimistic term: gradient -A r = 1.5
+    import ppo
+
+    ratio = torch.tensor([[1.25, 1.5, 0.7, 1.5]])
+    mb = dict(response_mask=torch.ones(1, 4, dtype=torch.bool), old_logp=torch.zeros(1, 4),
+              adv=torch.tensor([[2.0, 1.0, -1.0, -1.0]]), sampler_logp=torch.zeros(1, 4))
+    for high, pg, g_pg, clipped in ((0.3, [-2.5, -1.3, 0.8, 1.5], [-2.5, 0.0, 0.0, 1.5], 2),
+                                    (0.0, [-2.4, -1.2, 0.8, 1.5], [0.0, 0.0, 0.0, 1.5], 3)):  # 0: symmetric
+        logp = ratio.log().requires_grad_()
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
+            logp=logp, entropy=torch.zeros(1, 4)))
+        loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(clip_coef=0.2, clip_coef_high=high), n_tokens=4,
+                                     world=1)
+        assert loss.item() == pytest.approx(sum(pg) / 4, rel=1e-6) and st["clipfrac"].item() == clipped
+        loss.backward()
+        torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg) / 4, rtol=1e-5, atol=1e-7)
 
 
 def test_the_entropy_bonus_is_in_the_gradient(monkeypatch):
@@ -11713,6 +11774,10 @@ F32_MAX = float(torch.finfo(torch.float32).max)
     (dict(wandb_project="mine", wandb=True), 1, None),
     (dict(gpu_memory_gb=40.0), 1, "--gpu_memory_gb set without --dry_run, so it would do nothing"),
     (dict(gpu_memory_gb=40.0, dry_run=2), 1, None),
+    (dict(overlong_buffer=25), 1, "--overlong_buffer must be <= max_new_tokens 24"),
+    (dict(overlong_buffer=24, overlong_penalty=0.5), 1, None),
+    (dict(overlong_penalty=0.5), 1, "--overlong_penalty set without --overlong_buffer, so it would do nothing"),
+    (dict(clip_coef=0.2, clip_coef_high=0.28), 1, None),
     # the critic's flags without a critic, and the flags only GAE reads (gae.estimator_unread)
     (dict(advantage_estimator="grpo", samples_per_prompt=2, critic_lr=1e-3), 1,
      "--critic_lr set with --advantage_estimator=grpo, so it would do nothing"),
