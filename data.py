@@ -45,6 +45,7 @@ import torch
 
 from hf import check_model, check_same_tokenizer, load_tokenizer, read_config, stop_and_pad_ids
 from model import SUPPORTED, Transformer
+from reward import record_fields
 from runtime import UsageError, check_wandb, need, print0, run_function
 
 TOKENIZE_ROWS = 1024  # texts per tokenizer call (_tokenize)
@@ -153,14 +154,18 @@ def _tokenize(tokenizer, texts, add_special_tokens=None):
             for ids in tokenizer(texts[i : i + TOKENIZE_ROWS], add_special_tokens=specials)["input_ids"]]
 
 
-def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None):
+def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None, fields=()):
     """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, the extra field's token ids,
     or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings).
-    vocab_size: the model's token embeddings, which every id of a line (its extra string's too) must have."""
+    vocab_size: the model's token embeddings, which every id of a line (its extra string's too) must have.
+    fields: the names every line must hold besides its prompt (those the reward function reads)."""
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
         msgs = _messages_from(obj, where, prompt_key, messages_key)
+        if missing := [k for k in fields if k not in obj]:
+            raise UsageError(f"{where}: no {missing[0]!r} field, which the reward function reads (fields "
+                             f"{list(fields)}); the line has {list(obj)[:8]}")
         if extra_key is not None:
             extra = obj.get(extra_key)
             if not isinstance(extra, str) or not extra.strip():
@@ -194,11 +199,11 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, voca
     return records, texts, ids, (extra_ids if extra_key is not None else None)
 
 
-def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None):
+def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None, fields=()):
     """Reads every line of a prompt file (or, with extra_key="response", an SFT file) and checks it as load_prompts
     (load_sft) does, but for the token counts, without a tokenizer: a bad file is named (file:line) in milliseconds,
     before a tokenizer loads (seconds). Returns the number of prompts."""
-    return len(_render_file(path, None, prompt_key, messages_key, extra_key)[0])
+    return len(_render_file(path, None, prompt_key, messages_key, extra_key, fields=fields)[0])
 
 
 def _none_left(path, n_dropped, limit, what):
@@ -223,10 +228,13 @@ class PromptSet:
         return len(self.ids)
 
 
-def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages", vocab_size=None):
+def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages", vocab_size=None,
+                 fields=()):
     """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens.
-    vocab_size: the model's, which every id must be below (a UsageError names the line)."""
-    records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key, vocab_size=vocab_size)
+    vocab_size: the model's, which every id must be below (a UsageError names the line); fields: the names every line
+    must hold (the reward function's)."""
+    records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key, vocab_size=vocab_size,
+                                          fields=fields)
     keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
     n_dropped = len(ids) - len(keep)
     if not keep:
@@ -385,12 +393,13 @@ def check_reward_head(cfg):
 
 
 
-def load_inputs(cfg):
+def load_inputs(cfg, reward_fn=None):
     """Every input file checked and read before any model loads, in seconds: wandb's credentials, the output folder,
     the models' files (headers only) and configs, the reward model's score head, the tokenizer, the prompts (enough
-    for a batch after the length filter, every token id one the model has), the SFT pairs, the held-out prompts, the
-    stop ids. Every error is a UsageError naming the flag and the file (and line). Returns (tokenizer, stop ids, pad
-    id, prompts, SFT pairs or None, held-out prompts or None)."""
+    for a batch after the length filter, every token id one the model has, every field reward_fn names in its
+    `fields` attribute), the SFT pairs, the held-out prompts, the stop ids. Every error is a UsageError naming the
+    flag and the file (and line). Returns (tokenizer, stop ids, pad id, prompts, SFT pairs or None, held-out prompts
+    or None)."""
     def flag(name, fn, *args, **kw):  # fn's UsageError, prefixed with the flag it is about
         try:
             return fn(*args, **kw)
@@ -407,7 +416,8 @@ def load_inputs(cfg):
     headers = {name: flag(name, check_model, getattr(cfg, name), architectures=SUPPORTED)
                for name in ("model", "reward_model") if getattr(cfg, name)}
     check_reward_head(cfg)
-    n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key)  # before the tokenizer's seconds
+    fields = record_fields(reward_fn)  # the record fields the reward function reads (reward.math_reward's answer)
+    n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key, fields=fields)  # in milliseconds
     need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
     if cfg.ptx_coef > 0:
@@ -432,7 +442,7 @@ def load_inputs(cfg):
              f"--ptx_batch_size={cfg.ptx_batch_size}")
         print0(f"sft data: {len(sft)} pairs from {cfg.sft_data}, {sft.n_dropped} dropped (> "
                f"{cfg.max_prompt_len + cfg.max_new_tokens} tokens)")
-    evalset = load_eval_prompts(cfg, tokenizer, V)
+    evalset = load_eval_prompts(cfg, tokenizer, V, fields)
     ctx = actor.max_position_embeddings
     need(cfg.max_prompt_len + cfg.max_new_tokens <= ctx, f"--max_prompt_len {cfg.max_prompt_len} + --max_new_tokens "
          f"{cfg.max_new_tokens} does not fit the context of {cfg.model} ({ctx} positions)")
@@ -474,7 +484,7 @@ HERE = os.path.dirname(os.path.realpath(__file__))  # realpath: the key is compa
 SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
 
 
-def load_eval_prompts(cfg, tokenizer, vocab_size=None):
+def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     """The held-out PromptSet of --eval_prompts (evaluate.py), or None. "auto": the set shipped beside the shipped
     training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
@@ -490,7 +500,8 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None):
     need(n == 1 or cfg.eval_temperature > 0, f"--eval_samples_per_prompt={n} with --eval_temperature=0 (greedy) "
          f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
     try:
-        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size)
+        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
+                               fields)
     except UsageError as e:
         raise UsageError(f"--eval_prompts: {e}") from None
     print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")

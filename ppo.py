@@ -449,8 +449,8 @@ def main(cfg: Config, reward_fn=None):
     # a GGUF policy's header parsed once for the tokenizer, the config and the weights; an out-of-memory error while
     # the models load gets a note, as the steps' do
     with gguf_parsed_once(), plan.out_of_memory_noted(cfg, run):
-        tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg)  # every file read: seconds, no model
         reward_fn = None if cfg.reward_model else reward_fn or reward_function(cfg.reward_fn)  # a file's: it runs
+        tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg, reward_fn)  # every file read, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
         # the same seeds on every rank: the critic's fresh head must agree before sharding
         random.seed(cfg.seed), np.random.seed(cfg.seed), torch.manual_seed(cfg.seed)

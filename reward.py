@@ -61,7 +61,76 @@ def sentiment_reward(record, response):
     return max(-5.0, min(5.0, 10.0 * (pos - neg) / (len(words) + 5)))
 
 
-REWARD_FNS = {"sentiment": sentiment_reward}
+BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")  # 72, -1,234.5, .5, 3/4
+
+
+def last_boxed(text):
+    """The inside of the last closed \\boxed{...} of text (its braces matched), or None."""
+    for start in reversed([m.end() for m in BOXED.finditer(text)]):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def canonical_answer(answer):
+    """An answer's comparable form: a number as "%.10g" (a thousands comma, $, a trailing % or period, a/b and
+    \\frac{a}{b} understood), anything else as its text without spaces, $ and LaTeX's spacing and sizing commands."""
+    s = str(answer)
+    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", ""),
+                     ("\\,", ""), ("\\;", ""), ("\\ ", ""), ("$", ""), ("\\%", "%")):
+        s = s.replace(old, new)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", re.sub(r"\s+", "", s)).rstrip(".")
+    t = s.removesuffix("%")
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):
+        t = t.replace(",", "")
+    m = re.fullmatch(r"(-?)\\frac\{(\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}", t) or re.fullmatch(
+        r"(-?)(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)", t)
+    try:
+        x = (-1) ** len(m[1]) * float(m[2]) / float(m[3]) if m else float(t)
+    except (ValueError, ZeroDivisionError):
+        return s
+    return f"{x:.10g}" if abs(x) != float("inf") else s
+
+
+def response_answer(response):
+    """The answer a response gives: its last \\boxed{...}, else the first line after its last "####" (GSM8K's
+    form), else its last number; None when it gives none."""
+    if (boxed := last_boxed(response)) is not None:
+        return boxed
+    if "####" in response:
+        return response.rsplit("####", 1)[1].strip().split("\n")[0] or None
+    numbers = NUMBER.findall(response)
+    return numbers[-1] if numbers else None
+
+
+def math_reward(record, response):
+    """1.0 when the response's answer (response_answer) equals record["answer"], else 0.0; "pred" is the answer read
+    (maj@n votes on it) and "answered" whether there was one. The reference: record["answer"], a number or a string,
+    its last \\boxed{...} or what follows its "####" when it has one (GSM8K's answers end "#### 72"). Equal: as
+    canonical_answer forms, numbers within 1e-6 of the reference's size (at least 1)."""
+    ref = record.get("answer")
+    if isinstance(ref, bool) or not isinstance(ref, (str, int, float)) or not str(ref).strip():
+        raise ValueError(f"math_reward: the record's \"answer\" must be a number or a non-empty string, not "
+                         f"{ref!r:.60}")
+    ref = str(ref)
+    ref = last_boxed(ref) if last_boxed(ref) is not None else ref.rsplit("####", 1)[-1].strip()
+    pred = response_answer(response)
+    if pred is None:
+        return {"score": 0.0, "pred": None, "answered": 0.0}
+    want, got = canonical_answer(ref), canonical_answer(pred)
+    try:
+        ok = abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want)))
+    except ValueError:
+        ok = got == want
+    return {"score": float(ok), "pred": got, "answered": 1.0}
+
+
+math_reward.fields = ("answer",)  # read from every prompt record: a prompt file without it is refused at the start
+REWARD_FNS = {"sentiment": sentiment_reward, "math": math_reward}
 FLOAT32_MAX = 3.4028234663852886e38  # the scores become float32 tensors: a larger score is a failed call
 
 
@@ -129,6 +198,17 @@ def check_signature(fn, what):
         signature.bind({}, "")
     except TypeError as e:
         raise UsageError(f"{what} takes {signature}, not (record, response): {e}") from None
+
+
+def record_fields(fn):
+    """The prompt-record fields a reward function says it reads (its attribute `fields`: a name or a tuple of names;
+    math_reward's is ("answer",)), which data.load_inputs requires of every prompt before any model loads."""
+    fields = getattr(fn, "fields", ())
+    fields = (fields,) if isinstance(fields, str) else fields
+    need(isinstance(fields, (tuple, list)) and all(isinstance(k, str) for k in fields),
+         f"reward function {getattr(fn, '__name__', fn)!r:.60}: its `fields` must be a tuple of field names, not "
+         f"{fields!r:.60}")
+    return tuple(fields)
 
 
 def load_reward_fn(spec):
@@ -395,6 +475,8 @@ def score_one(text: str, reward_fn: str = "sentiment", record: str | dict = "{}"
     except json.JSONDecodeError as e:
         raise UsageError(f"--record={record!r:.60} is not JSON: {e}") from None
     need(isinstance(record, dict), f"--record must be a JSON object, not {record!r:.60}")
+    missing = [k for k in record_fields(fn) if k not in record]
+    need(not missing, f"--record has no {missing[0]!r} field, which --reward_fn={reward_fn} reads" if missing else "")
     caller = RewardCaller(fn)
     (score,), _ = caller([record], [str(text)])  # (fire reads "42" as an int)
     more = {**caller.extras[0], **({"pred": caller.preds[0]} if caller.preds[0] is not None else {})}

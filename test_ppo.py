@@ -2909,6 +2909,56 @@ def test_token_ids_the_model_has_no_embedding_for_are_named(tmp_path):
     assert len(ps) == 8 and none is None and evalset is None and stops == [3] and pad == 0
 
 
+def test_the_fields_a_reward_function_reads_are_checked_before_any_model(tmp_path, capsys):
+    # a reward function's `fields` (math_reward's "answer") must be in every training and held-out prompt record: a
+    # line without it is named by file and line before any model loads (it was a failed call at the first step, after
+    # the models had loaded); a name alone is a tuple of one; anything else as `fields` is refused
+    import dataclasses
+
+    import data
+    import ppo
+    import reward
+
+    policy = make_policy(tmp_path / "pol")
+    rows = [{"prompt": "a good day", "answer": "7"}] * 8
+    fine = write_jsonl(tmp_path / "fine.jsonl", rows)
+    lacking = write_jsonl(tmp_path / "lacking.jsonl", rows[:2] + [{"prompt": "hi", "solution": "7"}] + rows[3:])
+    cfg = ppo.Config(model=policy, prompts=lacking, rollout_batch_size=8, mini_batch_size=8, reward_fn="math",
+                     out_dir=str(tmp_path / "out"))
+    with pytest.raises(UsageError, match=re.escape(f"--prompts: {lacking}:3: no 'answer' field, which the reward "
+                                                   "function reads (fields ['answer']); the line has ['prompt', "
+                                                   "'solution']")):
+        data.load_inputs(cfg, reward.math_reward)
+    with pytest.raises(UsageError, match=re.escape(f"--eval_prompts: {lacking}:3: no 'answer' field")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=fine, eval_prompts=lacking), reward.math_reward)
+    assert len(data.load_inputs(dataclasses.replace(cfg, prompts=fine, eval_prompts=fine), reward.math_reward)[5]) == 8
+    assert len(data.load_inputs(dataclasses.replace(cfg, reward_fn="sentiment"), reward.sentiment_reward)[3]) == 8
+
+    def judge(record, response):
+        return 0.0
+
+    judge.fields = "solution"
+    with pytest.raises(UsageError, match=re.escape(f"--prompts: {fine}:1: no 'solution' field")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=fine), judge)
+    assert len(data.load_inputs(dataclasses.replace(cfg, prompts=write_jsonl(
+        tmp_path / "sol.jsonl", [{"prompt": "hi", "solution": "7"}] * 8)), judge)[3]) == 8
+    for bad in (3, ("answer", 3)):
+        judge.fields = bad
+        with pytest.raises(UsageError, match="reward function 'judge': its `fields` must be a tuple of field names"):
+            data.load_inputs(dataclasses.replace(cfg, prompts=fine), judge)
+    # from the command line: ppo.py before any model, and reward.py's --record
+    p = subprocess.run([sys.executable, os.path.join(REPO, "ppo.py"), f"--model={policy}", f"--prompts={lacking}",
+                        "--reward_fn=math", "--rollout_batch_size=8", f"--out_dir={tmp_path / 'o'}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and f"error: --prompts: {lacking}:3: no 'answer' field" in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "o")
+    assert runtime.run_function(reward.score_one, "reward.py", ["7", "--reward_fn=math", "--record={}"]) == 2
+    assert "error: --record has no 'answer' field, which --reward_fn=math reads" in capsys.readouterr().err
+    assert runtime.run_function(reward.score_one, "reward.py", ["\\boxed{7}", "--reward_fn=math",
+                                                                 '--record={"answer": 7}']) == 0
+    assert capsys.readouterr().out.split() == ["score:", "1.0", "answered:", "1.0", "pred:", "7"]
+
+
 def test_custom_keys(tok, tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "hi"}, {"chat": [{"role": "user", "content": "hi"}]}])
     ps = load_prompts(path, tok, 100, prompt_key="question", messages_key="chat")
@@ -7104,6 +7154,50 @@ def test_sentiment_reward_by_hand():
     assert (len(POSITIVE), len(NEGATIVE)) == (88, 69)
 
 
+def test_math_reward_by_hand():
+    # the answer read from the response (its last closed \boxed{}, else after its last "####", else its last number)
+    # against the record's (its \boxed{} or what follows "####", else all of it), equal as numbers (thousands commas,
+    # $, %, a trailing period, a/b and \frac{a}{b}) or as text without spaces and LaTeX spacing; "pred" is the form
+    # that maj@n votes on
+    from reward import REWARD_FNS, math_reward
+
+    gsm8k = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"
+    cases = [  # (reference, response, score, pred)
+        (gsm8k, "She sold 72 clips.", 1.0, "72"),
+        (gsm8k, "She sold 48 + 24 = 72, so \\boxed{72}.", 1.0, "72"),
+        (gsm8k, "#### 71", 0.0, "71"),
+        (72, "the answer is 72.", 1.0, "72"),
+        (72.0, "\\boxed{72}", 1.0, "72"),
+        ("\\frac{1}{2}", "so x = \\boxed{0.5}", 1.0, "0.5"),
+        ("0.5", "x = \\boxed{\\dfrac{1}{2}}", 1.0, "0.5"),
+        ("-\\frac{3}{4}", "\\boxed{-3/4}", 1.0, "-0.75"),
+        ("1,234", "We get 1234", 1.0, "1234"),
+        ("1234", "The total: #### 1,234.\nDone", 1.0, "1234"),
+        ("\\boxed{50\\%}", "\\boxed{50}", 1.0, "50"),
+        ("$18", "It costs $18.00", 1.0, "18"),
+        ("7", "\\boxed{\\frac{14}{2}}", 1.0, "7"),
+        ("7", "first 3, then \\boxed{7}, then 9", 1.0, "7"),  # a box wins over a later number
+        ("7", "\\boxed{7} and then \\boxed{8", 1.0, "7"),  # the last box is unclosed (cut off): the one before
+        ("7", "\\boxed{\\frac{1}{7}}", 0.0, "0.1428571429"),
+        ("1000000", "1000000.0000001", 1.0, "1000000"),  # within 1e-6 of the reference's size
+        ("1000000", "1000002", 0.0, "1000002"),
+        ("1,2", "\\boxed{12}", 0.0, "12"),  # a list, not a thousands comma
+        ("B", "The answer is \\boxed{B}", 1.0, "B"),
+        ("x+1", "\\boxed{x + 1}", 1.0, "x+1"),
+        ("\\text{Tuesday}", "\\boxed{\\text{Tuesday}}", 1.0, "Tuesday"),
+        ("x+1", "\\boxed{x+2}", 0.0, "x+2"),
+        ("7", "no number here", 0.0, None),
+        ("7", "\\boxed{1/0}", 0.0, "1/0"),  # no number: compared as text
+    ]
+    for ref, response, score, pred in cases:
+        assert math_reward({"answer": ref}, response) == dict(score=score, pred=pred, answered=float(pred is not None)), (
+            ref, response)
+    for bad in (None, "", "  ", True, [7]):
+        with pytest.raises(ValueError, match="math_reward: the record's \"answer\" must be a number or a non-empty"):
+            math_reward({"answer": bad}, "7")
+    assert REWARD_FNS["math"] is math_reward and math_reward.fields == ("answer",)
+
+
 def test_reward_caller_accepts_one_real_number():
     # a bool is a 0/1 score (a verifier's `return answer == expected`): numpy's and torch's as Python's; a 0-dim
     # array or tensor is one number, one of shape (1,) is refused as a list of one is
@@ -9399,7 +9493,7 @@ def test_a_reward_function_from_a_file_is_loaded_or_refused_by_name(tmp_path, mo
         ("missing.py:f", f"--reward_fn=missing.py:f: missing.py is not found (from {tmp_path})"),
         ("folder.py:f", "--reward_fn=folder.py:f: folder.py is a folder"),
         ("rewards.py:", "--reward_fn=rewards.py:: expected FILE.py:NAME, the function NAME of a Python file"),
-        ("rewards.py", "expected FILE.py:NAME, the function NAME of a Python file, or a built-in one of ['sentiment']"),
+        ("rewards.py", "expected FILE.py:NAME, the function NAME of a Python file, or a built-in one of ['sentiment', 'math']"),
     ]:
         with pytest.raises(UsageError) as e:
             R.reward_function(spec)
@@ -9411,7 +9505,7 @@ def test_a_reward_function_from_a_file_is_loaded_or_refused_by_name(tmp_path, mo
         if ok:
             ppo.derive(cfg, 0, 1, torch.device("cpu"))
         else:
-            with pytest.raises(UsageError, match="--reward_fn must be one of \\['sentiment'\\] or FILE.py:NAME"):
+            with pytest.raises(UsageError, match="--reward_fn must be one of \\['sentiment', 'math'\\] or FILE.py:NAME"):
                 ppo.derive(cfg, 0, 1, torch.device("cpu"))
     # a function passed from Python is checked alike, before anything loads
     with pytest.raises(UsageError, match=r"main\(cfg, reward_fn=f\): test_ppo\..*<lambda> takes \(record\), not "):
@@ -11488,7 +11582,7 @@ def test_config_errors_name_the_problem():
                              ("needs samples_per_prompt >= 2", dict(advantage_estimator="rloo"), 1),
                              ("8 rows must be a multiple of mini_batch_size 3",
                               dict(rollout_batch_size=4, samples_per_prompt=2, mini_batch_size=3), 1),
-                             ("reward_fn must be one of ['sentiment']", dict(reward_fn="nope"), 1),
+                             ("reward_fn must be one of ['sentiment', 'math']", dict(reward_fn="nope"), 1),
                              ("--eval_every must be >= 0, not -1", dict(eval_every=-1), 1),
                              ("--eval_temperature must be >= 0, not -0.5", dict(eval_temperature=-0.5), 1),
                              ("--temperature must be >= 1e-06, not 1e-07", dict(temperature=1e-7), 1),
