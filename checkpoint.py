@@ -225,9 +225,11 @@ def build_models(cfg, run, mesh):
     return m
 
 
-def lr_lambda(cfg):
-    rows = cfg.rollout_batch_size * cfg.samples_per_prompt
-    total = cfg.total_steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
+def lr_lambda(cfg, steps=None):
+    """The LR factor of a model's i-th optimizer step, for a model that trains in `steps` of the run's steps (default:
+    all of them; the actor: those after --critic_warmup_steps)."""
+    rows, steps = cfg.rollout_batch_size * cfg.samples_per_prompt, cfg.total_steps if steps is None else steps
+    total = steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
 
     def f(i):
         warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
@@ -243,7 +245,8 @@ def add_optimizers(m, cfg, run):
         params = [p for p in m[name].parameters() if p.requires_grad]  # LoRA: the adapters (and a critic's head)
         m[name + "_opt"] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, eps=1e-8,
                                              fused=True)  # one kernel, no full-size temporaries (3x faster on a CPU)
-        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg))
+        steps = max(cfg.total_steps - cfg.critic_warmup_steps, 0) if name == "actor" else cfg.total_steps  # its own
+        m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lr_lambda(cfg, steps))
     return m
 
 

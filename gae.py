@@ -488,7 +488,7 @@ def estimator_unread(name):
     the critic's learning rate and value clip without a critic, and the ESTIMATOR_FLAGS outside its reads."""
     est = ADVANTAGE_ESTIMATORS[name]
     reads = ESTIMATOR_FLAGS if est.reads is None else est.reads
-    critic = [] if est.critic else ["critic_lr", "loss_clip_val"]
+    critic = [] if est.critic else ["critic_lr", "loss_clip_val", "critic_warmup_steps"]
     return critic + [k for k in ESTIMATOR_FLAGS if k not in reads]
 
 

@@ -142,6 +142,7 @@ class Config:
     is_seq_band: tuple[float, float] = (0.99, 1.01)  # seq_mask: w = 0 if a response's geometric-mean r leaves [lo, hi]
     lr: float = 5e-5  # actor learning rate
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
+    critic_warmup_steps: int = 0  # the first N steps train the critic alone; the actor and its LR schedule wait
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     lr_schedule: str = "constant"  # constant | linear (decays to 0 after the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -204,7 +205,8 @@ LIMITS = {
              "keep_checkpoints", "reward_workers", "eval_samples_per_prompt"),
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "clip_coef_high", "sample_every", "save_every", "dry_run", "reward_timeout",
-             "eval_every", "eval_temperature", "lora_rank", "total_steps", "overlong_buffer", "overlong_penalty"),
+             "eval_every", "eval_temperature", "lora_rank", "total_steps", "overlong_buffer", "overlong_penalty",
+             "critic_warmup_steps"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
@@ -292,17 +294,12 @@ def derive(cfg, rank, W, device):
 #   tokens, attention_mask, position_ids (B, P+R); response_mask (B, R); P = prompt width
 
 
-def response_labels(mb):
-    """(B, P+R) labels: position t predicts token t+1; -100 outside the response."""
-    P, tokens, labels = mb["P"], mb["tokens"], torch.full_like(mb["tokens"], -100)
-    labels[:, P - 1 : -1] = torch.where(mb["response_mask"], tokens[:, P:], -100)
-    return labels
-
-
 def policy_forward(actor, mb, temperature, ref=None):
     """logp and entropy (B, R) of the actor; with `ref` also ref_logp and the exact kl to it.
     float32, 0 off the response. The reference is frozen: no gradient flows into it."""
-    P, labels, kw = mb["P"], response_labels(mb), {}
+    P, tokens, kw = mb["P"], mb["tokens"], {}
+    labels = torch.full_like(tokens, -100)  # (B, P+R): position t predicts token t+1; -100 outside the response
+    labels[:, P - 1 : -1] = torch.where(mb["response_mask"], tokens[:, P:], -100)
     if ref is not None:
         with torch.no_grad():
             ref_h = ref(mb["tokens"], mb["attention_mask"], mb["position_ids"], return_hidden=True)[labels != -100]
@@ -321,8 +318,7 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
     """Step 2, in micro-batches through the training forward's code path (so the first ratio is 1):
     old_logp, entropy, ref_logp, kl_exact, values (B, R) if there is a critic, and the reward model's score (B,) if any;
     "slots" and "pad", the token slots computed and how many were padding. progress: wraps the micro-batch loop."""
-    B, R = batch["response_mask"].shape
-    out = dict(slots=0, pad=0)
+    (B, R), out = batch["response_mask"].shape, dict(slots=0, pad=0)
     mbs = micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro)
     for rows, mb in progress(mbs, -(-B // run.infer_micro)) if progress else mbs:
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
@@ -341,7 +337,7 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
     return out
 
 
-def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
+def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=True):
     """Step 5 on one micro-batch -> (actor_loss, critic_loss (None: no critic), stats: dict of 0-dim float64 sums).
 
     Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens, the minibatch's
@@ -349,10 +345,11 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None):
     summed over micro-batches and ranks this is the token mean over the minibatch. Rollout tensors are cleaned outside
     the mask first, so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term
     carries its importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still
-    counts in n_tokens."""
+    counts in n_tokens. train_actor False (--critic_warmup_steps): the actor's forward has no gradient."""
     mask = mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
-    pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
+    with torch.set_grad_enabled(train_actor and torch.is_grad_enabled()):
+        pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
 
     # clipped surrogate (Schulman et al. 2017), optional dual clip (Ye et al. 2020)
     # the log-ratio clamped before exp (as verl and OpenRLHF do): past ~88.7 float32's exp is inf, and the gradient
@@ -405,15 +402,17 @@ def grad_norm(model, max_norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
-    """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
-    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient or loss skips it.
-    key: (step, update of the step), which with the micro-batch and the rank keys --lora_dropout's masks."""
+def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=(), trained=None):
+    """One optimizer step of the `trained` models (default: actor, and critic if any) on one minibatch (`rows` of this
+    rank, n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient or loss
+    skips it. key: (step, update of the step), which with the micro-batch and the rank keys --lora_dropout's masks."""
+    trained = trained or run.trained
     sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
     for i, (_, mb) in enumerate(micro_batches(batch, rows, run.local_micro)):
         if cfg.lora_dropout > 0:
             seed_dropout(cfg.seed, *key, i, run.rank)
-        actor_loss, critic_loss, st = ppo_losses(m["actor"], m.get("critic"), mb, cfg, n_tokens, run.world, m["ref"])
+        actor_loss, critic_loss, st = ppo_losses(m["actor"], m.get("critic"), mb, cfg, n_tokens, run.world, m["ref"],
+                                                 train_actor="actor" in trained)
         (actor_loss if critic_loss is None else actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
         slots = [slots[0] + mb["slots"], slots[1] + mb["pad"]]
@@ -426,7 +425,7 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
     losses = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norms.device) for v in sums.values()])
     finite = bool(torch.isfinite(norms).all()) and all_sum(float(not losses.isfinite().all())).item() == 0  # (a NaN
     # log-ratio's clamp passes a zero gradient: its loss is NaN, its gradient finite), the same on every rank
-    for name in run.trained:
+    for name in trained:
         if finite:
             m[name + "_opt"].step()
         m[name + "_opt"].zero_grad(set_to_none=True)
@@ -527,21 +526,21 @@ def main(cfg: Config, reward_fn=None):
             t2 = phase_end(device, peaks, "score")
 
             # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
-            updates = []
+            updates, trained = [], ("critic",) if step <= cfg.critic_warmup_steps else run.trained  # the critic alone
             for epoch in range(cfg.ppo_epochs):
                 mbs = minibatch_rows(run.rows, cfg.mini_batch_size, rank, world, cfg.seed, step,
                                      epoch).to(device)  # (K, local_mini)
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
                 for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
-                    ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
-                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, key=(step, len(updates))))
+                    ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft and "actor" in trained else None
+                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, (step, len(updates)), trained))
                     bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
                     if bad_in_a_row >= cfg.max_bad_updates:
                         raise FloatingPointError(
                             f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
                             f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/"
                             "checkpoints is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
-            checkpoint.reshard(m["ref"])  # its root, gathered by --kl_loss_coef's forwards, not kept into the rollout
+            checkpoint.reshard(m["ref"], m["actor"])  # roots gathered by no-grad forwards (--kl_loss_coef, warmup)
             t3 = phase_end(device, peaks, "train")
 
             # ---- 6. adaptive KL controller, on the KL that went into the reward

@@ -8204,6 +8204,38 @@ def test_update_clips_each_models_gradient_before_its_step(tiny_run):
             assert (before[p + k] - w.detach() - want).abs().max() <= 1e-4 * want.abs().max() + 2e-7, p + k
 
 
+def test_critic_warmup_steps_the_critic_alone(tiny_run):
+    # update with trained=("critic",) (--critic_warmup_steps): the critic steps exactly as in a full update (its loss
+    # does not depend on the actor's), the actor's weights, optimizer state and LR schedule stay as they were, and its
+    # forward still gives the policy statistics (those of the full update: the same weights); its norm is 0
+    import ppo
+
+    cfg = ppo.Config(**LOSS_CFG)
+    run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
+    batch, outs, weights = fake_batch(64), {}, {}
+    for trained in (None, ("critic",)):
+        actor, critic, ref = build_models(tiny_run["policy"], shard=False)
+        m = dict(actor=actor, critic=critic, ref=ref)
+        for name in ("actor", "critic"):
+            m[name + "_opt"] = torch.optim.AdamW(m[name].parameters(), lr=1e-2)
+            m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lambda step: 1.0 / (step + 1))
+        before = {k: w.detach().clone() for k, w in actor.named_parameters()}
+        outs[trained] = ppo.update(m, batch, torch.arange(6), batch["response_mask"].sum().item(), cfg, run, None,
+                                   trained=trained)
+        weights[trained] = {k: w.detach().clone() for k, w in critic.named_parameters()}
+        moved = [k for k, w in actor.named_parameters() if not torch.equal(w, before[k])]
+        if trained is None:
+            assert moved and m["actor_sched"].last_epoch == 1
+        else:
+            assert not moved and not m["actor_opt"].state and m["actor_sched"].last_epoch == 0
+            assert all(w.grad is None for w in actor.parameters()) and m["critic_sched"].last_epoch == 1
+    full, warm = outs[None], outs[("critic",)]
+    assert all(torch.equal(weights[None][k], weights[("critic",)][k]) for k in weights[None])
+    assert warm["norms"][0] == 0 and warm["norms"][1] == full["norms"][1] > 0
+    assert warm["sums"].keys() == full["sums"].keys() and all(torch.equal(warm["sums"][k], full["sums"][k])
+                                                              for k in full["sums"])
+
+
 @slow
 def test_loss_same_for_one_and_two_processes(tiny_run, group, tmp_path):
     # the clipped losses, the KL loss and the ptx loss: token means over all ranks
@@ -8652,6 +8684,25 @@ def test_resume_is_exact(tiny_run, tmp_path, nproc):
         assert r["objective/kl_coef"] == ctl.value and r["objective/non_score_reward"] == -ctl.value * r["objective/kl"]
         ctl.update(r["objective/kl"], 8)
     assert ctl.value != ppo.Config.kl_coef
+
+
+@slow
+def test_critic_warmup_in_a_run_and_its_resume(tiny_run, tmp_path):
+    # --critic_warmup_steps=2 of 4: steps 1-2 train the critic alone, so steps 1-3 sample from the initial actor (the
+    # reference: the KL is 0 exactly) and step 4 from a trained one; the actor's gradient norm is 0 in the warmup; its
+    # LR warmup (6 optimizer steps, 4 a step) starts after it, the critic's at once. A run stopped after the warmup
+    # (total_steps 2) and resumed to 4 repeats the uninterrupted one.
+    kw = dict(critic_warmup_steps=2, warmup_steps=6, save_every=2)
+    (_, full), (_, part) = concurrently(lambda: run_ppo(tiny_run, tmp_path / "full", total_steps=4, **kw),
+                                        lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw))
+    assert [r["objective/kl"] == 0 for r in full] == [True, True, True, False]
+    assert [r["val/grad_norm_actor"] > 0 for r in full] == [False, False, True, True]
+    assert all(r["val/grad_norm_critic"] > 0 and math.isfinite(r["loss/policy_avg"]) for r in full)
+    lr, critic_lr = TINY_ARGS["lr"], TINY_ARGS["critic_lr"]
+    assert [r["lr"] for r in full] == pytest.approx([lr / 6, lr / 6, lr * 5 / 6, lr])  # after each step's updates
+    assert [r["critic_lr"] for r in full] == pytest.approx([critic_lr * 5 / 6, critic_lr, critic_lr, critic_lr])
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
+    assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
 
 
 # -- one-step asynchronous rollouts ------------------------------------------------------------------------------
@@ -11871,6 +11922,9 @@ F32_MAX = float(torch.finfo(torch.float32).max)
     (dict(overlong_buffer=25), 1, "--overlong_buffer must be <= max_new_tokens 24"),
     (dict(overlong_buffer=24, overlong_penalty=0.5), 1, None),
     (dict(overlong_penalty=0.5), 1, "--overlong_penalty set without --overlong_buffer, so it would do nothing"),
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, critic_warmup_steps=2), 1,
+     "--critic_warmup_steps set with --advantage_estimator=grpo, so it would do nothing"),
+    (dict(critic_warmup_steps=20), 1, None),  # beyond total_steps: a run that trains the critic alone, to resume
     (dict(clip_coef=0.2, clip_coef_high=0.28), 1, None),
     # the critic's flags without a critic, and the flags only GAE reads (gae.estimator_unread)
     (dict(advantage_estimator="grpo", samples_per_prompt=2, critic_lr=1e-3), 1,
