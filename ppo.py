@@ -402,21 +402,22 @@ def grad_norm(model, max_norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=(), trained=None):
-    """One optimizer step of the `trained` models (default: actor, and critic if any) on one minibatch (`rows` of this
-    rank, n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient or loss
-    skips it. key: (step, update of the step), which with the micro-batch and the rank keys --lora_dropout's masks."""
-    trained = trained or run.trained
+def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
+    """One optimizer step of the trained models (actor, and critic if any) on one minibatch (`rows` of this rank,
+    n_tokens over all ranks): micro-batches, optional ptx batch, clipping, step. A non-finite gradient or loss skips it.
+    key: (step, update of the step): in the step's --critic_warmup_steps the critic alone steps; with the micro-batch
+    and the rank it keys --lora_dropout's masks."""
+    trained = ("critic",) if key and key[0] <= cfg.critic_warmup_steps else run.trained
     sums, slots = {}, [0, 0]  # token slots computed, and how many of them were padding
     for i, (_, mb) in enumerate(micro_batches(batch, rows, run.local_micro)):
         if cfg.lora_dropout > 0:
             seed_dropout(cfg.seed, *key, i, run.rank)
         actor_loss, critic_loss, st = ppo_losses(m["actor"], m.get("critic"), mb, cfg, n_tokens, run.world, m["ref"],
-                                                 train_actor="actor" in trained)
+                                                 "actor" in trained)  # train_actor
         (actor_loss if critic_loss is None else actor_loss + critic_loss).backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in st.items()}
         slots = [slots[0] + mb["slots"], slots[1] + mb["pad"]]
-    pairs, n_ptx = ptx_pairs or ([], 0)
+    pairs, n_ptx = ptx_pairs if ptx_pairs and "actor" in trained else ([], 0)
     for i in range(0, len(pairs), run.local_micro):
         ptx = ptx_loss(m["actor"], pairs[i : i + run.local_micro], n_ptx, run.world, run.device)
         (cfg.ptx_coef * ptx).backward()
@@ -526,14 +527,14 @@ def main(cfg: Config, reward_fn=None):
             t2 = phase_end(device, peaks, "score")
 
             # ---- 5. PPO epochs x minibatches (the same on any number of ranks) x micro-batches
-            updates, trained = [], ("critic",) if step <= cfg.critic_warmup_steps else run.trained  # the critic alone
+            updates = []
             for epoch in range(cfg.ppo_epochs):
                 mbs = minibatch_rows(run.rows, cfg.mini_batch_size, rank, world, cfg.seed, step,
                                      epoch).to(device)  # (K, local_mini)
                 n_tokens = all_sum(torch.stack([mask[r].sum() for r in mbs])).tolist()  # per minibatch, all ranks
                 for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
-                    ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft and "actor" in trained else None
-                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, (step, len(updates)), trained))
+                    ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
+                    updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, key=(step, len(updates))))
                     bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
                     if bad_in_a_row >= cfg.max_bad_updates:
                         raise FloatingPointError(

@@ -8205,12 +8205,12 @@ def test_update_clips_each_models_gradient_before_its_step(tiny_run):
 
 
 def test_critic_warmup_steps_the_critic_alone(tiny_run):
-    # update with trained=("critic",) (--critic_warmup_steps): the critic steps exactly as in a full update (its loss
+    # update in a step of --critic_warmup_steps (key (1, 0) of 1): the critic steps exactly as in a full update (its loss
     # does not depend on the actor's), the actor's weights, optimizer state and LR schedule stay as they were, and its
     # forward still gives the policy statistics (those of the full update: the same weights); its norm is 0
     import ppo
 
-    cfg = ppo.Config(**LOSS_CFG)
+    cfg = ppo.Config(**LOSS_CFG, critic_warmup_steps=1)
     run = types.SimpleNamespace(local_micro=2, world=1, rank=0, device=torch.device("cpu"), trained=("actor", "critic"))
     batch, outs, weights = fake_batch(64), {}, {}
     for trained in (None, ("critic",)):
@@ -8221,7 +8221,7 @@ def test_critic_warmup_steps_the_critic_alone(tiny_run):
             m[name + "_sched"] = torch.optim.lr_scheduler.LambdaLR(m[name + "_opt"], lambda step: 1.0 / (step + 1))
         before = {k: w.detach().clone() for k, w in actor.named_parameters()}
         outs[trained] = ppo.update(m, batch, torch.arange(6), batch["response_mask"].sum().item(), cfg, run, None,
-                                   trained=trained)
+                                   key=(2 if trained is None else 1, 0))  # after the warmup, or in it
         weights[trained] = {k: w.detach().clone() for k, w in critic.named_parameters()}
         moved = [k for k, w in actor.named_parameters() if not torch.equal(w, before[k])]
         if trained is None:
