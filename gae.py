@@ -453,11 +453,13 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_ranks=True):
 # straddles ranks, so a group baseline is local. Whitening (gae's option, reinforce_pp's definition) is over all
 # ranks. How the KL penalty meets the score:
 #     gae           r_t = kl_reward_t + [t last] score; GAE over r and the critic's values
-#     grpo, rloo    the baseline acts on the sequence score only: s' = (s - mean) / std of its group (grpo) or
-#                   s - mean of the group's other samples (rloo); A_t = sum_{u >= t} gamma^(u-t) r_u with
-#                   r_u = kl_reward_u + [u last] s', so each token still answers for the KL of what follows it
+#     grpo, dr_grpo, rloo   the baseline acts on the sequence score only: s' = (s - mean) / std of its group
+#                   (grpo), s - mean of its group (dr_grpo) or s - mean of the group's other samples (rloo);
+#                   A_t = sum_{u >= t} gamma^(u-t) r_u with r_u = kl_reward_u + [u last] s', so each token still
+#                   answers for the KL of what follows it
 #     reinforce_pp  A_t = the same return-to-go of the raw score and the KL penalty, whitened over the batch
-#                   (Hu 2025, REINFORCE++): the batch statistics are the baseline
+#                   (Hu 2025, REINFORCE++): the batch statistics are the baseline; reinforce_pp_baseline: of
+#                   s - mean of its group, then whitened over the batch
 
 ADVANTAGE_ESTIMATORS = {}  # name -> estimator function (its .critic says whether it needs a critic)
 
@@ -512,6 +514,14 @@ def grpo_scores(score, n, eps=1e-6):
     return ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + eps)).flatten().to(score.dtype)
 
 
+def mean_scores(score, n):
+    """(B,) -> s minus the mean of its group of n consecutive rows (Liu et al. 2025, Dr. GRPO: GRPO's baseline
+    without the division by the group's std, which weights a prompt by how little its samples' scores differ); in
+    float64, so that a group of equal scores gets exactly 0, as in grpo_scores."""
+    s = _groups(score, n).double()
+    return (s - s.mean(1, keepdim=True)).flatten().to(score.dtype)
+
+
 def rloo_scores(score, n):
     """(B,) -> s minus the mean of the other n - 1 samples of its group (Ahmadian et al. 2024, RLOO); in float64,
     so that a group of equal scores gets exactly 0, as in grpo_scores."""
@@ -531,6 +541,12 @@ def grpo_advantages(score, kl_reward, values, mask, cfg):
     return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
 
 
+@advantage_estimator("dr_grpo", groups=True, reads=())
+def dr_grpo_advantages(score, kl_reward, values, mask, cfg):
+    s = mean_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
+    return returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), None
+
+
 @advantage_estimator("rloo", groups=True, reads=())
 def rloo_advantages(score, kl_reward, values, mask, cfg):
     s = rloo_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
@@ -541,6 +557,12 @@ def rloo_advantages(score, kl_reward, values, mask, cfg):
 def reinforce_pp_advantages(score, kl_reward, values, mask, cfg):
     ret = returns_to_go(kl_reward + score_on_last_token(score.to(kl_reward.dtype), mask), mask, cfg.gamma)
     return masked_whiten(ret, mask), None
+
+
+@advantage_estimator("reinforce_pp_baseline", groups=True, reads=())
+def reinforce_pp_baseline_advantages(score, kl_reward, values, mask, cfg):
+    s = mean_scores(score, cfg.samples_per_prompt).to(kl_reward.dtype)
+    return masked_whiten(returns_to_go(kl_reward + score_on_last_token(s, mask), mask, cfg.gamma), mask), None
 
 
 # -----------------------------------------------------------------------------

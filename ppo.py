@@ -16,7 +16,7 @@ Each step:
                  actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
-    4. advantage GAE with the critic's values (whitened), or critic-free: grpo, rloo, reinforce_pp (gae.py)
+    4. advantage GAE with the critic's values (whitened), or critic-free: grpo, dr_grpo, rloo, reinforce_pp (gae.py)
     5. optimise  ppo_epochs x minibatches x micro-batches (w: the sampler-trainer importance weight, gae.is_weights):
                    ratio = exp(logp - old_logp)
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))  [dual: min(pg, -c*A) for A < 0]
@@ -115,7 +115,7 @@ class Config:
     reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
     reward_timeout: float = 0.0  # seconds a reward function call may take (0: no limit); a late call has failed
     reward_on_error: float | None = None  # score of a response whose reward call failed (val/reward_errors); None: stop
-    advantage_estimator: str = "gae"  # gae.ADVANTAGE_ESTIMATORS: gae (with a critic) | grpo | rloo | reinforce_pp
+    advantage_estimator: str = "gae"  # gae.ADVANTAGE_ESTIMATORS: gae | grpo | dr_grpo | rloo | reinforce_pp[_baseline]
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # held-out evaluation (evaluate.py)

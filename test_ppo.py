@@ -6813,14 +6813,16 @@ def brute_force_advantages(name, score, kl_reward, mask, n, gamma):
     gamma^(u-t) r_u with r_u = kl_reward_u + [u last] score'; reinforce_pp then whitens over every token."""
     B, T = mask.shape
     s = [float(x) for x in score]
-    if name in ("grpo", "rloo"):
+    if name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
         out = []
         for b in range(B):
             group = s[b // n * n : b // n * n + n]
             if name == "grpo":
                 out.append((s[b] - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6))
-            else:
+            elif name == "rloo":
                 out.append(s[b] - (sum(group) - s[b]) / (n - 1))
+            else:
+                out.append(s[b] - statistics.fmean(group))
         s = out
     adv = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
@@ -6828,14 +6830,14 @@ def brute_force_advantages(name, score, kl_reward, mask, n, gamma):
         r = [float(kl_reward[b, t]) + (s[b] if t == L - 1 else 0.0) for t in range(L)]
         for t in range(L):
             adv[b, t] = sum(gamma ** (u - t) * r[u] for u in range(t, L))
-    if name == "reinforce_pp":
+    if name.startswith("reinforce_pp"):
         vals = [float(adv[b, t]) for b in range(B) for t in range(T) if mask[b, t]]
         mean, var = statistics.fmean(vals), statistics.variance(vals)
         adv = torch.where(mask, (adv - mean) / math.sqrt(var + 1e-8), 0.0)
     return adv
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 @pytest.mark.parametrize("n,gamma", [(2, 1.0), (4, 0.97), (5, 1.0)])
 def test_critic_free_advantages_match_brute_force(name, n, gamma):
     # groups of n consecutive rows with ragged responses (a one-token row, a full row), a group of equal scores
@@ -6856,7 +6858,7 @@ def test_critic_free_advantages_match_brute_force(name, n, gamma):
     expected = brute_force_advantages(name, score, kl_reward, mask, n, gamma)
     assert torch.allclose(adv.double(), expected, rtol=1e-5, atol=1e-5), (adv.double() - expected).abs().max()
     assert torch.equal(adv, torch.where(mask, adv, 0.0))
-    if name == "grpo":  # the equal group's samples get the KL part only
+    if name in ("grpo", "dr_grpo", "rloo"):  # the equal group's samples get the KL part only
         assert torch.allclose(adv[n : 2 * n].double(), brute_force_advantages("none", score * 0, kl_reward, mask, n,
                                                                              gamma)[n : 2 * n], atol=1e-6)
     # a masked-out NaN in the rewards or values reaches nothing; the baseline needs whole groups
@@ -6870,18 +6872,18 @@ def test_critic_free_advantages_match_brute_force(name, n, gamma):
 def test_group_baselines_give_a_group_of_equal_scores_zero():
     # a group whose samples all scored the same carries no signal: grpo and rloo give it exactly 0, for any score and
     # group size (in float32, 8 x 0.7 got +0.056 each and 3 x 1000.1 got 0.81: the mean missed by an ulp)
-    from gae import grpo_scores, rloo_scores
+    from gae import grpo_scores, mean_scores, rloo_scores
 
     g = torch.Generator().manual_seed(0)
     for n in range(2, 17):
         equal = (torch.rand(64, 1, generator=g) * 2000 - 1000).expand(64, n).flatten()
         equal[: 4 * n] = torch.tensor([0.7, 1000.1, 0.3, -2.2]).repeat_interleave(n)
-        for fn in (grpo_scores, rloo_scores):
+        for fn in (grpo_scores, mean_scores, rloo_scores):
             out = fn(equal, n)
             assert out.dtype == torch.float32 and torch.equal(out, torch.zeros_like(out)), (n, fn.__name__, out.abs().max())
     s = torch.randn(24, generator=g)  # and the float32 result of any group is the float64 one, rounded
     assert torch.equal(grpo_scores(s, 6), grpo_scores(s.double(), 6).float())
-    for fn in (grpo_scores, rloo_scores):  # a group of one has no baseline (grpo's std NaN, rloo's mean of none)
+    for fn in (grpo_scores, mean_scores, rloo_scores):  # a group of one has no baseline (grpo's std NaN, rloo's mean of none)
         with pytest.raises(ValueError, match="groups of n >= 2 samples per prompt; got 24 rows, n=1"):
             fn(s, 1)
 
@@ -9405,7 +9407,8 @@ def test_a_group_estimator_of_a_fork_is_refused_without_groups():
                        torch.device("cpu"))
     finally:
         del gae.ADVANTAGE_ESTIMATORS["median_of_group"]
-    assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "rloo"]
+    assert [k for k, f in gae.ADVANTAGE_ESTIMATORS.items() if f.groups] == ["grpo", "dr_grpo", "rloo",
+                                                                            "reinforce_pp_baseline"]
 
 
 def test_a_forks_advantage_estimator_that_returns_the_wrong_shapes_is_named():
