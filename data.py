@@ -477,6 +477,8 @@ def load_inputs(cfg, reward_fn=None):
     stop_ids, pad_id = flag("model", stop_and_pad_ids, cfg.model, tokenizer, extra=cfg.stop_token_ids, vocab_size=V)
     need(stop_ids, f"--model: {cfg.model} names no EOS token (tokenizer, generation_config.json, config.json), so no "
          "response would ever end: give the ids that end one with --stop_token_ids")
+    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "
+           f"stop ids {stop_ids}, pad id {pad_id}")
     return tokenizer, stop_ids, pad_id, prompts, sft, evalset
 
 

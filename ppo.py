@@ -18,7 +18,7 @@ Each step:
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, dr_grpo, rloo, reinforce_pp (gae.py)
     5. optimise  ppo_epochs x minibatches x micro-batches (w: the sampler-trainer importance weight, gae.is_weights):
-                   ratio = exp(logp - old_logp)
+                   ratio = exp(logp - old_logp)                   [--ratio_level=sequence: the response's mean]
                    pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))  [dual: min(pg, -c*A) for A < 0]
                    vf    = 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
                    actor loss = w pg - entropy_coef * H [+ kl_loss_coef * KL(pi || ref)] [+ ptx_coef * SFT NLL]
@@ -41,8 +41,7 @@ and a resumed run repeats the uninterrupted one (checkpoint.py).
     python ppo.py --help                                        # every option, its default and meaning
     torchrun --nproc_per_node 8 ppo.py --model=... --reward_model=... --prompts=...
     python ppo.py --reward_fn=my_rewards.py:verify              # verify(record: dict, response: str) -> float
-From Python: main(Config(...), reward_fn=my_reward), my_reward(record: dict, response: str) -> float (or a dict: the
-score under "score", and more numbers about the response, each logged as reward/<name>).
+From Python: main(Config(...), reward_fn=f), f(record, response) -> a float, or a dict: "score", and reward/<name>s.
 """
 import functools
 import json
@@ -65,8 +64,8 @@ from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 estimator_unread, final_score, is_settings_unread, is_weights, masked_sum, overlong_penalty,
-                 shape_rewards)
+                 estimator_unread, final_score, is_settings_unread, is_weights, masked_mean, masked_sum,
+                 overlong_penalty, shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
@@ -131,6 +130,7 @@ class Config:
     rollout_micro_batch_size: int = 32  # rows (samples) generated at once on a rank (capped at its share): the KV cache
     async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
+    ratio_level: str = "token"  # token | sequence: each token's ratio is its response's geometric mean ratio (GSPO)
     clip_coef_high: float = 0.0  # the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28); 0: clip_coef's
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
@@ -226,7 +226,8 @@ def derive(cfg, rank, W, device):
         need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
                            is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
-                           dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
+                           ratio_level=["token", "sequence"], dtype=["auto", "bf16", "fp32"],
+                           activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
     for k in ("model", "prompts", "prompt_key", "messages_key", "out_dir") + (("wandb_project",) if cfg.wandb else ()):
         need(getattr(cfg, k).strip(), f"--{k} must not be empty")
@@ -355,6 +356,8 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
     # the log-ratio clamped before exp (as verl and OpenRLHF do): past ~88.7 float32's exp is inf, and the gradient
     # NaN; at +-20 the clip has long made the token's gradient 0 or its ratio irrelevant
     logratio = torch.where(mask, pol["logp"] - old_logp, 0.0).clamp(-20.0, 20.0)
+    if cfg.ratio_level == "sequence":  # GSPO (Zheng et al. 2025): the value its response's mean, the gradient its own
+        logratio = torch.where(mask, masked_mean(logratio.detach(), mask, 1)[:, None] + logratio - logratio.detach(), 0)
     ratio = logratio.exp()
     pg_losses = -adv * ratio
     pg_losses2 = -adv * ratio.clamp(1 - cfg.clip_coef, 1 + (cfg.clip_coef_high or cfg.clip_coef))
@@ -378,8 +381,7 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
         vpred = torch.where(mask, value_forward(critic, mb), 0.0)
         vf_losses = (vpred - ret).square()
         eps_v = cfg.loss_clip_val  # 0: no clip, the clipped term is the unclipped one
-        vclipped = torch.clamp(vpred, old_values - eps_v, old_values + eps_v) if eps_v > 0 else vpred
-        vf_losses2 = (vclipped - ret).square()
+        vf_losses2 = ((vpred.clamp(old_values - eps_v, old_values + eps_v) if eps_v > 0 else vpred) - ret).square()
         vf = 0.5 * torch.max(vf_losses, vf_losses2)
         stats.update(value_loss=tsum(vf), vf_clipfrac=tsum((vf_losses2 > vf_losses).float()))
         critic_loss = tsum(vf) * scale
@@ -466,8 +468,6 @@ def main(cfg: Config, reward_fn=None):
     if device.type == "cpu":  # the steps' freed blocks reused, not returned to the kernel and faulted in again
         keep_freed_memory()
     reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
-    print0(f"prompts: {len(prompts)} from {cfg.prompts}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens); "
-           f"stop ids {stop_ids}, pad id {pad_id}")
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0

@@ -7864,11 +7864,12 @@ def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
 
 
 @slow
-def test_overlong_penalty_and_clip_higher_in_a_run(tiny_run, tmp_path):
+def test_overlong_penalty_clip_higher_and_gspo_in_a_run(tiny_run, tmp_path):
     # the flags reach the step: with a buffer as long as a response can be (6 tokens), each response of l tokens
     # loses 0.5 x l / 6 of its score, so the step's mean score used is its mean score less 0.5 x the mean length / 6
     _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, overlong_buffer=6, overlong_penalty=0.5,
-                      clip_coef_high=0.28)
+                      clip_coef_high=0.28, ratio_level="sequence")
+    assert all(math.isfinite(m["policy/clipfrac_avg"]) and math.isfinite(m["loss/policy_avg"]) for m in rows)
     for m in rows:
         want = m["objective/scores"] - 0.5 * m["val/response_length"] / 6
         assert m["objective/score_used"] == pytest.approx(want, rel=1e-5, abs=1e-6)
@@ -8499,6 +8500,51 @@ def test_clip_higher_lifts_only_the_upper_clip(monkeypatch):
         assert loss.item() == pytest.approx(sum(pg) / 4, rel=1e-6) and st["clipfrac"].item() == clipped
         loss.backward()
         torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg) / 4, rtol=1e-5, atol=1e-7)
+
+
+def test_sequence_level_ratio_is_gspo(monkeypatch):
+    # --ratio_level=sequence: each token's ratio is its response's exp(mean log-ratio), its gradient that of its own
+    # log-prob (GSPO-token, Zheng et al. 2025). With one advantage a response and no clip binding, the token-mean loss
+    # is GSPO's sequence objective sum_i |y_i| (-A_i s_i) / N: the same value and gradient, checked by autograd on
+    # s_i = exp(mean_t log-ratio) directly. A response whose ratio leaves the clip is clipped whole; a one-token
+    # response has the token-level ratio; a masked slot holding NaN reaches nothing
+    import ppo
+
+    nan = float("nan")
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False], [True, False, False, False]])
+    logp0 = torch.tensor([[-1.0, -2.0, -0.5, nan], [-0.3, -1.2, nan, nan], [-2.0, nan, nan, nan]])
+    old = torch.tensor([[-1.3, -1.8, -0.52, nan], [-0.31, -1.19, nan, nan], [-1.9, nan, nan, nan]])  # ratios
+    # exp(0.3, -0.2, 0.02): s_0 = exp(0.04); exp(0.01, -0.01): s_1 = 1; exp(-0.1): s_2
+    adv = torch.tensor([[1.5, 1.5, 1.5, nan], [-0.5, -0.5, nan, nan], [2.0, nan, nan, nan]])
+    mb = dict(response_mask=mask, old_logp=old, adv=adv, sampler_logp=old)
+    n = 6
+
+    def loss_of(level, clip=10.0):
+        logp = logp0.clone().requires_grad_()
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
+            logp=logp, entropy=torch.zeros(3, 4)))
+        loss, _, st = ppo.ppo_losses(None, None, mb, ppo.Config(clip_coef=clip, ratio_level=level), n_tokens=n,
+                                     world=1)
+        loss.backward()
+        return loss, logp.grad, st
+
+    loss, grad, st = loss_of("sequence")
+    lp = torch.where(mask, logp0, 0.0).requires_grad_()
+    s_i = ((lp - torch.where(mask, old, 0.0)).sum(1) / mask.sum(1)).exp()
+    want = (mask.sum(1) * -adv[:, 0] * s_i).sum() / n
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6) and torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, torch.where(mask, lp.grad, 0.0), rtol=1e-6, atol=1e-7)
+    assert st["ratio"].item() == pytest.approx((mask.sum(1) * s_i).sum().item(), rel=1e-6)  # s_i on each token
+    # the token level differs (the first row's tokens have other ratios), but not on the one-token response
+    t_loss, t_grad, _ = loss_of("token")
+    assert abs(t_loss.item() - loss.item()) > 1e-3 and torch.equal(t_grad[2], grad[2])
+    # clip 0.01: s_0 and s_2 leave [0.99, 1.01], s_1 stays in it
+    assert s_i[0] > 1.01 and abs(s_i[1] - 1) < 0.01 and s_i[2] < 0.99
+    _, c_grad, c_st = loss_of("sequence", clip=0.01)
+    assert torch.equal(c_grad[0], torch.zeros(4)) and c_st["clipfrac"].item() == 3  # A > 0 above 1.01: clipped whole
+    torch.testing.assert_close(c_grad[1], grad[1])  # inside: as before
+    assert c_grad[2, 0] != 0  # A > 0 below 0.99: the pessimistic (unclipped) term keeps its gradient
 
 
 def test_the_entropy_bonus_is_in_the_gradient(monkeypatch):
@@ -11929,6 +11975,7 @@ F32_MAX = float(torch.finfo(torch.float32).max)
      "--critic_warmup_steps set with --advantage_estimator=grpo, so it would do nothing"),
     (dict(critic_warmup_steps=20), 1, None),  # beyond total_steps: a run that trains the critic alone, to resume
     (dict(clip_coef=0.2, clip_coef_high=0.28), 1, None),
+    (dict(ratio_level="tokens"), 1, "--ratio_level must be one of ['token', 'sequence'], not 'tokens'"),
     # the critic's flags without a critic, and the flags only GAE reads (gae.estimator_unread)
     (dict(advantage_estimator="grpo", samples_per_prompt=2, critic_lr=1e-3), 1,
      "--critic_lr set with --advantage_estimator=grpo, so it would do nothing"),
