@@ -624,6 +624,11 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
+def kl_controller(kl_coef, target_kl=0.0, horizon=10000):
+    """The run's beta: adaptive towards target_kl when it is > 0 (AdaptiveKLController), else fixed at kl_coef."""
+    return AdaptiveKLController(kl_coef, target_kl, horizon) if target_kl > 0 else FixedKLController(kl_coef)
+
+
 # -----------------------------------------------------------------------------
 # self-check: fast GAE vs. brute force
 

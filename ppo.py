@@ -63,9 +63,8 @@ import plan
 from async_rollout import Rollouts
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
-from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 estimator_unread, final_score, is_settings_unread, is_weights, masked_mean, masked_sum,
-                 overlong_penalty, shape_rewards)
+from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, estimator_unread, final_score, is_settings_unread,
+                 is_weights, kl_controller, masked_mean, masked_sum, overlong_penalty, shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
@@ -109,6 +108,7 @@ class Config:
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
+    mask_truncated: bool = False  # leave responses that never reached EOS out of the losses (DAPO's overlong filter)
     overlong_buffer: int = 0  # DAPO's overlong penalty: the score falls linearly over the last N of max_new_tokens
     overlong_penalty: float = 1.0  # with overlong_buffer: how far it falls, at max_new_tokens (gae.overlong_penalty)
     reward_workers: int = 1  # threads calling the reward function (a verifier or judge that waits); 1: in series
@@ -346,8 +346,9 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
     summed over micro-batches and ranks this is the token mean over the minibatch. Rollout tensors are cleaned outside
     the mask first, so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term
     carries its importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still
-    counts in n_tokens. train_actor False (--critic_warmup_steps): the actor's forward has no gradient."""
-    mask = mb["response_mask"]
+    counts in n_tokens, as does a response that never ended with --mask_truncated, whose tokens every term leaves out.
+    train_actor False (--critic_warmup_steps): the actor's forward has no gradient."""
+    mask = mb["response_mask"] & mb["ended"][:, None] if cfg.mask_truncated else mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
     with torch.set_grad_enabled(train_actor and torch.is_grad_enabled()):
         pol = policy_forward(actor, mb, cfg.temperature, ref=ref if cfg.kl_loss_coef > 0 else None)
@@ -470,8 +471,7 @@ def main(cfg: Config, reward_fn=None):
     reward = RewardCaller(reward_fn, cfg.reward_workers, cfg.reward_timeout, cfg.reward_on_error) if reward_fn else None
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
-    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl > 0
-              else FixedKLController(cfg.kl_coef))
+    kl_ctl = kl_controller(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)  # fixed, or adaptive with --target_kl
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
@@ -499,7 +499,7 @@ def main(cfg: Config, reward_fn=None):
             texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
                      for b in range(mask.size(0))]
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
-                         response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs)
+                         response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs, ended=ro.ended)
             t1 = phase_end(device, peaks, "rollout")
 
             # ---- 2. score (no grad), through the training forward's code path

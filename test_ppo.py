@@ -7868,7 +7868,7 @@ def test_overlong_penalty_clip_higher_and_gspo_in_a_run(tiny_run, tmp_path):
     # the flags reach the step: with a buffer as long as a response can be (6 tokens), each response of l tokens
     # loses 0.5 x l / 6 of its score, so the step's mean score used is its mean score less 0.5 x the mean length / 6
     _, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, overlong_buffer=6, overlong_penalty=0.5,
-                      clip_coef_high=0.28, ratio_level="sequence")
+                      clip_coef_high=0.28, ratio_level="sequence", mask_truncated=True)
     assert all(math.isfinite(m["policy/clipfrac_avg"]) and math.isfinite(m["loss/policy_avg"]) for m in rows)
     for m in rows:
         want = m["objective/scores"] - 0.5 * m["val/response_length"] / 6
@@ -8545,6 +8545,43 @@ def test_sequence_level_ratio_is_gspo(monkeypatch):
     assert torch.equal(c_grad[0], torch.zeros(4)) and c_st["clipfrac"].item() == 3  # A > 0 above 1.01: clipped whole
     torch.testing.assert_close(c_grad[1], grad[1])  # inside: as before
     assert c_grad[2, 0] != 0  # A > 0 below 0.99: the pessimistic (unclipped) term keeps its gradient
+
+
+def test_mask_truncated_leaves_a_cut_response_out_of_every_loss(monkeypatch):
+    # --mask_truncated (DAPO's overlong filtering): the tokens of a response that never ended count in n_tokens but in
+    # no loss term (policy, entropy, value) and get no gradient, even holding NaN in its advantages and returns; the
+    # ended responses' losses and gradients are those of a batch where the cut one has no response at all
+    import ppo
+
+    nan = float("nan")
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, True, True]])
+    ended = torch.tensor([True, False, True])  # the second row was cut (its last slot is padding)
+    logp0 = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0], [-2.0, -0.1, -0.7]])
+    vpred0 = torch.tensor([[0.5, -1.0, 0.0], [2.0, 1.0, 0.0], [0.3, 0.2, 0.1]])
+    entropy = torch.tensor([[1.0, 2.0, 0.5], [1.0, 3.0, 0.0], [0.2, 0.4, 0.6]])
+    mb = dict(response_mask=mask, ended=ended, old_logp=logp0 - 0.1, sampler_logp=logp0 - 0.1,
+              adv=torch.tensor([[1.0, -1.0, 0.5], [nan, nan, 0.0], [2.0, 0.3, -0.4]]),
+              old_values=torch.zeros(3, 3), ret=torch.tensor([[1.0, 0.0, -1.0], [nan, nan, 0.0], [0.5, 0.5, 0.5]]))
+
+    def losses(mb, **kw):
+        logp, vpred = logp0.clone().requires_grad_(), vpred0.clone().requires_grad_()
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(logp=logp,
+                                                                                                 entropy=entropy))
+        monkeypatch.setattr(ppo, "value_forward", lambda critic, mb: vpred)
+        a, c, st = ppo.ppo_losses(None, torch.nn.Identity(), mb, ppo.Config(entropy_coef=0.1, **kw), n_tokens=8,
+                                  world=1)
+        (a + c).backward()
+        return a, c, st, logp.grad, vpred.grad
+
+    a, c, st, g_logp, g_v = losses(mb, mask_truncated=True)
+    cut = dict(mb, response_mask=mask & ended[:, None], adv=torch.nan_to_num(mb["adv"]), ret=torch.nan_to_num(mb["ret"]))
+    a0, c0, st0, g_logp0, g_v0 = losses(cut)
+    assert torch.isfinite(a) and torch.isfinite(c) and a.item() == a0.item() and c.item() == c0.item()
+    assert all(torch.equal(st[k], st0[k]) for k in st0)
+    assert torch.equal(g_logp, g_logp0) and torch.equal(g_v, g_v0) and not g_logp[1].any() and not g_v[1].any()
+    assert g_logp[0].any() and g_v[2].any()
+    a1, _, _, g1, _ = losses(dict(mb, adv=torch.nan_to_num(mb["adv"], nan=1.0), ret=torch.nan_to_num(mb["ret"])))  # off
+    assert g1[1, :2].any() and a1.item() != a.item()
 
 
 def test_the_entropy_bonus_is_in_the_gradient(monkeypatch):
