@@ -130,8 +130,8 @@ class Config:
     rollout_micro_batch_size: int = 32  # rows (samples) generated at once on a rank (capped at its share): the KV cache
     async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
     clip_coef: float = 0.2  # policy ratio clip epsilon
-    ratio_level: str = "token"  # token | sequence: each token's ratio is its response's geometric mean ratio (GSPO)
     clip_coef_high: float = 0.0  # the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28); 0: clip_coef's
+    ratio_level: str = "token"  # token | sequence: each token's ratio is its response's geometric mean ratio (GSPO)
     dual_clip: float = 0.0  # dual clip constant c > 1 (Ye et al. 2020); 0 disables
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
