@@ -1,5 +1,7 @@
 """
-The rollout stage of the PPO loop: which weights draw a step's batch, and when. ppo.main calls Rollouts.take(step).
+The rollout stage of the PPO loop: which weights draw a step's batch, and when, and which prompts make it
+(--dynamic_sampling, Rollouts._take_dynamic: DAPO's rounds of prompts until the batch holds groups whose scores
+differ). ppo.main calls Rollouts.take(step).
 
 Synchronous (the default): step k's batch is drawn at the start of step k from the actor's weights theta_k, copied
 into the generation copy (model.copy_weights_from: every rank gathers the sharded actor); the sampler is pi_old, up
@@ -58,9 +60,25 @@ import torch.distributed as dist
 
 from data import left_pad
 from rollout import Rollout, row_seeds
-from runtime import progress
+from runtime import need, progress
 
 CPU_WORKER_THREADS = 1  # intra-op threads of the generation thread on a CPU (see the module docstring)
+
+
+def check_rollout_flags(cfg, device):
+    """A UsageError (ppo.derive, before anything loads) for what these rollouts cannot do with cfg on device."""
+    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with "
+         "--async_rollout on a GPU: the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout "
+         "draws from")
+    if cfg.dynamic_sampling:
+        why = "compares the scores of a prompt's samples, from the reward function, as it draws a step's batch"
+        need(cfg.samples_per_prompt >= 2, f"--dynamic_sampling {why}: it needs --samples_per_prompt >= 2")
+        need(not cfg.reward_model, f"--dynamic_sampling {why}: a --reward_model scores the batch later, once drawn")
+        need(not cfg.async_rollout, f"--dynamic_sampling {why}: --async_rollout draws the batch on a worker thread, "
+             "which runs no collective (the rounds gather every rank's verdicts); use one of the two")
+        rows = cfg.dynamic_sampling * cfg.rollout_batch_size * cfg.samples_per_prompt
+        need(rows < 1_000_033, f"--dynamic_sampling={cfg.dynamic_sampling}: its rounds would draw {rows:,} rows a "
+             "step, past the 1,000,033 rows whose noise keys a step (rollout.row_seeds); fewer rounds")
 
 
 def rollout_rows(ro, rows):
@@ -112,10 +130,11 @@ class Rollouts:
     m: the run's models (m["gen"] generates, m["actor"] fills it); generate: rollout.generate, passed in so that a
     caller may swap it (bench.py does)."""
 
-    def __init__(self, m, prompts, sampler, cfg, run, stop_ids, pad_id, generate):
+    def __init__(self, m, prompts, sampler, cfg, run, stop_ids, pad_id, generate, reward=None, tokenizer=None):
         self.m, self.prompts, self.sampler, self.cfg, self.run = m, prompts, sampler, cfg, run
         self.stop_ids, self.pad_id, self.generate = stop_ids, pad_id, generate
-        self.next, self.pool, self.stream, self.metrics = None, None, None, {}
+        self.reward, self.tokenizer = reward, tokenizer  # (--dynamic_sampling scores the batches it draws)
+        self.next, self.pool, self.stream, self.metrics, self.scored = None, None, None, {}, None
 
     def _start(self):
         """The worker thread (and its CUDA stream), at the first job: a run that fails before it starts none."""
@@ -145,11 +164,13 @@ class Rollouts:
         else:
             torch.set_num_threads(min(CPU_WORKER_THREADS, torch.get_num_threads()))
 
-    def _draw(self, step):
-        """This rank's rows of `step`: prompt indices (a prompt's samples side by side) and their noise seeds."""
+    def _draw(self, step, round=0):
+        """This rank's rows of `step`: prompt indices (a prompt's samples side by side) and their noise seeds. Round j
+        of --dynamic_sampling keys its rows as global rows j x (global rows a step) + g, the first round as a step."""
         rows = [i for i in self.sampler.next_batch() for _ in range(self.cfg.samples_per_prompt)]
         L, r = self.run.local_rows, self.run.rank
-        return rows, row_seeds(self.cfg.seed, step, range(r * L, (r + 1) * L))
+        first = round * L * self.run.world
+        return rows, row_seeds(self.cfg.seed, step, range(first + r * L, first + (r + 1) * L))
 
     def _generate(self, rows, seeds, step):
         cfg, run = self.cfg, self.run
@@ -210,9 +231,11 @@ class Rollouts:
     def take(self, step):
         """-> (rows, Rollout): this rank's prompt indices, one per row, and the batch of `step`. Synchronous: drawn
         now from the actor's weights. Async: drawn during the previous step; the generation copy is then refilled
-        from the actor and the next step's batch launched. Sets self.metrics (async only)."""
+        from the actor and the next step's batch launched. Sets self.metrics (async, --dynamic_sampling)."""
         gen, actor = self.m["gen"], self.m["actor"]
         if not self.cfg.async_rollout:
+            if self.cfg.dynamic_sampling:
+                return self._take_dynamic(step)
             rows, seeds = self._draw(step)
             gen.copy_weights_from(actor)  # gathers the sharded actor
             return rows, self._generate(rows, seeds, step)
@@ -226,6 +249,53 @@ class Rollouts:
         hidden = max(0.0, min(job["end"], job["waited"]) - job["start"]) if "start" in job else 0.0
         self.metrics = {"val/policy_lag": job["lag"], "time/rollout_overlap": hidden}
         return job["rows"], job["ro"]
+
+    def _take_dynamic(self, step):
+        """--dynamic_sampling=K (DAPO's dynamic sampling): draws prompt batches, generates and scores them with the
+        reward function, until rollout_batch_size of the groups drawn have scores that differ (a group of equal
+        scores has no group advantage: it trains on nothing but the KL), or K batches were drawn. The step's batch
+        is the first rollout_batch_size such groups in the order drawn (round, then global row); after K rounds the
+        groups of equal scores complete it, in that order too (val/dynamic_filled). Every rank draws each round's
+        share as a plain step does (round j's keys: _draw) and all ranks decide alike on the gathered verdicts, so
+        the batch is the same on any number of ranks; its rows move to the ranks that train on them (global row
+        order, as a plain step's). When the first round's groups all differ, the batch is that round's, as is.
+        Sets self.scored: (the reward function's scores of this rank's rows, the failed calls of all its rounds)."""
+        cfg, run, n, need = self.cfg, self.run, self.cfg.samples_per_prompt, self.cfg.rollout_batch_size
+        mine, differ, equal, errors = {}, [], [], 0  # this rank's groups' rows; global groups (round, g) by verdict
+        self.m["gen"].copy_weights_from(self.m["actor"])
+        for j in range(cfg.dynamic_sampling):
+            rows, seeds = self._draw(step, j)
+            ro = self._generate(rows, seeds, step)
+            scores, failed = self.reward([self.prompts.records[i] for i in rows], ro.texts(self.tokenizer))
+            errors += failed
+            records = rollout_rows(ro, rows)
+            for rec, score, extras, pred in zip(records, scores, self.reward.extras, self.reward.preds):
+                rec.update(score=score, extras=extras, pred=pred)
+            groups = [records[q : q + n] for q in range(0, len(records), n)]
+            mine.update({(j, run.rank * run.local_rollout + q): group for q, group in enumerate(groups)})
+            verdicts = [None] * run.world  # every rank's: do a group's scores differ?
+            dist.all_gather_object(verdicts, [max(r["score"] for r in g) > min(r["score"] for r in g) for g in groups])
+            for g, varies in enumerate(v for part in verdicts for v in part):
+                (differ if varies else equal).append((j, g))
+            if j == 0:
+                as_drawn = rows, ro
+            if len(differ) >= need:
+                break
+        chosen = (differ + equal)[:need]
+        self.metrics = {"val/dynamic_rounds": j + 1, "val/dynamic_varied": len(differ) / ((j + 1) * need),
+                        "val/dynamic_filled": max(0, need - len(differ))}
+        share = chosen[run.rank * run.local_rollout : (run.rank + 1) * run.local_rollout]
+        if chosen == [(0, g) for g in range(need)]:  # the first round's groups all differ: its batch, as drawn
+            (rows, ro), records = as_drawn, [r for g in share for r in mine[g]]
+        else:
+            everyone = [None] * run.world  # the chosen groups each rank drew, to the ranks that train on them
+            dist.all_gather_object(everyone, {g: mine[g] for g in chosen if g in mine})
+            drawn = {g: group for part in everyone for g, group in part.items()}
+            records = [r for g in share for r in drawn[g]]
+            rows, ro = rollout_from_rows(records, self.pad_id, run.device)
+        self.reward.extras, self.reward.preds = [r["extras"] for r in records], [r["pred"] for r in records]
+        self.scored = [r["score"] for r in records], errors
+        return rows, ro
 
     def generate_beside(self, *args, **kwargs):
         """self.generate(*args, **kwargs) where the rollouts are generated: on CUDA with --async_rollout, on the

@@ -122,8 +122,7 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
                   micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
                   progress=progress(f"eval {step} rollout"))
     mask = ro.response_mask  # (k, R)
-    texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
-             for b in range(n_real)]
+    texts = ro.texts(tokenizer, n_real)
     batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids, response_mask=mask,
                  P=ro.prompt_len)
     sc = score_batch(m["actor"], m["ref"], None, m["reward_model"], batch, cfg, run, progress(f"eval {step} score"))

@@ -13,7 +13,8 @@ off, and a critic from the reward model is the reward model plus adapters (lora.
 
 Each step:
     1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
-                 actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py)
+                 actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py;
+                 --dynamic_sampling: more prompts until the groups' scores differ, scored by the reward function)
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, dr_grpo, rloo, reinforce_pp (gae.py)
@@ -60,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 import plan
-from async_rollout import Rollouts
+from async_rollout import Rollouts, check_rollout_flags
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, estimator_unread, final_score, is_settings_unread,
@@ -129,6 +130,7 @@ class Config:
     inference_micro_batch_size: int = 8  # sequences per no-grad scoring forward on one rank (capped at its share)
     rollout_micro_batch_size: int = 32  # rows (samples) generated at once on a rank (capped at its share): the KV cache
     async_rollout: bool = False  # generate step k+1's batch during step k's scoring and training, from step k's weights
+    dynamic_sampling: int = 0  # DAPO: draw up to N prompt batches a step for groups whose scores differ; 0: off
     clip_coef: float = 0.2  # policy ratio clip epsilon
     clip_coef_high: float = 0.0  # the ratio's upper clip, 1 + this (DAPO's clip-higher: 0.28); 0: clip_coef's
     ratio_level: str = "token"  # token | sequence: each token's ratio is its response's geometric mean ratio (GSPO)
@@ -206,7 +208,7 @@ LIMITS = {
     ">= 0": ("lr", "critic_lr", "weight_decay", "warmup_steps", "kl_coef", "target_kl", "kl_loss_coef", "ptx_coef",
              "score_clip", "loss_clip_val", "clip_coef_high", "sample_every", "save_every", "dry_run", "reward_timeout",
              "eval_every", "eval_temperature", "lora_rank", "total_steps", "overlong_buffer", "overlong_penalty",
-             "critic_warmup_steps"),
+             "critic_warmup_steps", "dynamic_sampling"),
     "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
@@ -277,8 +279,7 @@ def derive(cfg, rank, W, device):
          f"--resume={cfg.resume}: {'not a' if os.path.exists(cfg.resume) else 'no such'} folder (expected a checkpoint "
          "folder, or auto)")
     cuda = device.type == "cuda"
-    need(not (cfg.async_rollout and cfg.lora_dropout > 0 and cuda), "--lora_dropout with --async_rollout on a GPU: "
-         "the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout draws from")
+    check_rollout_flags(cfg, device)  # --async_rollout's and --dynamic_sampling's
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if cuda or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and cuda
     local_rollout = cfg.rollout_batch_size // W
@@ -472,7 +473,7 @@ def main(cfg: Config, reward_fn=None):
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = kl_controller(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)  # fixed, or adaptive with --target_kl
-    rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate)  # now, or one step ahead
+    rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate, reward, tokenizer)  # or one ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
                     sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
@@ -496,8 +497,7 @@ def main(cfg: Config, reward_fn=None):
             # ---- 1. rollout: sample from the actor's weights with a KV cache; noise keyed by (seed, step, row)
             rows, ro = rollouts.take(step)  # --async_rollout: drawn during the previous step, from its weights
             mask = ro.response_mask  # (B, R) bool
-            texts = [tokenizer.decode(ro.tokens[b, ro.prompt_len :][mask[b]].tolist(), skip_special_tokens=True)
-                     for b in range(mask.size(0))]
+            texts = ro.texts(tokenizer)
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
                          response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs, ended=ro.ended)
             t1 = phase_end(device, peaks, "rollout")
@@ -505,8 +505,8 @@ def main(cfg: Config, reward_fn=None):
             # ---- 2. score (no grad), through the training forward's code path
             sc = score_batch(m["actor"], m["ref"], m.get("critic"), m["reward_model"], batch, cfg, run,
                              progress(f"step {step} score"))
-            if reward is not None:  # in series or in threads, failed calls scored reward_on_error (reward.py)
-                scores, reward_errors = reward([prompts.records[i] for i in rows], texts)
+            if reward is not None:  # in series or in threads, failed calls scored reward_on_error; --dynamic_sampling:
+                scores, reward_errors = rollouts.scored or reward([prompts.records[i] for i in rows], texts)  # at once
                 sc["score"] = torch.tensor(scores, device=device)
             if not torch.isfinite(sc["score"]).all():
                 raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: "

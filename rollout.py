@@ -153,6 +153,11 @@ class Rollout:
     def position_ids(self):
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+R), as during sampling
 
+    def texts(self, tokenizer, rows=None):
+        """The responses of the first `rows` rows (all: None) as text, special tokens (the EOS) skipped."""
+        return [tokenizer.decode(self.responses[b][self.response_mask[b]].tolist(), skip_special_tokens=True)
+                for b in range(self.tokens.size(0) if rows is None else rows)]
+
 
 # -----------------------------------------------------------------------------
 # small helpers

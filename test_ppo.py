@@ -9330,6 +9330,157 @@ def test_pending_batch_moves_to_another_rank_count(monkeypatch):
             assert a.dtype == b.dtype and torch.equal(a, b), (rank, f)
 
 
+# -- DAPO's dynamic sampling --------------------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_scores_differ_in_the_order_drawn(monkeypatch):
+    # Rollouts._take_dynamic on a hand-made draw: 4 prompts a round, 2 samples each; prompts in EQUAL score alike.
+    # Round 0 (prompts 0-3) varies in group 1, round 1 (4-7) in group 0, round 2 (8-11) in groups 0, 2, 3: with 3
+    # rounds the first 4 varying groups are the batch, in the order drawn; with 2 rounds the equal groups of round 0
+    # fill it after the varying ones. Each row keeps its round's keys (global row j x 8 + g), its prompt, response,
+    # logprobs, score and extras; 2 ranks draw the same rounds and train on 1 rank's batch, split in global order.
+    # A first round that varies everywhere is returned as drawn. Prompt 6's calls fail (scored 1.0): counted.
+    import threading
+
+    import async_rollout as AR
+    from reward import RewardCaller
+
+    EQUAL, n, K, drawn = {0, 2, 3, 5, 6, 7, 9}, 2, 4, []
+    prompt_ids = {i: [100 + i] * (1 + i % 2) for i in range(12)}  # ragged prompts, no token equal to the pad id 0
+    records = [{"i": i} for i in range(12)]
+
+    def response(seed):  # ragged: 1 or 2 tokens, the first from the row's key
+        return [seed % 100_003 + 1] * (1 + seed % 2)
+
+    def fake_generate(model, ids, max_new, seeds, pad_token_id, **kw):
+        model.calls += 1
+        Pw, Rw = max(map(len, ids)), max(len(response(s)) for s in seeds.tolist())
+        tokens, pm = torch.zeros(len(ids), Pw + Rw, dtype=torch.long), torch.zeros(len(ids), Pw, dtype=torch.bool)
+        rm, lp = torch.zeros(len(ids), Rw, dtype=torch.bool), torch.zeros(len(ids), Rw)
+        for b, (p, s) in enumerate(zip(ids, seeds.tolist())):
+            r = response(s)
+            tokens[b, Pw - len(p) : Pw], pm[b, Pw - len(p) :] = torch.tensor(p), True
+            tokens[b, Pw : Pw + len(r)], rm[b, : len(r)], lp[b, : len(r)] = torch.tensor(r), True, -s % 7 / 10
+        drawn.append(R.Rollout(tokens=tokens, prompt_len=Pw, prompt_mask=pm, response_mask=rm, logprobs=lp,
+                               ended=torch.tensor([s % 3 == 0 for s in seeds.tolist()]), seeds=seeds))
+        return drawn[-1]
+
+    def reward_fn(record, response):
+        if record["i"] == 6:
+            raise RuntimeError("verifier down")
+        score = 1.0 if record["i"] in EQUAL else float(response.split()[0])
+        return {"score": score, "pred": str(record["i"]), "mine": float(record["i"])}
+
+    tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    ranks, slots, barrier = threading.local(), {}, threading.Barrier(2)
+
+    def gather(out, mine):  # all_gather_object between the ranks' threads
+        if len(out) == 1:
+            out[0] = mine
+            return
+        slots[ranks.rank] = mine
+        barrier.wait()
+        out[:] = [slots[r] for r in range(len(out))]
+        barrier.wait()
+
+    monkeypatch.setattr(AR.dist, "all_gather_object", gather)
+
+    def take(rank, world, rounds, batches, step=5):
+        ranks.rank = rank
+        L = 4 // world  # this rank's prompts a round
+        it = iter([b[rank * L : (rank + 1) * L] for b in batches])
+        run = types.SimpleNamespace(device=torch.device("cpu"), rank=rank, world=world, local_rollout=L,
+                                    local_rows=L * n, rollout_micro=8)
+        cfg = types.SimpleNamespace(async_rollout=False, dynamic_sampling=rounds, samples_per_prompt=n, seed=3,
+                                    rollout_batch_size=4, max_new_tokens=2, temperature=1.0, max_prompt_len=4)
+        gen = types.SimpleNamespace(calls=0, copied=0)
+        gen.copy_weights_from = lambda actor: setattr(gen, "copied", gen.copied + 1)
+        reward = RewardCaller(reward_fn, on_error=1.0)
+        rollouts = AR.Rollouts({"gen": gen, "actor": None}, types.SimpleNamespace(ids=prompt_ids, records=records),
+                               types.SimpleNamespace(next_batch=lambda: next(it)), cfg, run, [9], 0, fake_generate,
+                               reward, tokenizer)
+        rows, ro = rollouts.take(step)
+        assert gen.copied == 1 and gen.calls == rollouts.metrics["val/dynamic_rounds"]
+        return rows, ro, rollouts, reward
+
+    def check(rows, ro, rollouts, reward, prompts, keys, step=5):
+        assert rows == [i for i in prompts for _ in range(n)]
+        seeds = R.row_seeds(3, step, keys).tolist()
+        assert ro.seeds.tolist() == seeds
+        for b, (i, s) in enumerate(zip(rows, seeds)):  # each row whole, from its own round
+            assert ro.tokens[b, : ro.prompt_len][ro.prompt_mask[b]].tolist() == prompt_ids[i]
+            assert ro.responses[b][ro.response_mask[b]].tolist() == response(s)
+            assert ro.logprobs[b][ro.response_mask[b]].tolist() == pytest.approx([-s % 7 / 10] * len(response(s)))
+            assert bool(ro.ended[b]) == (s % 3 == 0)
+        scores = [1.0 if i in EQUAL else float(response(s)[0]) for i, s in zip(rows, seeds)]
+        assert rollouts.scored[0] == scores
+        assert reward.extras == [{"mine": float(i)} for i in rows] and reward.preds == [str(i) for i in rows]
+
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]
+    rows, ro, rollouts, reward = take(0, 1, K, batches)
+    check(rows, ro, rollouts, reward, [1, 4, 8, 10], [2, 3, 8, 9, 16, 17, 20, 21])
+    assert rollouts.scored[1] == 2  # prompt 6's two calls, in round 1
+    assert rollouts.metrics == {"val/dynamic_rounds": 3, "val/dynamic_varied": 5 / 12, "val/dynamic_filled": 0}
+    rows, ro, rollouts, reward = take(0, 1, 2, batches)  # 2 rounds: 2 varying groups, then round 0's equal ones
+    check(rows, ro, rollouts, reward, [1, 4, 0, 2], [2, 3, 8, 9, 0, 1, 4, 5])
+    assert rollouts.metrics == {"val/dynamic_rounds": 2, "val/dynamic_varied": 2 / 8, "val/dynamic_filled": 2}
+
+    for rounds, prompts, keys in ((K, [1, 4, 8, 10], [2, 3, 8, 9, 16, 17, 20, 21]),
+                                  (2, [1, 4, 0, 2], [2, 3, 8, 9, 0, 1, 4, 5])):
+        both = concurrently(lambda: take(0, 2, rounds, batches), lambda: take(1, 2, rounds, batches))
+        for rank, (rows, ro, rollouts, reward) in enumerate(both):
+            check(rows, ro, rollouts, reward, prompts[2 * rank : 2 * rank + 2], keys[4 * rank : 4 * rank + 4])
+
+    drawn.clear()  # a first round whose groups all differ: the batch as generate returned it, one round
+    rows, ro, rollouts, reward = take(0, 1, K, [[1, 4, 8, 10]])
+    assert ro is drawn[0] and len(drawn) == 1 and rows == [1, 1, 4, 4, 8, 8, 10, 10]
+    assert rollouts.metrics == {"val/dynamic_rounds": 1, "val/dynamic_varied": 1.0, "val/dynamic_filled": 0}
+
+
+DYNAMIC_REWARDS = """
+import zlib
+
+
+def varied(record, response):  # a prompt's samples score apart (unless two responses are the same text)
+    return zlib.crc32(response.encode()) % 1000 / 1000
+
+
+def mixed(record, response):  # and the samples of "describe my day", "review the meal", "write to my friend" alike
+    return 0.5 if len(record["prompt"]) % 3 == 0 else varied(record, response)
+"""
+
+
+@slow
+def test_dynamic_sampling_in_a_run_resumes_exactly_and_is_rank_invariant(tiny_run, tmp_path):
+    # with 3 of the 12 prompts scoring alike, steps draw a second round; a run stopped after step 2 and resumed
+    # repeats the uninterrupted one (the sampler's state holds the rounds drawn), 2 ranks repeat 1 to float rounding
+    # (the verdicts gathered, the chosen rows moved between ranks); and where every group varies in the first round
+    # (the `varied` score), a run is the plain run, metric for metric and weight for weight
+    (tmp_path / "rewards.py").write_text(DYNAMIC_REWARDS)
+    kw = dict(samples_per_prompt=2, advantage_estimator="grpo", dynamic_sampling=3, save_every=2, **NO_CRITIC,
+              reward_fn=f"{tmp_path / 'rewards.py'}:mixed")
+    (_, full), (_, part), (_, two) = concurrently(
+        lambda: run_ppo(tiny_run, tmp_path / "full", total_steps=4, **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw),
+        lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=4, nproc=2, **kw))
+    rounds = [r["val/dynamic_rounds"] for r in full]
+    assert max(rounds) > 1 and all(r["val/dynamic_filled"] == 0 for r in full), rounds
+    assert all(0 < r["val/dynamic_varied"] < 1 for r in full)
+    assert [r["epoch"] for r in full] != [r["step"] * 8 / 24 for r in full]  # the rounds' prompts were drawn
+    _, resumed = run_ppo(tiny_run, tmp_path / "part", total_steps=4, resume="auto", **kw)
+    assert_same_run(tmp_path / "full", full, tmp_path / "part", resumed)
+    assert_close_runs(full, two, tmp_path / "full", tmp_path / "two")
+
+    varied = dict(kw, reward_fn=f"{tmp_path / 'rewards.py'}:varied")
+    plain = dict(varied, dynamic_sampling=0)
+    (_, dyn), (_, ref) = concurrently(lambda: run_ppo(tiny_run, tmp_path / "dyn", total_steps=3, **varied),
+                                      lambda: run_ppo(tiny_run, tmp_path / "plain", total_steps=3, **plain))
+    assert [r["val/dynamic_rounds"] for r in dyn] == [1, 1, 1]
+    dropped = ("val/dynamic_rounds", "val/dynamic_varied", "val/dynamic_filled")
+    assert_same_run(tmp_path / "dyn", [{k: v for k, v in r.items() if k not in dropped} for r in dyn],
+                    tmp_path / "plain", ref)
+
+
 @needs_cuda
 def test_cuda_async_rollout_overlaps_and_resumes(tiny_run, tmp_path):
     # one GPU, bf16, compiled decode (CUDA graphs) on the worker's own stream: the first step is the synchronous
@@ -12022,6 +12173,17 @@ F32_MAX = float(torch.finfo(torch.float32).max)
      "--whiten_advantages set with --advantage_estimator=reinforce_pp, so it would do nothing"),
     (dict(advantage_estimator="reinforce_pp", gamma=0.9), 1, None),  # every built-in estimator discounts by gamma
     (dict(critic_lr=1e-3, loss_clip_val=0.0, lam=0.9, whiten_advantages=False), 1, None),  # gae reads them all
+    # --dynamic_sampling compares a group's reward-function scores as it draws (async_rollout.check_rollout_flags)
+    (dict(dynamic_sampling=3), 1, "--dynamic_sampling compares the scores of a prompt's samples, from the reward "
+                                  "function, as it draws a step's batch: it needs --samples_per_prompt >= 2"),
+    (dict(dynamic_sampling=3, samples_per_prompt=2, reward_model="rm"), 1, "a --reward_model scores the batch later"),
+    (dict(dynamic_sampling=3, samples_per_prompt=2, async_rollout=True), 1, "--async_rollout draws the batch on a "
+                                                                             "worker thread"),
+    (dict(dynamic_sampling=-1, samples_per_prompt=2), 1, "--dynamic_sampling must be >= 0, not -1"),
+    (dict(dynamic_sampling=30, rollout_batch_size=4096, samples_per_prompt=8), 1, None),  # 983,040 rows: distinct keys
+    (dict(dynamic_sampling=31, rollout_batch_size=4096, samples_per_prompt=8), 1,
+     "--dynamic_sampling=31: its rounds would draw 1,015,808 rows a step, past the 1,000,033"),
+    (dict(dynamic_sampling=1, samples_per_prompt=2, advantage_estimator="grpo", critic_lr=2.5e-4), 1, None),
 ])
 def test_derive_checks_each_flag_at_its_boundary(kw, world, match):
     import ppo
