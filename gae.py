@@ -51,6 +51,12 @@ and a detached weight w_t multiplies the token's policy-gradient term, one funct
 Where w is 0 the token still counts in the loss's denominator (ppo.py: a token mean over all of the
 minibatch's response tokens): see is_weights.
 
+Loss aggregation (--loss_agg, LOSS_AGGREGATIONS), the actor's terms x_bt over a minibatch of N rows on all ranks:
+    token_mean                 sum_bt x_bt / (response tokens)                 the default (DAPO)
+    seq_mean_token_mean        sum_b (sum_t x_bt / len_b) / N                  GRPO's
+    seq_mean_token_sum_norm    sum_bt x_bt / (N x max_new_tokens)              Dr. GRPO's
+  The value loss stays a token mean.
+
 Adaptive KL (Ziegler et al. 2019, section 2.2):
     beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)
 
@@ -315,6 +321,41 @@ def is_weights(old_logp, sampler_logp, mask, cfg):
                              (tuple(mask.shape),) * 2, "(w, cut), a weight and a bool a token, (B, T) each as the mask")
     cut = _check_mask(cut, mask.shape, f"the cut of importance-weight mode {mode!r}")  # a float 0/1 mask too
     return torch.where(mask, w, 0.0), cut & mask
+
+
+# -----------------------------------------------------------------------------
+# how the actor's per-token loss terms aggregate over a minibatch: one function per mode, chosen by --loss_agg
+# Each takes the response lengths (B,) of a micro-batch's rows (EOS included) and the Config, and returns each row's
+# weight on the sum of its tokens' terms, (B, 1) float32; the token mean has no function (None): ppo_losses computes
+# it as it always has (the sum over the micro-batch divided by the minibatch's response tokens on all ranks). A row's
+# weight needs nothing but its own length and the minibatch's row count (cfg.mini_batch_size, over all ranks), so
+# every mode, like the token mean, gives the same loss and gradient however a minibatch is split into micro-batches
+# or across ranks. A response whose terms are left out (--mask_truncated, seq_mask) still counts as a row.
+
+
+def _seq_mean_token_mean(lengths, cfg):  # GRPO's: each response's token mean, averaged over the responses
+    return (1.0 / (lengths.clamp(min=1).float() * cfg.mini_batch_size))[:, None]
+
+
+def _seq_mean_token_sum_norm(lengths, cfg):  # Dr. GRPO's: the token sum over a constant, rows x max_new_tokens
+    return torch.full((lengths.numel(), 1), 1.0 / (cfg.max_new_tokens * cfg.mini_batch_size), device=lengths.device)
+
+
+LOSS_AGGREGATIONS = {
+    "token_mean": None,  # every token alike (DAPO; verl's token-mean): the default
+    "seq_mean_token_mean": _seq_mean_token_mean,  # a long response's tokens count less (verl's seq-mean-token-mean)
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,  # (verl's seq-mean-token-sum-norm)
+}
+
+
+def loss_weights(lengths, cfg):
+    """(B, 1) weights of the rows on their tokens' sums in the actor loss, LOSS_AGGREGATIONS[cfg.loss_agg] of their
+    response lengths (B,), checked as they return; None for the token mean."""
+    if cfg.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {cfg.loss_agg!r}, expected one of {list(LOSS_AGGREGATIONS)}")
+    fn = LOSS_AGGREGATIONS[cfg.loss_agg]
+    return None if fn is None else _check_returned(f"loss aggregation {cfg.loss_agg!r}", fn(lengths, cfg),
+                                                   (lengths.numel(), 1), "each row's weight, (B, 1)")
 
 
 # -----------------------------------------------------------------------------

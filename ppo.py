@@ -28,6 +28,7 @@ Each step:
 Loss aggregation: every per-token term is summed over the minibatch's response tokens and divided by their
 number across ALL ranks (a token mean over the minibatch), so the loss and its gradient do not change when a
 minibatch is split into micro-batches or across ranks; the SFT (ptx) term likewise over its own batch.
+--loss_agg weighs the actor's terms by response instead (GRPO's, Dr. GRPO's: gae.LOSS_AGGREGATIONS), as invariant.
 Micro-batches hold rows of similar length, cropped to them (data.micro_batches). logprob, entropy and KL come
 from the fused kernels in kernels/: the (tokens, vocab) logits are never materialised. The same temperature
 divides the logits in sampling and in every logprob of the PPO terms (the SFT term's NLL: temperature 1).
@@ -56,23 +57,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import checkpoint
 import plan
 from async_rollout import Rollouts, check_rollout_flags
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
-from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, estimator_unread, final_score, is_settings_unread,
-                 is_weights, kl_controller, masked_mean, masked_sum, overlong_penalty, shape_rewards)
+from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, estimator_unread,
+                 final_score, is_settings_unread, is_weights, kl_controller, loss_weights, masked_mean, masked_sum,
+                 overlong_penalty, shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, is_file_spec, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, hold_to_types, keep_freed_memory, need, phase_end,
-                     print0, progress, run_command, setup_distributed)
+from runtime import (Logger, StopSignal, all_sum, doc_from_comments, grad_norm, hold_to_types, keep_freed_memory, need,
+                     phase_end, print0, progress, run_command, setup_distributed)
 
 
 @doc_from_comments
@@ -138,6 +139,7 @@ class Config:
     loss_clip_val: float = 0.2  # critic value clip eps_v around the rollout values; 0 disables
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (all ranks); reinforce_pp always does
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean (GRPO) | seq_mean_token_sum_norm (Dr. GRPO)
     is_correction: str = "tis"  # pg weights for sampler != trainer (gae.IS_CORRECTIONS): tis | icepop | seq_mask | none
     is_cap: float = 2.0  # tis, seq_mask: w = min(r, is_cap), r = exp(old_logp - sampler_logp)
     is_band: tuple[float, float] = (0.5, 5.0)  # icepop: w = r inside [lo, hi], else 0
@@ -227,9 +229,9 @@ def derive(cfg, rank, W, device):
     for k, v in ((k, getattr(cfg, k)) for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error")):
         need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
-                           is_correction=list(IS_CORRECTIONS), lr_schedule=["constant", "linear"],
-                           ratio_level=["token", "sequence"], dtype=["auto", "bf16", "fp32"],
-                           activation_checkpointing=["auto", "on", "off"]).items():
+                           is_correction=list(IS_CORRECTIONS), loss_agg=list(LOSS_AGGREGATIONS),
+                           lr_schedule=["constant", "linear"], ratio_level=["token", "sequence"],
+                           dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
     for k in ("model", "prompts", "prompt_key", "messages_key", "out_dir") + (("wandb_project",) if cfg.wandb else ()):
         need(getattr(cfg, k).strip(), f"--{k} must not be empty")
@@ -343,11 +345,12 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
     """Step 5 on one micro-batch -> (actor_loss, critic_loss (None: no critic), stats: dict of 0-dim float64 sums).
 
     Per-token terms are summed over the micro-batch's response tokens and divided by n_tokens, the minibatch's
-    response-token count over all ranks, then multiplied by the world size because FSDP averages gradients over ranks:
-    summed over micro-batches and ranks this is the token mean over the minibatch. Rollout tensors are cleaned outside
-    the mask first, so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term
-    carries its importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still
-    counts in n_tokens, as does a response that never ended with --mask_truncated, whose tokens every term leaves out.
+    response-token count over all ranks, then multiplied by the world size because FSDP averages gradients over
+    ranks: summed over micro-batches and ranks this is the token mean over the minibatch (--loss_agg: the actor's
+    terms weighted by response instead, gae.LOSS_AGGREGATIONS). Rollout tensors are cleaned outside the mask first,
+    so a NaN in a padded slot reaches neither the loss nor the gradient. Each token's policy term carries its
+    importance weight (--is_correction, gae.is_weights, from mb["sampler_logp"]); a token weighted 0 still counts in
+    n_tokens, as does a response that never ended with --mask_truncated, whose tokens every term leaves out.
     train_actor False (--critic_warmup_steps): the actor's forward has no gradient."""
     mask = mb["response_mask"] & mb["ended"][:, None] if cfg.mask_truncated else mb["response_mask"]
     adv, old_logp = (torch.where(mask, mb[k], 0.0) for k in ("adv", "old_logp"))
@@ -387,7 +390,9 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
         vf = 0.5 * torch.max(vf_losses, vf_losses2)
         stats.update(value_loss=tsum(vf), vf_clipfrac=tsum((vf_losses2 > vf_losses).float()))
         critic_loss = tsum(vf) * scale
-    return tsum(actor_tok) * scale, critic_loss, {k: v.detach().double() for k, v in stats.items()}
+    rows_w = loss_weights(mb["response_mask"].sum(1), cfg)  # --loss_agg: (B, 1), or None: the token mean
+    actor_loss = tsum(actor_tok) * scale if rows_w is None else tsum(actor_tok * rows_w) * world
+    return actor_loss, critic_loss, {k: v.detach().double() for k, v in stats.items()}
 
 
 def ptx_loss(actor, pairs, n_tokens, world, device):
@@ -398,12 +403,6 @@ def ptx_loss(actor, pairs, n_tokens, world, device):
     for b, (p, r) in enumerate(pairs):  # position t predicts token t+1: the response tokens
         labels[b, T - len(r) - 1 : T - 1] = tokens[b, T - len(r) :]
     return -actor(tokens, attn, pos, labels=labels)["logp"].sum() * (world / n_tokens)
-
-
-def grad_norm(model, max_norm):
-    """Clips in place; returns the norm before clipping, a 0-dim tensor (no host sync)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):

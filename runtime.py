@@ -26,6 +26,7 @@ from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 
@@ -158,6 +159,13 @@ def all_sum(x):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)  # on the CPU: gloo
     return t
+
+
+def grad_norm(model, max_norm):
+    """Clips model's gradients in place to a total norm of max_norm; returns the norm before clipping, a 0-dim tensor
+    (no host sync), whole on every rank (FSDP2's is a DTensor over the shards)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def check_space(folder, local_bytes, what):

@@ -8035,6 +8035,8 @@ def sharded_loss_setup(policy):
 
 
 def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
+    import dataclasses
+
     import ppo
 
     cfg, actor, critic, ref, batch, ptx = sharded_loss_setup(tiny_run["policy"])
@@ -8043,6 +8045,14 @@ def test_loss_same_for_one_and_several_micro_batches(tiny_run, group):
         l2, g2 = loss_and_grads(actor, critic, batch, cfg, micro=micro, ref=ref, ptx=ptx)
         assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-7)
         assert_grads_close(g1, g2)
+    for agg in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):  # --loss_agg: each row's weight, as invariant
+        by_row = dataclasses.replace(cfg, loss_agg=agg, mini_batch_size=6, max_new_tokens=7)  # fake_batch: 6 rows, R 7
+        l6, g6 = loss_and_grads(actor, critic, batch, by_row, micro=6, ref=ref, ptx=ptx)
+        assert abs(l6 - l1) > 1e-4, agg
+        for micro in (1, 4):
+            l2, g2 = loss_and_grads(actor, critic, batch, by_row, micro=micro, ref=ref, ptx=ptx)
+            assert l2 == pytest.approx(l6, rel=1e-5, abs=1e-7)
+            assert_grads_close(g6, g2)
     assert any(g.abs().max() > 0 for k, g in g1.items() if k.startswith("actor."))
     # the KL and ptx terms really are in the gradient
     _, g0 = loss_and_grads(actor, critic, batch, ppo.Config(**{**LOSS_CFG, "kl_loss_coef": 0.0}), micro=6, ref=ref, ptx=ptx)
@@ -8554,6 +8564,63 @@ def test_clip_higher_lifts_only_the_upper_clip(monkeypatch):
         assert loss.item() == pytest.approx(sum(pg) / 4, rel=1e-6) and st["clipfrac"].item() == clipped
         loss.backward()
         torch.testing.assert_close(logp.grad[0], torch.tensor(g_pg) / 4, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_aggregation_modes_by_hand(monkeypatch):
+    # --loss_agg on a micro-batch of 3 of a minibatch's 4 rows (mini_batch_size, over all ranks), responses of 3, 2
+    # and 1 tokens (max_new_tokens 5), ratio 1 (no clip), the policy term -A: token_mean sums over the minibatch's
+    # tokens (n_tokens 8), seq_mean_token_mean averages each response's token mean over the 4 rows (GRPO),
+    # seq_mean_token_sum_norm sums over 4 x 5 (Dr. GRPO); the gradient of each token's log-prob is -A times its row's
+    # weight. The value loss, the statistics (token sums) stay as the token mean has them. A masked slot holding NaN
+    # reaches nothing; with --mask_truncated the second response (never ended) leaves the loss, its weight unchanged
+    import ppo
+
+    nan = float("nan")
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
+    adv = torch.tensor([[1.0, 2.0, -3.0], [0.5, -1.5, nan], [4.0, nan, nan]])
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.0, nan], [-0.7, nan, nan]])
+    mb = dict(response_mask=mask, old_logp=old, adv=adv, sampler_logp=old, ended=torch.tensor([True, False, True]),
+              ret=torch.tensor([[1.0, 0.0, 2.0], [0.5, 1.0, nan], [3.0, nan, nan]]), old_values=torch.zeros(3, 3))
+    vpred = torch.tensor([[0.5, 0.1, 1.0], [0.4, 1.0, nan], [2.0, nan, nan]])
+    monkeypatch.setattr(ppo, "value_forward", lambda critic, mb: vpred)
+    A = torch.where(mask, adv, 0.0)
+    lengths = torch.tensor([3.0, 2.0, 1.0])
+
+    def run(agg, truncated=False):
+        logp = old.clone().requires_grad_()
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
+            logp=logp, entropy=torch.zeros(3, 3)))
+        cfg = ppo.Config(loss_agg=agg, mini_batch_size=4, max_new_tokens=5, loss_clip_val=0.0,
+                         mask_truncated=truncated)
+        loss, vloss, st = ppo.ppo_losses(None, "critic", mb, cfg, n_tokens=8, world=1)
+        loss.backward()
+        return loss.item(), vloss.item(), st, torch.where(mask, logp.grad, 0.0)
+
+    weights = {"token_mean": torch.full((3,), 1 / 8), "seq_mean_token_mean": 1 / (lengths * 4),
+               "seq_mean_token_sum_norm": torch.full((3,), 1 / 20)}
+    base = run("token_mean")
+    for agg, w in weights.items():
+        loss, vloss, st, grad = run(agg)
+        assert loss == pytest.approx((-A * w[:, None]).sum().item(), rel=1e-6), agg
+        torch.testing.assert_close(grad, torch.where(mask, -A * w[:, None], 0.0), rtol=1e-6, atol=1e-8)
+        assert vloss == base[1] and all(torch.equal(st[k], base[2][k]) for k in st)
+        loss, _, _, grad = run(agg, truncated=True)
+        kept = torch.tensor([True, False, True])[:, None] & mask
+        assert loss == pytest.approx(torch.where(kept, -A * w[:, None], 0.0).sum().item(), rel=1e-6), agg
+        assert torch.equal(grad[1], torch.zeros(3))
+    assert weights["seq_mean_token_mean"][2] == 1 / 4  # a one-token response weighs as much as a three-token one
+    with pytest.raises(UsageError, match=re.escape("--loss_agg must be one of ['token_mean', 'seq_mean_token_mean', "
+                                                   "'seq_mean_token_sum_norm'], not 'seq_mean'")):
+        ppo.derive(ppo.Config(loss_agg="seq_mean"), 0, 1, torch.device("cpu"))
+    # a fork's mode: one function in the table, its name a --loss_agg; what it returns is checked: (B,) would
+    # broadcast along the tokens (silently where a micro-batch has as many rows as tokens, as here)
+    monkeypatch.setitem(gae.LOSS_AGGREGATIONS, "seq_sum", lambda lengths, cfg: torch.full((len(lengths), 1), 0.5))
+    monkeypatch.setitem(gae.LOSS_AGGREGATIONS, "slip", lambda lengths, cfg: 1.0 / lengths)
+    ppo.derive(ppo.Config(loss_agg="seq_sum"), 0, 1, torch.device("cpu"))
+    assert run("seq_sum")[0] == pytest.approx(-A.sum().item() / 2, rel=1e-6)
+    with pytest.raises(ValueError, match=re.escape("loss aggregation 'slip' returned (3,), expected (3, 1): each row's "
+                                                   "weight, (B, 1)")):
+        run("slip")
 
 
 def test_sequence_level_ratio_is_gspo(monkeypatch):
@@ -9509,10 +9576,11 @@ def test_dynamic_sampling_in_a_run_resumes_exactly_and_is_rank_invariant(tiny_ru
     # with 3 of the 12 prompts scoring alike, steps draw a second round; a run stopped after step 2 and resumed
     # repeats the uninterrupted one (the sampler's state holds the rounds drawn), 2 ranks repeat 1 to float rounding
     # (the verdicts gathered, the chosen rows moved between ranks); and where every group varies in the first round
-    # (the `varied` score), a run is the plain run, metric for metric and weight for weight
+    # (the `varied` score), a run is the plain run, metric for metric and weight for weight. Under the GRPO paper's
+    # loss aggregation (--loss_agg=seq_mean_token_mean), whose row weights cross ranks too
     (tmp_path / "rewards.py").write_text(DYNAMIC_REWARDS)
     kw = dict(samples_per_prompt=2, advantage_estimator="grpo", dynamic_sampling=3, save_every=2, **NO_CRITIC,
-              reward_fn=f"{tmp_path / 'rewards.py'}:mixed")
+              reward_fn=f"{tmp_path / 'rewards.py'}:mixed", loss_agg="seq_mean_token_mean")
     (_, full), (_, part), (_, two) = concurrently(
         lambda: run_ppo(tiny_run, tmp_path / "full", total_steps=4, **kw),
         lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw),
