@@ -1,6 +1,6 @@
 """
-Per-token rewards, GAE, the other advantage estimators (GRPO, RLOO, REINFORCE++), masked statistics and the KL
-coefficient controllers.
+Per-token rewards, GAE, the other advantage estimators (GRPO, RLOO, REINFORCE++), masked statistics, the KL
+coefficient controllers and the running score normaliser.
 
 Everything here works on (B, T) tensors over the RESPONSE positions only
 (T = response length), with `mask` (B, T) marking the real response tokens: a run
@@ -663,6 +663,40 @@ class FixedKLController:
 
     def load_state_dict(self, state):
         self.value = float(state["value"])
+
+
+class ScoreNorm:
+    """--score_norm: a call takes a step's scores (B,) on this rank, adds those of every rank to running moments over
+    the run (count, mean and the sum of squared deviations, float64, merged as Chan et al. merge two sets'), and
+    returns them standardised by the moments so far, this step's included: (score - mean) / std, the population std
+    (1 while every score so far was the same). As TRL's score normalisation, for a reward model whose scale is
+    arbitrary and drifts. Off (on=False): the scores as they came, no moments kept. The state (state_dict) goes into
+    a training checkpoint, so a resumed run standardises as the uninterrupted one."""
+
+    def __init__(self, on):
+        self.on, self.count, self.mean, self.m2 = bool(on), 0.0, 0.0, 0.0
+
+    def __call__(self, score):
+        if not self.on:
+            return score
+        n, mean, var = (float(v) for v in _masked_moments(score.detach(), torch.ones_like(score, dtype=torch.bool),
+                                                          unbiased=False, all_ranks=True))
+        total, delta = self.count + n, mean - self.mean
+        self.m2 += var * n + delta * delta * self.count * n / total
+        self.mean, self.count = self.mean + delta * n / total, total
+        std = math.sqrt(self.m2 / total)
+        return ((score.double() - self.mean) / (std if std > 0 else 1.0)).to(_float_dtype(score))
+
+    @property
+    def metrics(self):
+        std = math.sqrt(self.m2 / self.count) if self.count else 0.0
+        return {"val/score_norm_mean": self.mean, "val/score_norm_std": std} if self.on else {}
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 def kl_controller(kl_coef, target_kl=0.0, horizon=10000):

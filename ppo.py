@@ -63,7 +63,7 @@ import plan
 from async_rollout import Rollouts, check_rollout_flags
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
-from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, estimator_unread,
+from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ScoreNorm, estimator_unread,
                  final_score, is_settings_unread, is_weights, kl_controller, loss_weights, masked_mean, masked_sum,
                  overlong_penalty, shape_rewards)
 from hf import gguf_parsed_once
@@ -108,6 +108,7 @@ class Config:
     target_kl: float = 0.0  # adaptive KL target (sum over a response); 0 keeps beta fixed
     kl_horizon: int = 10000  # adaptive KL horizon, in samples (over a step's rows / 5, so that beta stays > 0)
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
+    score_norm: bool = False  # standardise scores by the running mean and std of all the run's scores (TRL's)
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
     mask_truncated: bool = False  # leave responses that never reached EOS out of the losses (DAPO's overlong filter)
@@ -250,8 +251,6 @@ def derive(cfg, rank, W, device):
     need(cfg.reward_model or named, f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of "
          f"a Python file (or give --reward_model), not {cfg.reward_fn!r}")
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
-    need(cfg.ptx_coef > 0 or not cfg.sft_data, "--sft_data is set but --ptx_coef is 0, so the SFT loss is off: set "
-         "--ptx_coef > 0, or leave --sft_data out")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for i, t in enumerate(cfg.lora_targets) if t not in TARGETS or t in cfg.lora_targets[:i]] or "none"
     need(cfg.lora_targets and bad == "none",
@@ -265,7 +264,7 @@ def derive(cfg, rank, W, device):
         (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
         (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
         (cfg.wandb, ("wandb_project",), "without --wandb"),
-        (cfg.ptx_coef > 0, ("ptx_batch_size",), "without --ptx_coef"),
+        (cfg.ptx_coef > 0, ("sft_data", "ptx_batch_size"), "without --ptx_coef"),
         (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
         (cfg.overlong_buffer, ("overlong_penalty",), "without --overlong_buffer"),
         (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
@@ -285,8 +284,7 @@ def derive(cfg, rank, W, device):
     dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if cuda or cpu_has_bf16() else "fp32"
     ac = cfg.activation_checkpointing == "on" or cfg.activation_checkpointing == "auto" and cuda
     local_rollout = cfg.rollout_batch_size // W
-    lora = (LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, tuple(cfg.lora_targets)) if cfg.lora_rank
-            else None)
+    lora = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets) if cfg.lora_rank else None
     return Run(rank, W, device, torch.bfloat16 if dtype == "bf16" else torch.float32, local_rollout, local_rollout * n,
                cfg.mini_batch_size // W, local_micro, min(cfg.inference_micro_batch_size, local_rollout * n),
                min(cfg.rollout_micro_batch_size, local_rollout * n), ac, cfg.offload_frozen and cuda,
@@ -472,9 +470,11 @@ def main(cfg: Config, reward_fn=None):
     sampler = PromptSampler(len(prompts), cfg.rollout_batch_size, rank, world, cfg.seed)
     sft_sampler = PromptSampler(len(sft), cfg.ptx_batch_size, 0, 1, cfg.seed) if sft else None  # the global batch
     kl_ctl = kl_controller(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)  # fixed, or adaptive with --target_kl
+    score_norm = ScoreNorm(cfg.score_norm)  # --score_norm's running moments (gae.py); off: the scores as they come
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate, reward, tokenizer)  # or one ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
-                    sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None)  # + the next batch
+                    sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None,  # + the next batch
+                    score_norm=score_norm if cfg.score_norm else None)
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
                                     generate=rollouts.generate_beside, wait=rollouts.wait)
@@ -495,8 +495,7 @@ def main(cfg: Config, reward_fn=None):
             t0 = phase_end(device, peaks, None)
             # ---- 1. rollout: sample from the actor's weights with a KV cache; noise keyed by (seed, step, row)
             rows, ro = rollouts.take(step)  # --async_rollout: drawn during the previous step, from its weights
-            mask = ro.response_mask  # (B, R) bool
-            texts = ro.texts(tokenizer)
+            mask, texts = ro.response_mask, ro.texts(tokenizer)  # (B, R) bool; the responses as text
             batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids,
                          response_mask=mask, P=ro.prompt_len, sampler_logp=ro.logprobs, ended=ro.ended)
             t1 = phase_end(device, peaks, "rollout")
@@ -513,7 +512,8 @@ def main(cfg: Config, reward_fn=None):
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
             overlong = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-            score = final_score(sc["score"], ro.ended, cfg.score_clip or None, cfg.non_stop_penalty, overlong)  # used
+            score = final_score(score_norm(sc["score"]), ro.ended, cfg.score_clip or None, cfg.non_stop_penalty,
+                                overlong)  # standardised (--score_norm), clipped, penalised: the score used
             rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
                                         cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
 
@@ -553,7 +553,8 @@ def main(cfg: Config, reward_fn=None):
             metrics.update({"val/reward_errors": all_sum(float(reward_errors)).item(),  # all ranks
                             **reward_means(reward.extras)} if reward else {})  # what the function said beside scores
             times = phase_times(t0, t1, t2, t3, time.time(), metrics["val/response_length"] * run.rows)
-            metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics)
+            metrics.update(step=step, **learning_rates(m, run.trained), **counted, **times, **peaks, **rollouts.metrics,
+                           **score_norm.metrics)
             log.log(dict(sorted(metrics.items())), sample=(sc["score"][0].item(), prompts.texts[rows[0]], texts[0]))
             stopping = stop.requested(all_sum)  # every rank stops at the same step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.total_steps or stopping:

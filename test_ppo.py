@@ -6681,6 +6681,35 @@ def test_score_clip_and_non_stop_penalty():
         shape_rewards(score[:2], zeros, zeros, mask, 0.05)
 
 
+def test_score_norm_standardises_by_the_running_moments():
+    # --score_norm: after each step, the moments of every score so far (numpy's, float64, two-pass), this step's
+    # included; the step's scores standardised by them, in float32. A first step of equal scores is centred (std 0:
+    # divided by 1); scores a million off zero keep their small spread (Chan's merge, no sum of squares); a normaliser
+    # loaded from another's state goes on as that one would; off, the scores pass through as they came
+    import numpy as np
+
+    steps = [[2.0, 2.0, 2.0], [1.0, 5.0], [10.0], [-3.0, 0.5, 7.25, 1.0], [1e6 + 0.5, 1e6 - 0.25, 1e6]]
+    norm, seen = gae.ScoreNorm(True), []
+    for k, xs in enumerate(steps):
+        seen += xs
+        out = norm(torch.tensor(xs, dtype=torch.float64) if k == 4 else torch.tensor(xs))
+        mean, std = np.mean(seen), np.std(seen)
+        assert norm.metrics == pytest.approx({"val/score_norm_mean": mean, "val/score_norm_std": std}, rel=1e-12)
+        assert out.dtype == (torch.float64 if k == 4 else torch.float32)
+        np.testing.assert_allclose(out.numpy(), (np.array(xs) - mean) / (std if std > 0 else 1.0), rtol=1e-6)
+        if k == 0:
+            assert out.tolist() == [0.0, 0.0, 0.0]
+    fresh, other = gae.ScoreNorm(True), gae.ScoreNorm(True)
+    for xs in steps[:3]:
+        fresh(torch.tensor(xs))
+    other.load_state_dict(json.loads(json.dumps(fresh.state_dict())))  # (plain numbers: as trainer.pt keeps them)
+    for xs in steps[3:]:
+        assert torch.equal(fresh(torch.tensor(xs)), other(torch.tensor(xs)))
+    assert gae.ScoreNorm(True)(torch.tensor([1e6 + 1, 1e6 - 1], dtype=torch.float64)).tolist() == [1.0, -1.0]
+    score, off = torch.tensor([3.0, -1.0]), gae.ScoreNorm(False)
+    assert off(score) is score and off.metrics == {}
+
+
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 def test_absolute_kl_and_estimator_in_reward(kind):
     g = torch.Generator().manual_seed(5)
@@ -8859,14 +8888,18 @@ def samples_of(out_dir, step):
 @slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_is_exact(tiny_run, tmp_path, nproc):
-    # adaptive KL: its state must survive; the evaluations (every 2 steps, sampled; 5 prompts: on 2 ranks the
-    # second's share is padded) and the counters episode and epoch come back as the uninterrupted run logs them
+    # adaptive KL and --score_norm's running moments: their state must survive; the evaluations (every 2 steps,
+    # sampled; 5 prompts: on 2 ranks the second's share is padded) and the counters episode and epoch come back as
+    # the uninterrupted run logs them
     kw = dict(nproc=nproc, save_every=2, target_kl=1.0, kl_horizon=100, eval_prompts=tiny_run["eval_prompts"],
-              eval_every=2, eval_temperature=1.0, sample_every=1)
+              eval_every=2, eval_temperature=1.0, sample_every=1, score_norm=True)
     runs = (lambda: run_ppo(tiny_run, tmp_path / "full", total_steps=4, keep_checkpoints=1, **kw),
             lambda: run_ppo(tiny_run, tmp_path / "part", total_steps=2, **kw))
     (_, full), _ = concurrently(*runs) if nproc == 1 else [run() for run in runs]  # (2 ranks fill both cores)
     assert os.listdir(tmp_path / "full" / "checkpoints") == ["step-000004"]  # only the newest is kept
+    steps = [r for r in full if "objective/scores" in r]  # step 1's scores standardised by their own moments
+    assert steps[0]["objective/score_used"] == pytest.approx(0, abs=1e-6) != steps[0]["objective/scores"]
+    assert all(r["val/score_norm_std"] > 0 for r in steps)
     assert os.path.isdir(tmp_path / "part" / "checkpoints" / "step-000002")
     samples = tmp_path / "part" / "samples"  # what a run killed after step 3 leaves beyond the checkpoint: cut back
     (samples / "step-000003.jsonl").write_text('{"prompt": "stale"}\n')
@@ -10279,7 +10312,8 @@ def test_two_ranks_equal_one_and_resume_across_rank_counts(tiny_run, tmp_path):
     # (a global batch, the same on any number of ranks): 2 ranks, then 1 rank, repeat a 1-rank run; and so do the
     # evaluations (5 prompts, sampled: rows [0, 3) on rank 0, [3, 5) and a padding row on rank 1)
     kw = dict(save_every=2, micro_batch_size=8, sft_data=sft, ptx_coef=0.5, ptx_batch_size=4, target_kl=1.0,
-              kl_horizon=100, eval_prompts=tiny_run["eval_prompts"], eval_every=2, eval_temperature=1.0)
+              kl_horizon=100, eval_prompts=tiny_run["eval_prompts"], eval_every=2, eval_temperature=1.0,
+              score_norm=True)  # (its moments over both ranks' scores)
     (_, one), (_, two), (_, part) = concurrently(  # (the three independent runs; each stopped one resumed below)
         lambda: run_ppo(tiny_run, tmp_path / "one", total_steps=4, **kw),
         lambda: run_ppo(tiny_run, tmp_path / "two", total_steps=2, nproc=2, **kw),
@@ -11998,7 +12032,7 @@ def test_config_errors_name_the_problem():
                              ("--temperature must be >= 1e-06, not 1e-07", dict(temperature=1e-7), 1),
                              ("--eval_temperature must be 0 (greedy) or >= 1e-06, not 1e-09", dict(eval_temperature=1e-9), 1),
                              ("ptx_batch_size 3 must divide by 2 ranks", dict(ptx_coef=0.1, sft_data="x", ptx_batch_size=3), 2),
-                             ("--sft_data is set but --ptx_coef is 0", dict(sft_data="x"), 1)]:
+                             ("--sft_data set without --ptx_coef, so it would do nothing", dict(sft_data="x"), 1)]:
         with pytest.raises(UsageError, match=re.escape(match)):
             ppo.derive(ppo.Config(**kw), 0, world, cpu)
     with pytest.raises(UsageError, match=re.escape("--max_new_tokens='many': expected int")):
