@@ -64,16 +64,16 @@ from async_rollout import Rollouts, check_rollout_flags
 from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_rows
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ScoreNorm, estimator_unread,
-                 final_score, is_settings_unread, is_weights, kl_controller, loss_weights, masked_mean, masked_sum,
-                 overlong_penalty, shape_rewards)
+                 final_score, is_settings_unread, is_weights, kl_controller, kl_estimate, loss_weights, masked_mean,
+                 masked_sum, overlong_penalty, shape_rewards)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
 from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, is_file_spec, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
-from runtime import (Logger, StopSignal, all_sum, doc_from_comments, grad_norm, hold_to_types, keep_freed_memory, need,
-                     phase_end, print0, progress, run_command, setup_distributed)
+from runtime import (Logger, StopSignal, all_sum, bad_updates_in_a_row, doc_from_comments, grad_norm, hold_to_types,
+                     keep_freed_memory, need, phase_end, print0, progress, run_command, setup_distributed)
 
 
 @doc_from_comments
@@ -108,6 +108,7 @@ class Config:
     target_kl: float = 0.0  # adaptive KL target (sum over a response); 0 keeps beta fixed
     kl_horizon: int = 10000  # adaptive KL horizon, in samples (over a step's rows / 5, so that beta stays > 0)
     kl_loss_coef: float = 0.0  # weight of the exact KL(pi || ref) over the vocabulary as an actor loss term
+    kl_loss_estimator: str = "exact"  # the KL loss term's, a key of gae.KL_ESTIMATORS: exact | k1 | k2 | k3 (GRPO's)
     score_norm: bool = False  # standardise scores by the running mean and std of all the run's scores (TRL's)
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     non_stop_penalty: float | None = None  # score given to responses that never reached EOS; None disables
@@ -229,9 +230,10 @@ def derive(cfg, rank, W, device):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
     for k, v in ((k, getattr(cfg, k)) for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error")):
         need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
-    for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), advantage_estimator=list(ADVANTAGE_ESTIMATORS),
-                           is_correction=list(IS_CORRECTIONS), loss_agg=list(LOSS_AGGREGATIONS),
-                           lr_schedule=["constant", "linear"], ratio_level=["token", "sequence"],
+    for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), kl_loss_estimator=list(KL_ESTIMATORS),
+                           advantage_estimator=list(ADVANTAGE_ESTIMATORS), is_correction=list(IS_CORRECTIONS),
+                           loss_agg=list(LOSS_AGGREGATIONS), lr_schedule=["constant", "linear"],
+                           ratio_level=["token", "sequence"],
                            dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")
     for k in ("model", "prompts", "prompt_key", "messages_key", "out_dir") + (("wandb_project",) if cfg.wandb else ()):
@@ -266,6 +268,7 @@ def derive(cfg, rank, W, device):
         (cfg.wandb, ("wandb_project",), "without --wandb"),
         (cfg.ptx_coef > 0, ("sft_data", "ptx_batch_size"), "without --ptx_coef"),
         (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+        (cfg.kl_loss_coef > 0, ("kl_loss_estimator",), "without --kl_loss_coef"),
         (cfg.overlong_buffer, ("overlong_penalty",), "without --overlong_buffer"),
         (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
         (False, estimator_unread(cfg.advantage_estimator), f"with --advantage_estimator={cfg.advantage_estimator}"),
@@ -371,7 +374,8 @@ def ppo_losses(actor, critic, mb, cfg, n_tokens, world, ref=None, train_actor=Tr
     pg = pg * is_weights(old_logp, mb["sampler_logp"], mask, cfg)[0]
     actor_tok = pg - cfg.entropy_coef * pol["entropy"]
     if cfg.kl_loss_coef > 0:
-        actor_tok = actor_tok + cfg.kl_loss_coef * pol["kl"]
+        actor_tok = actor_tok + cfg.kl_loss_coef * kl_estimate(pol["logp"], pol["ref_logp"], cfg.kl_loss_estimator,
+                                                               pol["kl"])  # exact: over the vocabulary
 
     tsum = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
     stats = dict(policy_loss=tsum(pg), entropy=tsum(pol["entropy"]), approxkl=tsum(0.5 * logratio.square()),
@@ -534,12 +538,7 @@ def main(cfg: Config, reward_fn=None):
                 for mb_rows, n in progress(f"step {step} minibatches")(zip(mbs, n_tokens), len(mbs)):
                     ptx = sft.rank_share(sft_sampler.next_batch(), rank, world) if sft else None  # the global ptx batch
                     updates.append(update(m, batch, mb_rows, n, cfg, run, ptx, key=(step, len(updates))))
-                    bad_in_a_row = bad_in_a_row + 1 if updates[-1]["skipped"] else 0
-                    if bad_in_a_row >= cfg.max_bad_updates:
-                        raise FloatingPointError(
-                            f"step {step}: {bad_in_a_row} updates in a row with a non-finite gradient (norms "
-                            f"{updates[-1]['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/"
-                            "checkpoints is untouched: resume with a lower --lr" + " (and --critic_lr)" * run.critic)
+                    bad_in_a_row = bad_updates_in_a_row(bad_in_a_row, updates[-1], step, cfg, run.critic)  # or stop
             checkpoint.reshard(m["ref"], m["actor"])  # roots gathered by no-grad forwards (--kl_loss_coef, warmup)
             t3 = phase_end(device, peaks, "train")
 

@@ -168,6 +168,17 @@ def grad_norm(model, max_norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def bad_updates_in_a_row(count, update, step, cfg, critic):
+    """The non-finite updates in a row after `update` (ppo.update's dict: skipped, norms), or a FloatingPointError
+    that stops the run at cfg.max_bad_updates of them: each was skipped, and the last checkpoint is untouched."""
+    count = count + 1 if update["skipped"] else 0
+    if count >= cfg.max_bad_updates:
+        raise FloatingPointError(f"step {step}: {count} updates in a row with a non-finite gradient (norms "
+                                 f"{update['norms'].tolist()}); stopping. The last checkpoint in {cfg.out_dir}/"
+                                 "checkpoints is untouched: resume with a lower --lr" + " (and --critic_lr)" * critic)
+    return count
+
+
 def check_space(folder, local_bytes, what):
     """Every rank calls it with the bytes its share of `what` will take in folder: raises OSError on every rank when
     the sum over ranks (plus 1% and 16 MiB for the small files) passes the free space rank 0 sees there."""

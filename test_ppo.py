@@ -8652,6 +8652,50 @@ def test_loss_aggregation_modes_by_hand(monkeypatch):
         run("slip")
 
 
+def test_kl_loss_estimators_and_the_gradients_they_give(monkeypatch):
+    # --kl_loss_estimator: the KL loss term is gae.KL_ESTIMATORS' of (logp, ref_logp, the exact KL), its gradient on
+    # the sampled tokens' logp by hand: k1 1, k2 d, k3 1 - exp(-d) (d = logp - ref_logp), exact none (it flows
+    # through the vocabulary's KL). Their expected gradients over pi's samples, exactly (every token weighted by pi,
+    # on a 5-token categorical): k2's is that of KL(pi || ref), k3's (GRPO's) that of KL(ref || pi), k1's zero
+    import ppo
+
+    mask = torch.tensor([[True, True, False]])
+    logp0, ref_logp = torch.tensor([[-1.0, -0.2, float("nan")]]), torch.tensor([[-1.5, -0.1, 0.0]])
+    kl0 = torch.tensor([[0.3, 0.05, float("nan")]])
+    mb = dict(response_mask=mask, old_logp=logp0.detach(), adv=torch.zeros(1, 3), sampler_logp=logp0.detach())
+    d = torch.tensor([0.5, -0.1])
+    by_hand = {"k1": (d, torch.ones(2)), "k2": (0.5 * d * d, d), "k3": (torch.exp(-d) - 1 + d, 1 - torch.exp(-d)),
+               "exact": (kl0[0, :2], torch.zeros(2))}
+    for est, (value, grad) in by_hand.items():
+        logp, kl = logp0.clone().requires_grad_(), kl0.clone().requires_grad_()
+        monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: dict(
+            logp=logp, entropy=torch.zeros(1, 3), ref_logp=ref_logp, kl=kl))
+        cfg = ppo.Config(kl_loss_coef=0.5, kl_loss_estimator=est)
+        loss, _, _ = ppo.ppo_losses(None, None, mb, cfg, n_tokens=2, world=1, ref="ref")
+        loss.backward()
+        assert loss.item() == pytest.approx(0.5 * value.sum().item() / 2, rel=1e-5), est
+        torch.testing.assert_close(logp.grad[0, :2], 0.5 * grad / 2, rtol=1e-5, atol=1e-7)
+        assert kl.grad[0, 1].item() == 0.25 if est == "exact" else kl.grad is None
+    with pytest.raises(UsageError, match="--kl_loss_estimator set without --kl_loss_coef, so it would do nothing"):
+        ppo.derive(ppo.Config(kl_loss_estimator="k3"), 0, 1, torch.device("cpu"))
+
+    theta = torch.tensor([0.3, -1.0, 0.8, 0.0, -0.4], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.5, -0.3, 1.0, 0.2], dtype=torch.float64), 0)
+
+    def expected_grad(est):  # sum_y pi(y) grad k(logpi(y), ref(y)): pi's weights are the sampling, not differentiated
+        logpi = torch.log_softmax(theta, 0)
+        k = gae.KL_ESTIMATORS[est](logpi, ref, None)
+        return torch.autograd.grad((logpi.exp().detach() * k).sum(), theta)[0]
+
+    logpi = lambda: torch.log_softmax(theta, 0)  # noqa: E731
+    reverse = torch.autograd.grad((logpi().exp() * (logpi() - ref)).sum(), theta)[0]  # KL(pi || ref)
+    forward = torch.autograd.grad((ref.exp() * (ref - logpi())).sum(), theta)[0]  # KL(ref || pi)
+    torch.testing.assert_close(expected_grad("k2"), reverse)
+    torch.testing.assert_close(expected_grad("k3"), forward)
+    torch.testing.assert_close(expected_grad("k1"), torch.zeros(5, dtype=torch.float64))
+    assert (reverse - forward).abs().max() > 0.01
+
+
 def test_sequence_level_ratio_is_gspo(monkeypatch):
     # --ratio_level=sequence: each token's ratio is its response's exp(mean log-ratio), its gradient that of its own
     # log-prob (GSPO-token, Zheng et al. 2025). With one advantage a response and no clip binding, the token-mean loss
