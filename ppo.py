@@ -88,6 +88,7 @@ class Config:
     prompt_key: str = "prompt"  # field holding a prompt string
     messages_key: str = "messages"  # field holding a chat message list
     prompt_template: str = ""  # the user turn's text, a line's prompt string in place of {prompt}; "": the prompt as is
+    system_prompt: str = ""  # a system turn opening every prompt's chat that has none of its own; "": none
     max_prompt_len: int = 64  # longer prompts are dropped (and counted), never cut
     stop_token_ids: tuple = ()  # token ids that also end a response, besides the checkpoint's EOS ids
     sft_data: str = ""  # optional JSONL of prompt/response pairs for the ptx (SFT) loss

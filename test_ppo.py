@@ -3020,6 +3020,54 @@ def test_prompt_template_wraps_each_prompt_string(tmp_path):
         "prompt goes" in p.stderr, p.stderr[-2000:]
 
 
+def test_system_prompt_opens_each_chat_without_one(tmp_path):
+    # --system_prompt: a system turn in front of every prompt string's chat and every chat list without a system
+    # turn; a line's own is kept; its words count against max_prompt_len; with the template in the same user turn;
+    # the held-out prompts share it; a tokenizer without a chat template is refused (no system turn to write), by
+    # load_inputs before any model loads and by load_prompts itself
+    import dataclasses
+
+    import data
+    import ppo
+
+    lines = [{"prompt": "hi"}, {"messages": [{"role": "user", "content": "hello"}]},
+             {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello"}]}]
+    path = write_jsonl(tmp_path / "p.jsonl", lines)
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    ps = load_prompts(path, tok, 100, system="be brief .")
+    turn = "<|im_start|>{}\n{}<|im_end|>\n"
+    open_ = "<|im_start|>assistant\n"
+    assert ps.texts == [turn.format("system", "be brief .") + turn.format("user", "hi") + open_,
+                        turn.format("system", "be brief .") + turn.format("user", "hello") + open_,
+                        turn.format("system", "be nice") + turn.format("user", "hello") + open_]
+    n = len(ps.ids[0])  # lines 1 and 2 take n tokens, line 3 (its own system turn, a word shorter) n - 1
+    assert [len(i) for i in ps.ids] == [n, n, n - 1]
+    assert load_prompts(path, tok, n - 1, system="be brief .").n_dropped == 2
+    assert load_prompts(path, tok, n - 1).n_dropped == 0  # without the system turn they fit
+    strings = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "hi"}])
+    both = load_prompts(strings, tok, 100, template="{prompt} !", system="be brief .").texts
+    assert both == [turn.format("system", "be brief .") + turn.format("user", "hi !") + open_]
+    plain = make_tiny_tokenizer(tmp_path / "plain", chat_template=False)
+    with pytest.raises(UsageError, match="a system prompt needs a chat template"):
+        load_prompts(path, plain, 100, system="be brief .")
+
+    policy = make_policy(tmp_path / "pol")
+    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a good day"}] * 8)
+    cfg = ppo.Config(model=policy, prompts=prompts, eval_prompts=path, rollout_batch_size=8, mini_batch_size=8,
+                     system_prompt="be brief .", out_dir=str(tmp_path / "out"))
+    train, held_out = (data.load_inputs(cfg)[i] for i in (3, 5))
+    assert train.texts[0].startswith(turn.format("system", "be brief ."))
+    assert held_out.texts == load_prompts(path, data.load_tokenizer(policy), 64, system="be brief .").texts
+    (tmp_path / "pol" / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((tmp_path / "pol" / "tokenizer_config.json").read_text()).items()
+         if k != "chat_template"}))
+    for f in ("chat_template.jinja", "chat_template.json"):
+        if (tmp_path / "pol" / f).exists():
+            (tmp_path / "pol" / f).unlink()
+    with pytest.raises(UsageError, match=re.escape(f"--system_prompt: {policy}'s tokenizer has no chat template")):
+        data.load_inputs(dataclasses.replace(cfg))
+
+
 def test_custom_keys_apply_to_sft_data(tmp_path):
     # --prompt_key/--messages_key named the fields of --prompts and --eval_prompts, but --sft_data was read with
     # "prompt"/"messages" whatever they said: a file in the run's own keys was refused as missing its field
