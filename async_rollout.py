@@ -317,13 +317,17 @@ class Rollouts:
 
     def state_dict(self):
         """The batch drawn for the next step, every rank's rows in global row order; waits for it. A collective:
-        every rank calls it."""
+        every rank calls it. None for rollouts drawn at each step (nothing is pending)."""
+        if not self.cfg.async_rollout:
+            return None
         job = self._wait(self.next)
         everyone = [None] * self.run.world
         dist.all_gather_object(everyone, rollout_rows(job["ro"], job["rows"]))
         return dict(rows=[r for part in everyone for r in part], lag=job["lag"])
 
     def load_state_dict(self, state):
+        if state is None:  # (a checkpoint of rollouts drawn at each step)
+            return
         L, r = self.run.local_rows, self.run.rank
         rows, ro = rollout_from_rows(state["rows"][r * L : (r + 1) * L], self.pad_id, self.run.device)
         self.next = dict(rows=rows, ro=ro, lag=state["lag"])

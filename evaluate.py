@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from gae import kl_estimate, masked_sum
+from reward import combined_scores
 from rollout import eval_seeds, generate
 from runtime import all_sum, progress
 
@@ -129,6 +130,9 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     errors = 0
     if reward is not None:
         scores, errors = reward([prompts.records[i] for i in idx[:n_real]], texts)
+        if m.get("reward_model") is not None:  # and a reward model (--reward_fn_coef): their sum, as the steps'
+            scores = combined_scores(sc["score"][:n_real], scores, cfg.reward_fn_coef, reward.extras,
+                                     run.device).tolist()
     else:
         scores = sc["score"][:n_real].tolist()
     kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)

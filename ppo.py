@@ -6,7 +6,7 @@ Four models (Ouyang et al. 2022; Ziegler et al. 2019):
     critic     trained, one value per token, from the reward model (FSDP2, AdamW)
                or from the actor with a fresh scalar head; none with a critic-free advantage estimator
     reference  frozen copy of the initial actor, for the KL penalty                (FSDP2, compute dtype)
-    reward     frozen sequence-classification model, or a reward function of (prompt record, response)
+    reward     frozen sequence-classification model, a reward function of (prompt record, response), or both
 Built on the meta device, filled from one read of each checkpoint on rank 0 (checkpoint.py); --dry_run (plan.py).
 --lora_rank: the actor and the critic train adapters on frozen bases; the reference is the actor with its adapters
 off, and a critic from the reward model is the reward model plus adapters (lora.py): two base weight sets, not four.
@@ -70,7 +70,7 @@ from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
-from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, is_file_spec, recorded_name, reward_function
+from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, combined_scores, is_file_spec, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
 from runtime import (Logger, StopSignal, all_sum, bad_updates_in_a_row, doc_from_comments, grad_norm, hold_to_types,
                      keep_freed_memory, need, phase_end, print0, progress, run_command, setup_distributed)
@@ -84,6 +84,7 @@ class Config:
     reward_model: str = ""  # sequence-classification reward model; "" uses the reward function reward_fn
     reward_model_random_head: bool = False  # let a causal LM be the reward model under a random score head (benchmarks)
     reward_fn: str = "sentiment"  # without a reward model: a built-in (REWARD_FNS), or FILE.py:NAME, a file's function
+    reward_fn_coef: float = 0.0  # with --reward_model: score = the model's + this x reward_fn's; 0: the model alone
     prompts: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl")  # JSONL prompts
     prompt_key: str = "prompt"  # field holding a prompt string
     messages_key: str = "messages"  # field holding a chat message list
@@ -229,8 +230,8 @@ def derive(cfg, rank, W, device):
             need(v is None or IN_RANGE[rule](v) and math.isfinite(v), f"--{k} must be {rule}, not {v!r}")
     for k, v in (("temperature", cfg.temperature), ("eval_temperature", cfg.eval_temperature or MIN_TEMPERATURE)):
         need(v >= MIN_TEMPERATURE, f"--{k} must be {'0 (greedy) or ' * (k[0] == 'e')}>= {MIN_TEMPERATURE:g}, not {v!r}")
-    for k, v in ((k, getattr(cfg, k)) for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error")):
-        need(v is None or abs(v) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {v}")
+    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error", "reward_fn_coef"):  # either sign
+        need(abs(getattr(cfg, k) or 0.0) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), kl_loss_estimator=list(KL_ESTIMATORS),
                            advantage_estimator=list(ADVANTAGE_ESTIMATORS), is_correction=list(IS_CORRECTIONS),
                            loss_agg=list(LOSS_AGGREGATIONS), lr_schedule=["constant", "linear"],
@@ -262,10 +263,10 @@ def derive(cfg, rank, W, device):
         need(0 <= lo <= hi and math.isfinite(hi), f"--{k} must be lo,hi with 0 <= lo <= hi, not {lo},{hi}")
     for on, flags, why in (  # flags read only while `on`: set with it off, they would do nothing, and are refused
         (cfg.lora_rank, ("lora_alpha", "lora_dropout", "lora_targets"), "without --lora_rank: LoRA is off"),
-        (not cfg.reward_model, ("reward_fn", "reward_workers", "reward_timeout", "reward_on_error"),
-         "with --reward_model, which scores in place of a reward function"),
+        (not cfg.reward_model or cfg.reward_fn_coef, ("reward_fn", "reward_workers", "reward_timeout",
+         "reward_on_error"), "with --reward_model and no --reward_fn_coef, where the model scores alone"),
         (cfg.dry_run, ("gpu_memory_gb",), "without --dry_run"),
-        (cfg.reward_model, ("reward_model_random_head",), "without --reward_model"),
+        (cfg.reward_model, ("reward_model_random_head", "reward_fn_coef"), "without --reward_model"),
         (cfg.wandb, ("wandb_project",), "without --wandb"),
         (cfg.ptx_coef > 0, ("sft_data", "ptx_batch_size"), "without --ptx_coef"),
         (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
@@ -447,7 +448,7 @@ def update(m, batch, rows, n_tokens, cfg, run, ptx_pairs, key=()):
 def main(cfg: Config, reward_fn=None):
     """Trains with PPO. reward_fn(record, response) -> float replaces the built-in cfg.reward_fn; the run records it
     as cfg.reward_fn = "python:module.name", so that a resume without it (or with another name) is refused."""
-    cfg = replace(cfg, reward_fn=recorded_name(reward_fn, cfg.reward_fn, cfg.reward_model))  # as the config saves it
+    cfg = replace(cfg, reward_fn=recorded_name(reward_fn, cfg))  # as the config saves it
     if cfg.dry_run:  # the memory plan, from the config.json files alone: no process group, no GPU
         return plan.dry_run(cfg, derive(cfg, 0, cfg.dry_run, torch.device("cuda")))  # sizes as on a GPU
     rank, world, device = setup_distributed()
@@ -455,7 +456,7 @@ def main(cfg: Config, reward_fn=None):
     # a GGUF policy's header parsed once for the tokenizer, the config and the weights; an out-of-memory error while
     # the models load gets a note, as the steps' do
     with gguf_parsed_once(), plan.out_of_memory_noted(cfg, run):
-        reward_fn = None if cfg.reward_model else reward_fn or reward_function(cfg.reward_fn)  # a file's: it runs
+        reward_fn = None if cfg.reward_model and not cfg.reward_fn_coef else reward_fn or reward_function(cfg.reward_fn)
         tokenizer, stop_ids, pad_id, prompts, sft, evalset = load_inputs(cfg, reward_fn)  # every file read, no model
         ckpt = checkpoint.find(cfg)  # to resume from: verified and checked against cfg, before any model is read
         # the same seeds on every rank: the critic's fresh head must agree before sharding
@@ -478,8 +479,7 @@ def main(cfg: Config, reward_fn=None):
     score_norm = ScoreNorm(cfg.score_norm)  # --score_norm's running moments (gae.py); off: the scores as they come
     rollouts = Rollouts(m, prompts, sampler, cfg, run, stop_ids, pad_id, generate, reward, tokenizer)  # or one ahead
     stateful = dict(**{f"{name}_sched": m[name + "_sched"] for name in run.trained}, kl_ctl=kl_ctl, sampler=sampler,
-                    sft_sampler=sft_sampler, rollouts=rollouts if cfg.async_rollout else None,  # + the next batch
-                    score_norm=score_norm if cfg.score_norm else None)
+                    sft_sampler=sft_sampler, rollouts=rollouts, score_norm=score_norm if cfg.score_norm else None)
     evaluate_at = functools.partial(evaluate, m=m, prompts=evalset, reward=reward, score_batch=score_batch, cfg=cfg,
                                     run=run, tokenizer=tokenizer, stop_ids=stop_ids, pad_id=pad_id,
                                     generate=rollouts.generate_beside, wait=rollouts.wait)
@@ -510,7 +510,7 @@ def main(cfg: Config, reward_fn=None):
                              progress(f"step {step} score"))
             if reward is not None:  # in series or in threads, failed calls scored reward_on_error; --dynamic_sampling:
                 scores, reward_errors = rollouts.scored or reward([prompts.records[i] for i in rows], texts)  # at once
-                sc["score"] = torch.tensor(scores, device=device)
+                sc["score"] = combined_scores(sc.get("score"), scores, cfg.reward_fn_coef, reward.extras, device)
             if not torch.isfinite(sc["score"]).all():
                 raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: "
                                          f"{sc['score'].tolist()}")

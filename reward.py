@@ -34,6 +34,8 @@ import time
 import traceback
 import weakref
 
+import torch
+
 from runtime import UsageError, need, run_function
 
 
@@ -165,17 +167,36 @@ def python_name(fn):
     return f"python:{getattr(inner, '__module__', None) or '?'}.{name}" + ("(partial)" if inner is not fn else "")
 
 
-def recorded_name(fn, flag, reward_model):
+def recorded_name(fn, cfg):
     """--reward_fn as a run's config records it: the flag, or for a function passed from Python (ppo.main(cfg,
     reward_fn=fn)) its python_name, once fn is checked to take (record, response). A UsageError for a flag that
-    names a function from Python with none passed (a resume's flag), or for a function beside a reward model."""
+    names a function from Python with none passed (a resume's flag), for a function beside a reward model without
+    --reward_fn_coef, and for --reward_fn_coef with no function named (the default, sentiment, is the demo's)."""
+    flag, default = cfg.reward_fn, type(cfg).reward_fn
+    need(not (cfg.reward_model and cfg.reward_fn_coef and fn is None and flag == default), "--reward_fn_coef adds a "
+         f"reward function's score to --reward_model's: name it with --reward_fn (the default, {default}, scores the "
+         f"embedded demo; --reward_fn=reward.py:{REWARD_FNS[default].__name__} adds it)")
     if fn is None:
         need(not flag.startswith("python:"), f"--reward_fn={flag} is a function passed from Python: pass it again, "
              "ppo.main(cfg, reward_fn=...)")
         return flag
-    need(not reward_model, "main(cfg, reward_fn=...) and --reward_model both give the reward")
+    need(not cfg.reward_model or cfg.reward_fn_coef, "main(cfg, reward_fn=...) and --reward_model both give the "
+         "reward: set --reward_fn_coef to add the function's score to the model's")
     check_signature(fn, f"main(cfg, reward_fn=f): {python_name(fn)[7:]}")
     return python_name(fn)
+
+
+def combined_scores(model_scores, scores, coef, extras, device):
+    """(B,) float32 scores from a reward function's (B floats): those alone, or with a reward model's (model_scores,
+    (B,)) the model's plus coef x the function's (--reward_fn_coef: Tulu 3's verifiable reward beside its reward
+    model), each response's two parts then added to its extras (RewardCaller.extras) as model_score and
+    function_score, which ppo.py logs as reward/model_score and reward/function_score."""
+    fn = torch.tensor(scores, dtype=torch.float32, device=device)
+    if model_scores is None:
+        return fn
+    for e, model, function in zip(extras, model_scores.tolist(), scores):
+        e.update(model_score=model, function_score=function)
+    return model_scores.float() + coef * fn
 
 
 def is_file_spec(spec):

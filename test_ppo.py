@@ -7994,6 +7994,69 @@ def test_reward_model_critic_kl_loss_and_ptx(tiny_run, tmp_path):
     assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] > abs(rows[1]["objective/kl_k1"])  # k1 < 0 somewhere
 
 
+def test_reward_fn_coef_adds_a_reward_function_to_the_reward_model():
+    # --reward_fn_coef (Tulu 3's verifiable reward beside its reward model): the model's score plus coef x the
+    # function's, each response's parts in its extras; without a model the function's alone, its floats as float32.
+    # The flags: the coefficient needs a model, a function of its own (not the default's demo), and a finite value;
+    # the reward function's flags are read with a model once it is set; a function from Python joins the same way
+    import ppo
+    import reward
+
+    extras = [{"answered": 1.0}, {}]
+    both = reward.combined_scores(torch.tensor([0.5, -1.0]), [1.0, 0.25], 2.0, extras, "cpu")
+    assert both.tolist() == [2.5, -0.5] and both.dtype == torch.float32
+    assert extras == [{"answered": 1.0, "model_score": 0.5, "function_score": 1.0},
+                      {"model_score": -1.0, "function_score": 0.25}]
+    alone, untouched = reward.combined_scores(None, [0.1, 3], 2.0, [{}, {}], "cpu"), [{}, {}]
+    assert alone.dtype == torch.float32 and torch.equal(alone, torch.tensor([0.1, 3.0])) and untouched == [{}, {}]
+
+    cpu, cfg = torch.device("cpu"), ppo.Config(reward_model="rm", reward_fn="math", reward_fn_coef=10.0,
+                                                 reward_timeout=5.0)
+    ppo.derive(cfg, 0, 1, cpu)  # the function's flags are read now
+    assert reward.recorded_name(None, cfg) == "math"
+    with pytest.raises(UsageError, match=re.escape("--reward_fn_coef set without --reward_model, so it would do")):
+        ppo.derive(ppo.Config(reward_fn="math", reward_fn_coef=1.0), 0, 1, cpu)
+    with pytest.raises(UsageError, match=re.escape("--reward_fn_coef adds a reward function's score to "
+                                                   "--reward_model's: name it with --reward_fn (the default, "
+                                                   "sentiment, scores the embedded demo; --reward_fn=reward.py:"
+                                                   "sentiment_reward adds it)")):
+        reward.recorded_name(None, ppo.Config(reward_model="rm", reward_fn_coef=1.0))
+
+    def verify(record, response):
+        return 1.0
+
+    assert reward.recorded_name(verify, cfg).endswith(".verify")
+    with pytest.raises(UsageError, match=re.escape("main(cfg, reward_fn=...) and --reward_model both give the reward: "
+                                                   "set --reward_fn_coef")):
+        reward.recorded_name(verify, ppo.Config(reward_model="rm"))
+
+
+@slow
+def test_reward_model_and_reward_function_combined_in_a_run(tiny_run, tmp_path):
+    # a reward model and a reward function with --reward_fn_coef=2: each step's mean score is the model's mean plus
+    # 2 x the function's (reward/model_score, reward/function_score), and so is every held-out row's score
+    rm_dir = tmp_path / "rm"
+    tok = make_tiny_tokenizer(rm_dir)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                                   pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
+    (tmp_path / "rewards.py").write_text(DYNAMIC_REWARDS)
+    out = tmp_path / "out"
+    _, rows = run_ppo(tiny_run, out, total_steps=2, reward_model=str(rm_dir), reward_fn_coef=2.0,
+                      reward_fn=f"{tmp_path / 'rewards.py'}:varied", eval_prompts=tiny_run["eval_prompts"])
+    steps = [r for r in rows if "objective/scores" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["objective/scores"] == pytest.approx(r["reward/model_score"] + 2 * r["reward/function_score"],
+                                                      rel=1e-5, abs=1e-6)
+        assert r["reward/function_score"] > 0 and r["reward/model_score"] != 0
+    held_out = samples_of(out, 2)
+    assert held_out and all(row["score"] == pytest.approx(row["reward/model_score"] + 2 * row["reward/function_score"],
+                                                          rel=1e-5, abs=1e-6) for row in held_out)
+
+
 @slow
 def test_overlong_penalty_clip_higher_and_gspo_in_a_run(tiny_run, tmp_path):
     # the flags reach the step: with a buffer as long as a response can be (6 tokens), each response of l tokens
@@ -12327,7 +12390,8 @@ def test_every_number_is_checked_against_its_range():
     cpu = torch.device("cpu")
     numbers = {f.name for f in dataclasses.fields(ppo.Config) if f.type in (int, float, float | None)}
     ranged = {k for names in ppo.LIMITS.values() for k in names}
-    assert numbers - ranged == {"entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"}  # finite
+    assert numbers - ranged == {"entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error",
+                                "reward_fn_coef"}  # finite
     outside = {">= 1": [0, -1], ">= 0": [-1], "> 0": [0, -1], "in [0, 1]": [-0.5, 1.5], "in [0, 1)": [-0.5, 1.0],
                "in [0, 2**32)": [-1, 2**32]}
     for rule, names in ppo.LIMITS.items():
@@ -12337,7 +12401,7 @@ def test_every_number_is_checked_against_its_range():
                 cfg = ppo.Config(**{k: v})
                 with pytest.raises(UsageError, match=re.escape(f"--{k} must be {rule}, not {getattr(cfg, k)!r}")):
                     ppo.derive(cfg, 0, 1, cpu)
-    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error"):
+    for k in ("entropy_coef", "dual_clip", "non_stop_penalty", "reward_on_error", "reward_fn_coef"):
         for v in (float("inf"), float("nan"), -1e39):  # 1e39: a score of inf once the scores are float32
             with pytest.raises(UsageError, match=re.escape(f"--{k} must be finite in float32, not {v}")):
                 ppo.derive(ppo.Config(**{k: v}), 0, 1, cpu)
@@ -12346,8 +12410,9 @@ def test_every_number_is_checked_against_its_range():
                       ("--wandb_project must not be empty", dict(wandb=True, wandb_project=" ")),
                       ("--lora_dropout, --lora_targets set without --lora_rank: LoRA is off, so they would do nothing",
                        dict(lora_dropout=0.1, lora_targets=("q_proj",))),
-                      ("--reward_workers, --reward_on_error set with --reward_model, which scores in place of a reward "
-                       "function, so they would do nothing", dict(reward_model="rm", reward_workers=4, reward_on_error=0.0)),
+                      ("--reward_workers, --reward_on_error set with --reward_model and no --reward_fn_coef, where the "
+                       "model scores alone, so they would do nothing", dict(reward_model="rm", reward_workers=4,
+                                                                             reward_on_error=0.0)),
                       ("--reward_fn set with --reward_model", dict(reward_model="rm", reward_fn="length")),
                       ("--reward_model_random_head set without --reward_model", dict(reward_model_random_head=True)),
                       ("--ptx_batch_size set without --ptx_coef", dict(ptx_batch_size=4)),
