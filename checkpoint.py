@@ -29,6 +29,7 @@ import atexit
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -231,9 +232,10 @@ def lr_lambda(cfg, steps=None):
     rows, steps = cfg.rollout_batch_size * cfg.samples_per_prompt, cfg.total_steps if steps is None else steps
     total = steps * cfg.ppo_epochs * (rows // cfg.mini_batch_size)  # optimizer steps
 
-    def f(i):
+    def f(i):  # warmup x decay, each from the first optimizer step
         warm = min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
-        decay = 1.0 - i / total if cfg.lr_schedule == "linear" and total else 1.0  # (total_steps=0: no step)
+        t = min(i / total, 1.0) if total else 0.0  # the fraction of the schedule done (total_steps=0: no step)
+        decay = {"linear": 1.0 - t, "cosine": 0.5 * (1.0 + math.cos(math.pi * t))}.get(cfg.lr_schedule, 1.0)
         return warm * max(decay, 0.0)
 
     return f
@@ -683,9 +685,9 @@ def check_config(folder, cfg):
         print0(f"note: --lora_dropout with --micro_batch_size={cfg.micro_batch_size}, where {folder}'s run had "
                f"{saved['micro_batch_size']}: the dropout masks are drawn per micro-batch (lora.seed_dropout), so the "
                "resumed run draws others than the uninterrupted one would (the same in distribution)")
-    if cfg.lr_schedule == "linear" and saved["total_steps"] != cfg.total_steps and cfg.total_steps:  # (0: evaluates)
+    if cfg.lr_schedule != "constant" and saved["total_steps"] != cfg.total_steps and cfg.total_steps:  # (0: evaluates)
         raise UsageError(f"checkpoint {folder} was written by a run of total_steps={saved['total_steps']}, and the "
-                         f"linear LR schedule decays to 0 at its last step; resuming with total_steps="
+                         f"{cfg.lr_schedule} LR schedule decays to 0 at its last step; resuming with total_steps="
                          f"{cfg.total_steps} would move that horizon. Keep total_steps, or use lr_schedule=constant")
 
 

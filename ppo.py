@@ -152,7 +152,7 @@ class Config:
     critic_lr: float = 2.5e-4  # critic learning rate (5x the actor's: a fresh value head must catch up fast)
     critic_warmup_steps: int = 0  # the first N steps train the critic alone; the actor and its LR schedule wait
     warmup_steps: int = 0  # linear warmup, in optimizer steps
-    lr_schedule: str = "constant"  # constant | linear (decays to 0 after the last optimizer step)
+    lr_schedule: str = "constant"  # constant | linear | cosine (each decays to 0 after the last optimizer step)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping per model
     # LoRA (lora.py): adapters on frozen bases; the reference, and a reward model under the critic, are "adapters off"
@@ -234,7 +234,7 @@ def derive(cfg, rank, W, device):
         need(abs(getattr(cfg, k) or 0.0) <= FLOAT32_MAX, f"--{k} must be finite in float32, not {getattr(cfg, k)}")
     for k, choices in dict(kl_estimator=list(KL_ESTIMATORS), kl_loss_estimator=list(KL_ESTIMATORS),
                            advantage_estimator=list(ADVANTAGE_ESTIMATORS), is_correction=list(IS_CORRECTIONS),
-                           loss_agg=list(LOSS_AGGREGATIONS), lr_schedule=["constant", "linear"],
+                           loss_agg=list(LOSS_AGGREGATIONS), lr_schedule=["constant", "linear", "cosine"],
                            ratio_level=["token", "sequence"],
                            dtype=["auto", "bf16", "fp32"], activation_checkpointing=["auto", "on", "off"]).items():
         need(getattr(cfg, k) in choices, f"--{k} must be one of {choices}, not {getattr(cfg, k)!r}")

@@ -10933,6 +10933,16 @@ def test_lr_schedule_by_hand():
     f = C.lr_lambda(dataclasses.replace(cfg, lr_schedule="constant"))
     assert [f(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert C.lr_lambda(dataclasses.replace(cfg, warmup_steps=0))(0) == 1.0
+    # cosine: 0.5 (1 + cos(pi i / total)), times the warmup; half way (i = 9 of 18) the warmed-up rate halves
+    f = C.lr_lambda(dataclasses.replace(cfg, lr_schedule="cosine"))
+    assert [f(i) for i in range(total + 2)] == pytest.approx(
+        [min(1.0, (i + 1) / 4) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)) for i in range(total + 2)],
+        rel=1e-12, abs=1e-15)
+    assert f(9) == pytest.approx(0.5) and f(total) == 0.0 and f(total + 1) == 0.0
+    assert ppo.derive(dataclasses.replace(cfg, lr_schedule="cosine"), 0, 1, torch.device("cpu"))
+    with pytest.raises(UsageError, match=re.escape("--lr_schedule must be one of ['constant', 'linear', 'cosine'], "
+                                                   "not 'cos'")):
+        ppo.derive(dataclasses.replace(cfg, lr_schedule="cos"), 0, 1, torch.device("cpu"))
 
 
 def test_save_and_load_restore_the_state_and_the_schedule(tiny_run, group, tmp_path, capsys):
