@@ -8651,7 +8651,7 @@ def test_ppo_losses_hand_computed(monkeypatch):
     # policy_forward gets the reference only then
     kl, refs = torch.tensor([[0.5, 0.0, 2.0, 0.25, 1.0, nan]], requires_grad=True), []
     monkeypatch.setattr(ppo, "policy_forward", lambda actor, mb, temperature, ref=None: refs.append(ref) or dict(
-        logp=logp, entropy=entropy, kl=kl))
+        logp=logp, entropy=entropy, kl=kl, ref_logp=torch.zeros(1, 6)))  # (policy_forward's with a reference)
     kl_cfg = ppo.Config(clip_coef=0.2, dual_clip=3.0, loss_clip_val=0.2, entropy_coef=0.1, kl_loss_coef=0.5)
     a2, _, _ = ppo.ppo_losses(None, critic, mb, kl_cfg, n_tokens=10, world=2, ref="ref")
     assert a2.item() == pytest.approx((sum(pg) - 0.1 * 7.5 + 0.5 * 3.75) * scale, rel=1e-6)
