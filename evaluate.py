@@ -100,6 +100,20 @@ def score_metrics(per_prompt, preds=None):
     return out
 
 
+def summary(rows, n, names, has_pred, prefix="eval/"):
+    """The metrics of evaluation rows (n a prompt, in order) under prefix: score_metrics', the mean KL, length and
+    stop rate, and the mean of each reward/<name> over the rows that report it."""
+    col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
+    score = col("score")
+    per_prompt = [score[i : i + n] for i in range(0, len(score), n)]  # each prompt's n scores
+    preds = [[r["pred"] for r in rows[i : i + n]] for i in range(0, len(rows), n)] if has_pred else None
+    out = {prefix + k[len("eval/"):]: v for k, v in score_metrics(per_prompt, preds).items()}
+    out.update({prefix + "kl": statistics.fmean(col("kl")), prefix + "response_length": statistics.fmean(col("length")),
+                prefix + "stop_rate": statistics.fmean(col("stopped"))})
+    return out | {prefix + name: statistics.fmean(v) for name in names
+                  if (v := [r[name] for r in rows if r[name] is not None])}
+
+
 @torch.no_grad()
 def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenizer, stop_ids, pad_id, generate=generate,
              wait=None):
@@ -147,23 +161,22 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     rows = [None] * W
     dist.all_gather_object(rows, mine_rows)
     rows = [r for part in rows for r in part]  # (G,) in the file's order: rank r holds rows [r k, (r + 1) k)
+    for name, lo, hi in prompts.sets:  # several held-out files: which one each row's prompt came from
+        for r in rows[lo * n : hi * n]:
+            r["set"] = name
     names = sorted({name for r in rows for name in r if name.startswith("reward/")})
     has_pred = any("pred" in r for r in rows)
-    columns = (*ROW, *(("sample",) if n > 1 else ()), *(("pred",) if has_pred else ()), *names)
+    columns = (*(("set",) if prompts.sets else ()), *ROW, *(("sample",) if n > 1 else ()),
+               *(("pred",) if has_pred else ()), *names)
     rows = [{c: r.get(c) for c in columns} for r in rows]  # every row the same columns (None: not reported)
     bad = [r for r in rows if not math.isfinite(r["score"])]
     if bad:  # on every rank alike (the gathered rows), as training refuses its own
         raise FloatingPointError(f"eval after step {step}: the reward gave non-finite scores to {len(bad)} of the {G} "
                                  f"{'prompts' if n == 1 else f'responses ({n} a prompt)'} of {prompts.path} "
                                  f"({[r['score'] for r in bad[:4]]}), the first to {bad[0]['prompt']!r:.100}")
-    col = lambda key: [float(r[key]) for r in rows]  # noqa: E731
-    score = col("score")
-    per_prompt = [score[i * n : (i + 1) * n] for i in range(E)]  # each prompt's n scores
-    preds = [[r["pred"] for r in rows[i * n : (i + 1) * n]] for i in range(E)] if has_pred else None
-    metrics = {"step": step, **counters, **score_metrics(per_prompt, preds),  # score_std: NaN (null) for one prompt
-               "eval/kl": statistics.fmean(col("kl")), "eval/response_length": statistics.fmean(col("length")),
-               "eval/stop_rate": statistics.fmean(col("stopped")),
-               **{f"eval/{name}": statistics.fmean(r[name] for r in rows if r[name] is not None) for name in names}}
+    metrics = {"step": step, **counters, **summary(rows, n, names, has_pred)}  # score_std: NaN (null) for one prompt
+    for name, lo, hi in prompts.sets:  # and each file's own, beside their union's
+        metrics.update(summary(rows[lo * n : hi * n], n, names, has_pred, f"eval/{name}/"))
     if reward is not None:
         metrics["eval/reward_errors"] = all_sum(float(errors)).item()
     return dict(metrics, **{"time/eval": time.time() - t0}), rows

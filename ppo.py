@@ -124,7 +124,7 @@ class Config:
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE lambda
     # held-out evaluation (evaluate.py)
-    eval_prompts: str = "auto"  # JSONL prompts; auto: eval_prompts.jsonl if --prompts is the shipped one; "": none
+    eval_prompts: str = "auto"  # JSONL (a,b: several); auto: eval_prompts.jsonl beside the shipped prompts; "": none
     eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
     eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     eval_samples_per_prompt: int = 1  # responses to each held-out prompt (eval_temperature > 0): mean@n and best@n

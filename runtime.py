@@ -405,8 +405,8 @@ def hold_to_types(cfg):
             v = tuple(v) if isinstance(v, (list, tuple)) else tuple(v.split(",")) if isinstance(v, str) else (v,)
             ok = len(v) == 2 and all(isinstance(i, (int, float)) and not isinstance(i, bool) for i in v)
             v = tuple(float(i) for i in v) if ok else v
-        elif want is str:
-            v, ok = str(v), True
+        elif want is str:  # (a list of names: fire reads "a,b" as a tuple)
+            v, ok = ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v), True
         else:  # bool, int, float: a bool is not a number here, an int is a float
             ok = isinstance(v, bool) if want is bool else isinstance(v, (int, want)) and not isinstance(v, bool)
             v = want(v) if ok else v
@@ -598,13 +598,16 @@ class Logger:
                                                                      data=[list(r.values()) for r in rows])},
                            evaluation=True)
         n = getattr(self.cfg, "eval_samples_per_prompt", 1)
-        E = len(rows) // n  # prompts, n responses each (eval/score_std: of their mean scores)
-        se = f"{m['eval/score_std'] / E ** 0.5:.3f}" if E > 1 else "n/a"  # (one prompt: no spread)
-        best = f"| best@{n} {m['eval/score_best']:+.3f} " if "eval/score_best" in m else ""
-        best += f"| maj@{n} {m['eval/score_maj']:+.3f} " if "eval/score_maj" in m else ""
-        print(f"eval {m['step']:4d} | score {m['eval/score']:+.3f} +- {se} {best}{reward_words(m, 'eval/reward/')}"
-              f"| kl {m['eval/kl']:+.3f} | len {m['eval/response_length']:.1f} | stop {m['eval/stop_rate']:.2f} "
-              f"| {E} prompts{f' x {n}' if n > 1 else ''} | {m['time/eval']:.1f}s", flush=True)
+        sets = list(dict.fromkeys(r["set"] for r in rows)) if rows and "set" in rows[0] else []  # several files
+        for name, part in [(None, rows)] + [(s, [r for r in rows if r["set"] == s]) for s in sets]:
+            k, E = f"eval/{name}/" if name else "eval/", len(part) // n  # prompts, n responses each
+            se = f"{m[k + 'score_std'] / E ** 0.5:.3f}" if E > 1 else "n/a"  # (one prompt: no spread)
+            best = f"| best@{n} {m[k + 'score_best']:+.3f} " if k + "score_best" in m else ""
+            best += f"| maj@{n} {m[k + 'score_maj']:+.3f} " if k + "score_maj" in m else ""
+            print(f"eval {m['step']:4d} | {f'{name}: ' if name else ''}score {m[k + 'score']:+.3f} +- {se} {best}"
+                  f"{reward_words(m, k + 'reward/')}| kl {m[k + 'kl']:+.3f} | len {m[k + 'response_length']:.1f} | "
+                  f"stop {m[k + 'stop_rate']:.2f} | {E} prompts{f' x {n}' if n > 1 else ''}"
+                  + ("" if name else f" | {m['time/eval']:.1f}s"), flush=True)
 
     def state(self):
         """What a checkpoint keeps of the log: the metrics so far and the wandb run a resumed run continues."""

@@ -10569,6 +10569,38 @@ def test_total_steps_0_evaluates_and_stops(tiny_run, tmp_path):
     assert {name: folder_snapshot(done / name) for name in kept} == kept and "exporting" not in p.stdout
 
 
+def test_several_held_out_sets_are_their_union_and_each_on_its_own(tiny_run, tmp_path):
+    # --eval_prompts=a.jsonl,b.jsonl (verl's several validation files): one evaluation of their prompts in turn, the
+    # union's metrics and rows those of one file holding both (the same keys: bitwise), each row marked with its set,
+    # and each set's metrics those of its own rows (summary on them), on the console too; sampled, 2 a prompt.
+    # Names: the file's stem, its path where two stems agree; the same file twice is refused. fire reads a list of
+    # names without dots ("gsm8k,math") as a tuple: the field holds them joined again
+    import data
+    import evaluate
+    import ppo
+
+    os.makedirs(tmp_path / "sub")
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": p} for p in TINY_EVAL_PROMPTS[:3]])
+    b = write_jsonl(tmp_path / "sub" / "b.jsonl", [{"prompt": p} for p in TINY_EVAL_PROMPTS[3:]])
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": p} for p in TINY_EVAL_PROMPTS])
+    kw = dict(total_steps=0, eval_samples_per_prompt=2, eval_temperature=1.0)
+    (p, sets), (_, one) = concurrently(lambda: run_ppo(tiny_run, tmp_path / "sets", eval_prompts=f"{a},{b}", **kw),
+                                       lambda: run_ppo(tiny_run, tmp_path / "one", eval_prompts=both, **kw))
+    rows = samples_of(tmp_path / "sets", 0)
+    assert [r.pop("set") for r in rows] == ["a"] * 6 + ["b"] * 4 and rows == samples_of(tmp_path / "one", 0)
+    pooled = {k: v for k, v in sets[0].items() if not k.startswith(("eval/a/", "eval/b/", "time/"))}
+    assert pooled == {k: v for k, v in one[0].items() if not k.startswith("time/")}
+    names = sorted(k for k in rows[0] if k.startswith("reward/"))
+    for name, part in (("a", rows[:6]), ("b", rows[6:])):
+        want = evaluate.summary(part, 2, names, False, f"eval/{name}/")
+        assert want and {k: v for k, v in sets[0].items() if k.startswith(f"eval/{name}/")} == pytest.approx(want)
+        assert f"eval    0 | {name}: score {want[f'eval/{name}/score']:+.3f}" in p.stdout
+    assert data.set_names(["x/test.jsonl", "y/test.jsonl", "z/dev.jsonl"]) == ["x/test", "y/test", "z/dev"]
+    with pytest.raises(UsageError, match=re.escape(f"--eval_prompts names a file twice: {a},{a}")):
+        data.set_names([a, a])
+    assert ppo.Config(eval_prompts=("gsm8k", "math")).eval_prompts == "gsm8k,math"
+
+
 def popen_ppo(tiny_run, out_dir, **kw):
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
     return subprocess.Popen([sys.executable, os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
@@ -13395,7 +13427,8 @@ def test_evaluation_is_due_before_the_first_step_every_eval_every_steps_and_afte
 
 
 class Prompts(types.SimpleNamespace):
-    """A data.PromptSet's fields, for evaluate(): ids, texts, records, path."""
+    """A data.PromptSet's fields, for evaluate(): ids, texts, records, path (and sets: one file)."""
+    sets = ()
 
     def __len__(self):
         return len(self.ids)
