@@ -317,8 +317,8 @@ class Rollouts:
 
     def state_dict(self):
         """The batch drawn for the next step, every rank's rows in global row order; waits for it. A collective:
-        every rank calls it. None for rollouts drawn at each step (nothing is pending)."""
-        if not self.cfg.async_rollout:
+        every rank calls it. None when nothing is pending (rollouts drawn at each step)."""
+        if self.next is None:
             return None
         job = self._wait(self.next)
         everyone = [None] * self.run.world
