@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from gae import uses_reference
 from hf import finish_write, read_checkpoint, resolve, save_hf
 from lora import AdaptersOff, adapter_state, add_adapters
 from model import Transformer, decodes_transposed, store_transposed
@@ -209,8 +210,8 @@ def build_models(cfg, run, mesh):
     gen = gen.to_empty(device=run.device).requires_grad_(False)  # filled by copy_weights_from before each rollout
     if decodes_transposed(run.device, run.dtype):
         store_transposed(gen)  # the layout oneDNN's float32 decode reads fastest
-    m = dict(actor=actor, ref=AdaptersOff(actor) if run.lora else frozen_like(actor, mesh, run), gen=gen,
-             reward_model=None)
+    ref = (AdaptersOff(actor) if run.lora else frozen_like(actor, mesh, run)) if uses_reference(cfg) else None
+    m = dict(actor=actor, ref=ref, gen=gen, reward_model=None)  # (no KL penalty or loss: no reference)
     shared = bool(run.lora and run.critic and cfg.reward_model)  # the critic's base is the reward model
     if cfg.reward_model and not shared:
         m["reward_model"] = load_sharded(cfg.reward_model, mesh, run, head="value", frozen=True)

@@ -108,7 +108,9 @@ def summary(rows, n, names, has_pred, prefix="eval/"):
     per_prompt = [score[i : i + n] for i in range(0, len(score), n)]  # each prompt's n scores
     preds = [[r["pred"] for r in rows[i : i + n]] for i in range(0, len(rows), n)] if has_pred else None
     out = {prefix + k[len("eval/"):]: v for k, v in score_metrics(per_prompt, preds).items()}
-    out.update({prefix + "kl": statistics.fmean(col("kl")), prefix + "response_length": statistics.fmean(col("length")),
+    if rows[0]["kl"] is not None:  # (None: no reference)
+        out[prefix + "kl"] = statistics.fmean(col("kl"))
+    out.update({prefix + "response_length": statistics.fmean(col("length")),
                 prefix + "stop_rate": statistics.fmean(col("stopped"))})
     return out | {prefix + name: statistics.fmean(v) for name in names
                   if (v := [r[name] for r in rows if r[name] is not None])}
@@ -149,8 +151,11 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
                                      run.device).tolist()
     else:
         scores = sc["score"][:n_real].tolist()
-    kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
-    kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
+    if "ref_logp" in sc:  # (a run without a KL penalty or loss has no reference, and measures no KL)
+        kl = kl_estimate(sc["old_logp"], sc["ref_logp"], cfg.kl_estimator, sc["kl_exact"])  # (k, R)
+        kl = masked_sum(kl.abs() if cfg.use_absolute_kl else kl, mask, dim=1).tolist()  # (k,) summed per response
+    else:
+        kl = [None] * len(idx)
     extras = reward.extras if reward is not None else [{}] * n_real  # what a reward function returned beside scores
     preds = reward.preds if reward is not None else [None] * n_real  # the answers it read ("pred"), or None
     mine_rows = [dict(prompt=prompts.texts[i], response=t, score=s, kl=x, length=L, stopped=e,

@@ -699,6 +699,12 @@ class ScoreNorm:
         self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
 
 
+def uses_reference(cfg):
+    """Whether a run reads the reference: for the KL penalty in the reward (kl_coef > 0; --target_kl adapts it) or
+    the KL loss (kl_loss_coef > 0). Without either no reference is built, run or planned, and no KL is measured."""
+    return cfg.kl_coef > 0 or cfg.kl_loss_coef > 0
+
+
 def kl_controller(kl_coef, target_kl=0.0, horizon=10000):
     """The run's beta: adaptive towards target_kl when it is > 0 (AdaptiveKLController), else fixed at kl_coef."""
     return AdaptiveKLController(kl_coef, target_kl, horizon) if target_kl > 0 else FixedKLController(kl_coef)

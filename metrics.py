@@ -26,13 +26,15 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     """The step's metrics from its tensors: sums over this rank's rows, summed over ranks (an all_sum each for the
     per-response sums, the per-token sums, the minibatches' sums and the token slots; masked_var adds its own),
     per-minibatch means averaged over every minibatch of the step. Without a critic (ret None) no value metric is
-    logged; with --is_correction=none no importance-weight metric."""
+    logged; with --is_correction=none no importance-weight metric; without a reference (no KL penalty or loss: sc has
+    no ref_logp) no KL metric."""
     tok = functools.partial(masked_sum, mask=mask)  # over the response tokens; select, don't multiply
     w, cut = is_weights(sc["old_logp"], sampler_logp, mask, cfg)
 
-    seq = {"objective/scores": sc["score"].sum(), "objective/kl": tok(kl),
-           **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k, sc["kl_exact"]))
-              for k in KL_ESTIMATORS},
+    kls = {"objective/kl": tok(kl), **{f"objective/kl_{k}": tok(kl_estimate(sc["old_logp"], sc["ref_logp"], k,
+                                                                             sc["kl_exact"])) for k in KL_ESTIMATORS}
+           } if "ref_logp" in sc else {}
+    seq = {"objective/scores": sc["score"].sum(), **kls,
            "objective/rlhf_reward": tok(rewards), "objective/score_used": score.sum(), "val/stop_rate": ended.sum()}
     per_tok = {"objective/entropy": tok(sc["entropy"]),
                "val/sampler_logprob_diff": tok((sampler_logp - sc["old_logp"]).abs()),
@@ -53,8 +55,8 @@ def step_metrics(mask, sc, score, kl, rewards, ret, ended, sampler_logp, updates
     out = {k: v / B_all for k, v in zip(seq, tot_seq.tolist())}
     out.update({k: v / n_resp for k, v in zip(list(per_tok)[:-1], tot_tok.tolist())})
     out.update({
-        "objective/kl_coef": beta,
-        "objective/non_score_reward": -beta * out["objective/kl"],
+        **({"objective/kl_coef": beta, "objective/non_score_reward": -beta * out["objective/kl"]}
+           if "ref_logp" in sc else {}),
         "policy/approxkl_avg": avg["approxkl"], "policy/clipfrac_avg": avg["clipfrac"],
         "policy/entropy_avg": avg["entropy"], "loss/policy_avg": avg["policy_loss"],
         "val/ratio": avg["ratio"],

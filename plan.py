@@ -64,6 +64,7 @@ import traceback
 import torch
 
 from data import check_reward_head
+from gae import uses_reference
 from kernels.utils import DEFAULT_CONFIG, cdiv, vocab_chunk, vocab_splits
 from hf import read_config
 from model import ModelConfig
@@ -361,8 +362,11 @@ def build(cfg, run):
     need(not policy_is_cls, f"--model: {cfg.model} is a sequence classifier: the policy needs an LM head")
     need(T <= c.max_position_embeddings, f"--max_prompt_len + --max_new_tokens = {T} does not fit the context of "
          f"{cfg.model} ({c.max_position_embeddings} positions)")
-    # LoRA: the reference is the actor with its adapters off (checkpoint.build_models), no model of its own
-    actor, ref = Model(c, "lm", source=cfg.model, lora=lora), None if lora else Model(c, "lm", source=cfg.model)
+    # LoRA: the reference is the actor with its adapters off (checkpoint.build_models), no model of its own; a run
+    # without a KL penalty or loss has none at all (gae.uses_reference)
+    kl_ref = uses_reference(cfg)
+    actor = Model(c, "lm", source=cfg.model, lora=lora)
+    ref = Model(c, "lm", source=cfg.model) if kl_ref and not lora else None
     if cfg.reward_model:
         rc, rm_is_cls = read_model(cfg.reward_model, "--reward_model")  # load_inputs' checks of the two configs
         need(rc.vocab_size >= c.vocab_size, f"--reward_model: {cfg.reward_model} has {rc.vocab_size} token embeddings, "
@@ -448,15 +452,16 @@ def build(cfg, run):
     N_i, N_t = rows_i * R, rows_t * R
     frozen = [(f"{who} root, gathered from its first forward until the phase ends", gathered_root(m))
               for who, m in (("reference", ref), ("reward model", None if shared else rm)) if m is not None]
-    _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=True)
+    _, fwd_i, _ = head_bytes(N_i, H, V, cb, kl=kl_ref)
     work_i = rows_i * T
+    ref_h = [(f"reference hidden states, {N_i} response tokens" + (" (the actor, adapters off)" if lora else ""),
+              N_i * cb * H)] if kl_ref else []
     scoring = [
         ("actor forward", [
-            (f"reference hidden states, {N_i} response tokens" + (" (the actor, adapters off)" if lora else ""),
-             N_i * cb * H),
+            *ref_h,
             ("actor blocks gathered: one computing, one prefetched", units_fwd(actor)), *fetched("actor", actor),
             (f"actor block working set, {rows_i} x {T} tokens", work_i * block_forward_bytes(c, cb)),
-            ("fused logprob/entropy + KL forward scratch", fwd_i)])]
+            ("fused logprob/entropy" + " + KL" * kl_ref + " forward scratch", fwd_i)])]
     if critic is not None:
         scoring.append(("critic forward", [
             ("critic blocks gathered", units_fwd(critic)), *fetched("critic", critic),
@@ -532,8 +537,8 @@ def build(cfg, run):
     if off:  # per step and rank, what crosses PCIe, and the pinned host memory that holds the offloaded state
         n_s, n_t = cdiv(run.local_rows, rows_i), cfg.ppo_epochs * cdiv(run.local_rows, rows_t)
         blocks = lambda m: m.L * m.stored(m.block, W, cb)  # every block's shard, as stored
-        twice = 2 if lora else 1  # LoRA: the reference's forward gathers the actor's blocks, the reward model's
-        # (shared) the critic's; a root is gathered once per phase or micro-batch and kept through it
+        twice = 2 if lora and kl_ref else 1  # LoRA: the reference's forward gathers the actor's blocks, the reward
+        # model's (shared) the critic's; a root is gathered once per phase or micro-batch and kept through it
         facts["h2d"] = (n_s * (twice * blocks(actor) + (2 if shared else 1) * (blocks(critic) if critic else 0))
                         + (1 + n_t) * sum(m.stored(m.root, W, cb) for m in trained)
                         + n_t * sum(2 * blocks(m) for m in trained) + (n_t * blocks(actor) if lora and kl else 0)

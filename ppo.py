@@ -65,7 +65,7 @@ from data import PromptSampler, left_pad, load_inputs, micro_batches, minibatch_
 from evaluate import due, evaluate
 from gae import (ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ScoreNorm, estimator_unread,
                  final_score, is_settings_unread, is_weights, kl_controller, kl_estimate, loss_weights, masked_mean,
-                 masked_sum, overlong_penalty, shape_rewards)
+                 masked_sum, overlong_penalty, shape_rewards, uses_reference)
 from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
@@ -270,6 +270,7 @@ def derive(cfg, rank, W, device):
         (cfg.wandb, ("wandb_project",), "without --wandb"),
         (cfg.ptx_coef > 0, ("sft_data", "ptx_batch_size"), "without --ptx_coef"),
         (cfg.target_kl > 0, ("kl_horizon",), "without --target_kl"),
+        (uses_reference(cfg), ("kl_estimator", "use_absolute_kl"), "with no KL penalty or loss: no KL is measured"),
         (cfg.kl_loss_coef > 0, ("kl_loss_estimator",), "without --kl_loss_coef"),
         (cfg.overlong_buffer, ("overlong_penalty",), "without --overlong_buffer"),
         (False, is_settings_unread(cfg.is_correction), f"with --is_correction={cfg.is_correction}"),
@@ -328,8 +329,8 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
     (B, R), out = batch["response_mask"].shape, dict(slots=0, pad=0)
     mbs = micro_batches(batch, torch.arange(B, device=batch["tokens"].device), run.infer_micro)
     for rows, mb in progress(mbs, -(-B // run.infer_micro)) if progress else mbs:
-        pol = policy_forward(actor, mb, cfg.temperature, ref=ref)
-        part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol["ref_logp"], kl_exact=pol["kl"])
+        pol = policy_forward(actor, mb, cfg.temperature, ref=ref)  # ref None (no KL in the run): no ref_logp, kl
+        part = dict(old_logp=pol["logp"], entropy=pol["entropy"], ref_logp=pol.get("ref_logp"), kl_exact=pol.get("kl"))
         if critic is not None:
             part["values"] = value_forward(critic, mb)
         if reward_model is not None:  # read where transformers' *ForSequenceClassification reads, on the
@@ -337,7 +338,7 @@ def score_batch(actor, ref, critic, reward_model, batch, cfg, run, progress=None
             tokens = mb["tokens"] if rm_pad is None else torch.where(mb["attention_mask"].bool(), mb["tokens"], rm_pad)
             v = reward_model(tokens, mb["attention_mask"], mb["position_ids"])
             part["score"] = reward_at_last_token(v, tokens, rm_pad)
-        for k, v in part.items():  # into (B, R) or (B,): at the micro-batch's rows[, its (cropped) response columns]
+        for k, v in filter(lambda kv: kv[1] is not None, part.items()):  # into (B, R) or (B,): rows[, cropped cols]
             out.setdefault(k, v.new_zeros((B, R)[: v.dim()]))[(rows, slice(0, v.size(-1)))[: v.dim()]] = v
         out["slots"], out["pad"] = out["slots"] + mb["slots"], out["pad"] + mb["pad"]
     checkpoint.reshard(actor, ref, critic, reward_model)
@@ -512,15 +513,14 @@ def main(cfg: Config, reward_fn=None):
                 scores, reward_errors = rollouts.scored or reward([prompts.records[i] for i in rows], texts)  # at once
                 sc["score"] = combined_scores(sc.get("score"), scores, cfg.reward_fn_coef, reward.extras, device)
             if not torch.isfinite(sc["score"]).all():
-                raise FloatingPointError(f"step {step}, rank {rank}: the reward gave non-finite scores: "
-                                         f"{sc['score'].tolist()}")
+                raise FloatingPointError(f"step {step}, rank {rank}: non-finite reward scores {sc['score'].tolist()}")
 
             # ---- 3. per-token reward: -beta * kl_t, plus the score (clipped / penalised) at the last response token
             overlong = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             score = final_score(score_norm(sc["score"]), ro.ended, cfg.score_clip or None, cfg.non_stop_penalty,
                                 overlong)  # standardised (--score_norm), clipped, penalised: the score used
-            rewards, kl = shape_rewards(score, sc["old_logp"], sc["ref_logp"], mask, kl_ctl.value, cfg.kl_estimator,
-                                        cfg.use_absolute_kl, kl_exact=sc["kl_exact"])
+            rewards, kl = shape_rewards(score, sc["old_logp"], sc.get("ref_logp", sc["old_logp"]), mask, kl_ctl.value,
+                                        cfg.kl_estimator, cfg.use_absolute_kl, kl_exact=sc.get("kl_exact"))  # 0: no ref
 
             # ---- 4. advantages (GAE with the critic's values by default; gae.ADVANTAGE_ESTIMATORS)
             kl_reward = torch.where(mask, -kl_ctl.value * kl, 0.0)  # (B, R), the reward's KL part
@@ -546,7 +546,7 @@ def main(cfg: Config, reward_fn=None):
             # ---- 6. adaptive KL controller, on the KL that went into the reward
             metrics = step_metrics(mask, sc, score, kl, rewards, ret, ro.ended, ro.logprobs, updates, kl_ctl.value,
                                    run.rows, run.trained, cfg)  # kl_ctl.value: the step's beta, before the update
-            kl_ctl.update(metrics["objective/kl"], run.rows)
+            kl_ctl.update(metrics.get("objective/kl", 0.0), run.rows)  # (no reference: beta 0, fixed)
 
             # ---- log, and checkpoint every save_every steps, at the end, and when a signal asks to stop
             counted = counters(step, cfg, sampler)

@@ -567,8 +567,8 @@ class Logger:
             self._to_wandb(lambda: m)
         if m["step"] % self.cfg.log_every == 0:
             vloss = f"| vloss {m['loss/value_avg']:.4f} " if "loss/value_avg" in m else ""  # with a critic
-            print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} {reward_words(m, 'reward/')}"
-                  f"| kl {m['objective/kl']:+.3f} "
+            kl = f"| kl {m['objective/kl']:+.3f} " if "objective/kl" in m else ""  # with a reference
+            print(f"step {m['step']:4d} | score {m['objective/scores']:+.3f} {reward_words(m, 'reward/')}{kl}"
                   f"| entropy {m['objective/entropy']:.3f} | clipfrac {m['policy/clipfrac_avg']:.3f} "
                   f"{vloss}| len {m['val/response_length']:.1f} "
                   f"| stop {m['val/stop_rate']:.2f} | {m['time/step']:.1f}s", flush=True)
@@ -605,7 +605,8 @@ class Logger:
             best = f"| best@{n} {m[k + 'score_best']:+.3f} " if k + "score_best" in m else ""
             best += f"| maj@{n} {m[k + 'score_maj']:+.3f} " if k + "score_maj" in m else ""
             print(f"eval {m['step']:4d} | {f'{name}: ' if name else ''}score {m[k + 'score']:+.3f} +- {se} {best}"
-                  f"{reward_words(m, k + 'reward/')}| kl {m[k + 'kl']:+.3f} | len {m[k + 'response_length']:.1f} | "
+                  f"{reward_words(m, k + 'reward/')}" + (f"| kl {m[k + 'kl']:+.3f} " if k + "kl" in m else "")
+                  + f"| len {m[k + 'response_length']:.1f} | "
                   f"stop {m[k + 'stop_rate']:.2f} | {E} prompts{f' x {n}' if n > 1 else ''}"
                   + ("" if name else f" | {m['time/eval']:.1f}s"), flush=True)
 

@@ -15065,6 +15065,48 @@ def test_dry_run_without_a_critic_plans_no_critic(tiny_run, group):
     assert planned["actor weights, fp32 shard"] == 4 * f["actor"].numel()
 
 
+def test_a_run_without_kl_builds_plans_and_runs_no_reference(tiny_run, group):
+    # --kl_coef=0 and no --kl_loss_coef (DAPO's, Dr. GRPO's setting): no reference is built (LoRA's adapters-off view
+    # neither), planned (no weights, no hidden states, the fused head without its KL) or run; the rest of the plan as
+    # with one; the flags only the KL reads are refused as doing nothing
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ppo
+
+    cfg = ppo.Config(model=tiny_run["policy"], kl_coef=0.0, rollout_batch_size=8, mini_batch_size=8,
+                     max_prompt_len=16, max_new_tokens=16, dtype="fp32")
+    with_kl = dataclasses.replace(cfg, kl_coef=0.05)
+    (p, f), (text, _) = plan.build(cfg, ppo.derive(cfg, 0, 1, torch.device("cuda"))), plan.report(
+        cfg, ppo.derive(cfg, 0, 1, torch.device("cuda")))
+    q, g = plan.build(with_kl, ppo.derive(with_kl, 0, 1, torch.device("cuda")))
+    assert "reference" not in text and f["ref"] is None and g["ref"] is not None and " + KL" not in text
+    assert p.persistent == [line for line in q.persistent if not line[0].startswith("reference")]
+    assert p.peak(p.phases[1]) < q.peak(q.phases[1]) and p.phases[2] == q.phases[2]  # scoring less; training alike
+    cpu = torch.device("cpu")
+    for c in (cfg, dataclasses.replace(cfg, lora_rank=2)):
+        assert C.build_models(c, ppo.derive(c, 0, 1, cpu), init_device_mesh("cpu", (1,)))["ref"] is None
+    assert C.build_models(dataclasses.replace(cfg, kl_loss_coef=0.1), ppo.derive(cfg, 0, 1, cpu),
+                          init_device_mesh("cpu", (1,)))["ref"] is not None  # the KL loss reads it
+    for kw in (dict(kl_estimator="k3"), dict(use_absolute_kl=True)):
+        with pytest.raises(UsageError, match=f"--{next(iter(kw))} set with no KL penalty or loss: no KL is measured"):
+            ppo.derive(dataclasses.replace(cfg, **kw), 0, 1, cpu)
+
+
+@slow
+def test_a_run_without_kl_logs_no_kl(tiny_run, tmp_path):
+    # a KL-free GRPO run: it trains, and no KL is logged (no metric, no console word, a held-out row's kl null), nor
+    # beta
+    kw = dict(kl_coef=0.0, advantage_estimator="grpo", samples_per_prompt=2, **NO_CRITIC,
+              eval_prompts=tiny_run["eval_prompts"])
+    p, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, **kw)
+    steps = [r for r in rows if "objective/scores" in r]
+    assert all(not any("kl" in k and k != "policy/approxkl_avg" for k in r) for r in rows)
+    assert all(r["policy/approxkl_avg"] > 0 for r in steps) and "| kl " not in p.stdout
+    assert all(row["kl"] is None for row in samples_of(tmp_path / "out", 2))
+
+
 # -----------------------------------------------------------------------------
 # the README's three cases: 1k-token prompts, 1k-token responses, 512 prompts a step
 
