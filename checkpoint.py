@@ -76,7 +76,8 @@ MODEL_FIELDS = ("model", "reward_model")
 SAMPLE_BYTES = 2**20  # of a model file over HASH_BELOW, the fingerprint reads this much at its start, middle and end
 # Nor does what only watches the run (held-out evaluation reads the weights and moves no state) or spreads the reward
 # calls over threads (the scores come back in order).
-MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "eval_samples_per_prompt", "reward_workers"}
+MAY_CHANGE_ON_RESUME |= {"eval_prompts", "eval_every", "eval_temperature", "eval_samples_per_prompt", "reward_workers",
+                         "eval_top_p"}
 # How a run behaved before a Config field existed, where that is not the field's default: a checkpoint without the
 # field resumes at this value (and is refused, naming it, at another). Before --is_correction, no weight: "none".
 BEFORE_FIELD = {"is_correction": "none"}

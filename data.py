@@ -530,7 +530,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     (evaluate.py reports each set beside their union)."""
     path = cfg.eval_prompts if cfg.eval_prompts != "auto" else SHIPPED.get(os.path.realpath(cfg.prompts), "")
     if not path:  # then the evaluation's own flags would do nothing (set: not the Config's default)
-        idle = [f"--{k}" for k in ("eval_every", "eval_temperature", "eval_samples_per_prompt")
+        idle = [f"--{k}" for k in ("eval_every", "eval_temperature", "eval_samples_per_prompt", "eval_top_p")
                 if getattr(cfg, k, None) != getattr(type(cfg), k, None)]
         idle += ["--total_steps=0"] * (getattr(cfg, "total_steps", 1) == 0)  # (the evaluation alone)
         need(not idle, f"{', '.join(idle)} set without held-out prompts (--eval_prompts={cfg.eval_prompts}"
@@ -540,6 +540,10 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     n = getattr(cfg, "eval_samples_per_prompt", 1)
     need(n == 1 or cfg.eval_temperature > 0, f"--eval_samples_per_prompt={n} with --eval_temperature=0 (greedy) "
          f"would draw the same response {n} times: give --eval_temperature > 0 (the training one, say)")
+    top_p = getattr(cfg, "eval_top_p", 1.0)
+    need(top_p <= 1, f"--eval_top_p must be in (0, 1], not {top_p!r}")
+    need(top_p == 1 or cfg.eval_temperature > 0, f"--eval_top_p={top_p} with --eval_temperature=0 (greedy) would do "
+         "nothing: greedy decoding takes the most likely token, which every nucleus holds")
     paths = [p.strip() for p in path.split(",")]
     need(all(paths), f"--eval_prompts={path}: an empty name between commas")
     parts = []

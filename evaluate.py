@@ -135,6 +135,7 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
     idx, n_real = [min(g, G - 1) // n for g in mine], max(0, min(k, G - run.rank * k))  # the rows' prompts
     m["gen"].copy_weights_from(m["actor"])  # the weights after this step's update
     ro = generate(m["gen"], [prompts.ids[i] for i in idx], cfg.max_new_tokens, temperature=cfg.eval_temperature,
+                  top_p=getattr(cfg, "eval_top_p", 1.0),  # (a nucleus only here: training's logprobs are the full ones)
                   eos_token_id=stop_ids, pad_token_id=pad_id, seeds=eval_seeds(cfg.seed, mine).to(run.device),
                   micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
                   progress=progress(f"eval {step} rollout"))

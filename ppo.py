@@ -70,7 +70,7 @@ from hf import gguf_parsed_once
 from lora import TARGETS, LoRAConfig, seed_dropout
 from metrics import counters, learning_rates, phase_times, reward_means, step_metrics
 from model import cpu_has_bf16, reward_at_last_token
-from reward import FLOAT32_MAX, REWARD_FNS, RewardCaller, combined_scores, is_file_spec, recorded_name, reward_function
+from reward import FLOAT32_MAX, RewardCaller, check_reward_flag, combined_scores, recorded_name, reward_function
 from rollout import MIN_TEMPERATURE, generate
 from runtime import (Logger, StopSignal, all_sum, bad_updates_in_a_row, doc_from_comments, grad_norm, hold_to_types,
                      keep_freed_memory, need, phase_end, print0, progress, run_command, setup_distributed)
@@ -128,6 +128,7 @@ class Config:
     eval_every: int = 8  # evaluate every N steps, besides before the first step and after the last; 0: those two only
     eval_temperature: float = 0.0  # sampling temperature of the evaluation; 0 = greedy
     eval_samples_per_prompt: int = 1  # responses to each held-out prompt (eval_temperature > 0): mean@n and best@n
+    eval_top_p: float = 1.0  # nucleus sampling in the evaluation (eval_temperature > 0; R1's protocol: 0.95); 1: off
     # PPO
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 8  # rows (sampled responses) per optimizer step, over all ranks
@@ -215,7 +216,7 @@ LIMITS = {
              "score_clip", "loss_clip_val", "clip_coef_high", "sample_every", "save_every", "dry_run", "reward_timeout",
              "eval_every", "eval_temperature", "lora_rank", "total_steps", "overlong_buffer", "overlong_penalty",
              "critic_warmup_steps", "dynamic_sampling"),
-    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha"),
+    "> 0": ("temperature", "clip_coef", "max_grad_norm", "gpu_memory_gb", "is_cap", "lora_alpha", "eval_top_p"),
     "in [0, 1)": ("lora_dropout",), "in [0, 1]": ("gamma", "lam"), "in [0, 2**32)": ("seed",),  # NumPy's seed range
 }
 IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "in [0, 2**32)": lambda v: 0 <= v < 2**32,
@@ -251,9 +252,7 @@ def derive(cfg, rank, W, device):
     local_micro = min(cfg.micro_batch_size, cfg.mini_batch_size // W)  # at most one per minibatch
     need((cfg.mini_batch_size // W) % local_micro == 0,
          f"per-rank minibatch {cfg.mini_batch_size // W} must be a multiple of --micro_batch_size {local_micro}")
-    named = cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:") or is_file_spec(cfg.reward_fn)
-    need(cfg.reward_model or named, f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of "
-         f"a Python file (or give --reward_model), not {cfg.reward_fn!r}")
+    check_reward_flag(cfg)  # a built-in's name, FILE.py:NAME, or a function passed from Python
     need(cfg.ptx_coef == 0 or cfg.sft_data, "--ptx_coef > 0 needs --sft_data")
     need(cfg.dual_clip == 0 or cfg.dual_clip > 1, "--dual_clip must be > 1 (or 0 to disable)")
     bad = [t for i, t in enumerate(cfg.lora_targets) if t not in TARGETS or t in cfg.lora_targets[:i]] or "none"

@@ -199,6 +199,14 @@ def combined_scores(model_scores, scores, coef, extras, device):
     return model_scores.float() + coef * fn
 
 
+def check_reward_flag(cfg):
+    """A UsageError (ppo.derive) unless --reward_fn names a built-in, a FILE.py:NAME or a function passed from Python
+    ("python:...", as a run's config records one), or a reward model scores alone."""
+    named = cfg.reward_fn in REWARD_FNS or cfg.reward_fn.startswith("python:") or is_file_spec(cfg.reward_fn)
+    need(cfg.reward_model or named, f"--reward_fn must be one of {list(REWARD_FNS)} or FILE.py:NAME, a function of "
+         f"a Python file (or give --reward_model), not {cfg.reward_fn!r}")
+
+
 def is_file_spec(spec):
     """Whether --reward_fn has the form FILE.py:NAME, a function of a Python file (load_reward_fn)."""
     path, _, name = spec.rpartition(":")

@@ -10601,6 +10601,35 @@ def test_several_held_out_sets_are_their_union_and_each_on_its_own(tiny_run, tmp
     assert ppo.Config(eval_prompts=("gsm8k", "math")).eval_prompts == "gsm8k,math"
 
 
+def test_eval_top_p_samples_from_the_nucleus(tiny_run, tmp_path):
+    # --eval_top_p (verl's val top_p; R1's protocol samples at 0.6 with 0.95): the evaluation samples from the nucleus.
+    # A nucleus of one token is greedy decoding: the same responses as --eval_temperature=0. Its bounds, greedy
+    # decoding (where it would do nothing) and a run without held-out prompts are refused before any model loads
+    import dataclasses
+
+    import data
+    import ppo
+
+    kw = dict(total_steps=0, eval_prompts=tiny_run["eval_prompts"])
+    (_, greedy), (_, nucleus) = concurrently(lambda: run_ppo(tiny_run, tmp_path / "greedy", **kw),
+                                             lambda: run_ppo(tiny_run, tmp_path / "nucleus", eval_temperature=1.0,
+                                                             eval_top_p=1e-6, **kw))
+    responses = lambda out: [r["response"] for r in samples_of(out, 0)]  # noqa: E731
+    assert responses(tmp_path / "greedy") == responses(tmp_path / "nucleus")
+    _, sampled = run_ppo(tiny_run, tmp_path / "sampled", eval_temperature=1.0, **kw)
+    assert responses(tmp_path / "sampled") != responses(tmp_path / "greedy")
+    cfg = ppo.Config(eval_prompts=tiny_run["eval_prompts"], eval_temperature=1.0, eval_top_p=0.95)
+    tok = data.load_tokenizer(tiny_run["policy"])
+    assert len(data.load_eval_prompts(cfg, tok)) == len(TINY_EVAL_PROMPTS)
+    for bad, match in ((dict(eval_top_p=1.5), "--eval_top_p must be in (0, 1], not 1.5"),
+                       (dict(eval_temperature=0.0), "--eval_top_p=0.95 with --eval_temperature=0 (greedy) would do"),
+                       (dict(eval_prompts=""), "--eval_temperature, --eval_top_p set without held-out prompts")):
+        with pytest.raises(UsageError, match=re.escape(match)):
+            data.load_eval_prompts(dataclasses.replace(cfg, **bad), tok)
+    with pytest.raises(UsageError, match=re.escape("--eval_top_p must be > 0, not 0.0")):
+        ppo.derive(dataclasses.replace(cfg, eval_top_p=0.0), 0, 1, torch.device("cpu"))
+
+
 def popen_ppo(tiny_run, out_dir, **kw):
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
     return subprocess.Popen([sys.executable, os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
