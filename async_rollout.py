@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from data import left_pad
-from rollout import Rollout, row_seeds
+from rollout import Rollout, StopStrings, row_seeds
 from runtime import need, progress
 
 CPU_WORKER_THREADS = 1  # intra-op threads of the generation thread on a CPU (see the module docstring)
@@ -70,6 +70,8 @@ def check_rollout_flags(cfg, device):
     need(not (cfg.async_rollout and cfg.lora_dropout > 0 and device.type == "cuda"), "--lora_dropout with "
          "--async_rollout on a GPU: the worker's CUDA graphs and compiles claim and rewind the CUDA generator dropout "
          "draws from")
+    need(all(s for s in getattr(cfg, "stop_strings", ())), f"--stop_strings must be non-empty strings, not "
+         f"{getattr(cfg, 'stop_strings', ())!r}")
     if cfg.dynamic_sampling:
         why = "compares the scores of a prompt's samples, from the reward function, as it draws a step's batch"
         need(cfg.samples_per_prompt >= 2, f"--dynamic_sampling {why}: it needs --samples_per_prompt >= 2")
@@ -134,6 +136,7 @@ class Rollouts:
         self.m, self.prompts, self.sampler, self.cfg, self.run = m, prompts, sampler, cfg, run
         self.stop_ids, self.pad_id, self.generate = stop_ids, pad_id, generate
         self.reward, self.tokenizer = reward, tokenizer  # (--dynamic_sampling scores the batches it draws)
+        self.stop = StopStrings.of(getattr(cfg, "stop_strings", ()), tokenizer)
         self.next, self.pool, self.stream, self.metrics, self.scored = None, None, None, {}, None
 
     def _start(self):
@@ -176,7 +179,7 @@ class Rollouts:
         cfg, run = self.cfg, self.run
         return self.generate(self.m["gen"], [self.prompts.ids[i] for i in rows], cfg.max_new_tokens,
                              temperature=cfg.temperature, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                             seeds=seeds.to(run.device), micro_batch_size=run.rollout_micro,
+                             seeds=seeds.to(run.device), micro_batch_size=run.rollout_micro, stop=self.stop,
                              max_prompt_len=cfg.max_prompt_len, progress=progress(f"step {step} rollout"))
 
     def _work(self, job, fn):

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from gae import kl_estimate, masked_sum
 from reward import combined_scores
-from rollout import eval_seeds, generate
+from rollout import StopStrings, eval_seeds, generate
 from runtime import all_sum, progress
 
 
@@ -138,7 +138,8 @@ def evaluate(step, counters, m, prompts, reward, score_batch, cfg, run, tokenize
                   top_p=getattr(cfg, "eval_top_p", 1.0),  # (a nucleus only here: training's logprobs are the full ones)
                   eos_token_id=stop_ids, pad_token_id=pad_id, seeds=eval_seeds(cfg.seed, mine).to(run.device),
                   micro_batch_size=run.rollout_micro, max_prompt_len=cfg.max_prompt_len,
-                  progress=progress(f"eval {step} rollout"))
+                  progress=progress(f"eval {step} rollout"), stop=StopStrings.of(getattr(cfg, "stop_strings", ()),
+                                                                                 tokenizer))
     mask = ro.response_mask  # (k, R)
     texts = ro.texts(tokenizer, n_real)
     batch = dict(tokens=ro.tokens, attention_mask=ro.attention_mask, position_ids=ro.position_ids, response_mask=mask,

@@ -92,6 +92,7 @@ class Config:
     system_prompt: str = ""  # a system turn opening every prompt's chat that has none of its own; "": none
     max_prompt_len: int = 64  # longer prompts are dropped (and counted), never cut
     stop_token_ids: tuple = ()  # token ids that also end a response, besides the checkpoint's EOS ids
+    stop_strings: tuple[str, ...] = ()  # texts that end a response where they appear (kept in it), e.g. </answer>
     sft_data: str = ""  # optional JSONL of prompt/response pairs for the ptx (SFT) loss
     ptx_coef: float = 0.0  # weight of the SFT loss mixed into the actor loss (needs sft_data)
     ptx_batch_size: int = 8  # SFT pairs per optimizer step, over all ranks

@@ -24,6 +24,9 @@ rows back together at P = the widest prompt of the call, R = the longest respons
 on its prompt and seed only (the sampling noise below), not on the micro-batching, up to the float
 rounding of a GEMM at another batch size.
 
+Stop strings (StopStrings): at each check the live rows' last tokens are decoded; a row whose text now holds one
+ends with the token completing it, as at an EOS, and what it sampled since is padding.
+
 Finished rows leave the decode batch (compaction). The batch runs on views of the cache buffers'
 leading rows; when rows have sampled an EOS, the live ones are copied to the front (index_select of every
 layer's K and V, and of tok, positions, masks, seeds) and the views shrink, so no memory is allocated and
@@ -501,12 +504,57 @@ def _rollout(idx, prompt_mask, tokens, response_mask, logprobs, ended, seeds):
                    seeds=seeds)
 
 
+class StopStrings:
+    """Stop strings (vLLM's `stop`, --stop_strings): a response ends with the token that completes one of `strings`
+    in its text, which stays in the response, as an EOS does; `ended` is then True. generate asks at every check of
+    the decode loop (each step on a CPU, every CUDA_CHECK_EVERY on CUDA), for the rows still going, about their last
+    tokens: the `new` ones since the last check and `window` before them, enough to hold a stop string (every token
+    is at least a byte, and a few more for a character cut at the window's start). The tokens a row sampled after
+    its stop are dropped: a stop depends on the tokens before it alone, so this is the rollout that stopping at once
+    would give, with the same keyed noise. decode: a tokenizer's batch_decode (a list of id lists -> their texts)."""
+
+    def __init__(self, strings, decode):
+        self.strings, self.decode = tuple(strings), decode
+        self.window = max(len(s.encode()) for s in self.strings) + 4
+
+    @classmethod
+    def of(cls, strings, tokenizer):
+        """The run's (--stop_strings, decoded as the rewards read the responses), or None without any."""
+        return cls(strings, functools.partial(tokenizer.batch_decode, skip_special_tokens=True)) if strings else None
+
+    def __call__(self, windows, new):
+        """-> for each row's window (its last `new` + up to `window` tokens), the index in it of the token that
+        completes a stop string first, among the new ones, or None."""
+        hit = lambda text: any(s in text for s in self.strings)  # noqa: E731
+        out = []
+        for ids, text in zip(windows, self.decode(windows)):
+            first = max(0, len(ids) - new)
+            out.append(next((j for j in range(first, len(ids)) if hit(self.decode([ids[: j + 1]])[0])), None)
+                       if hit(text) else None)
+        return out
+
+
+def _stop_rows(stop, tokens, resp_mask, logps, mask, alive, row, P, t, new, pad):
+    """StopStrings on the live decode rows after step t (new: steps since the last check): a row whose text now holds
+    a stop string ends at the token completing it; what it sampled after that is padding (alive, in place)."""
+    live = alive.nonzero().squeeze(1).tolist()
+    if not live:
+        return
+    lo = max(0, t + 1 - new - stop.window)
+    rows = row[live].tolist()
+    for i, r, j in zip(live, rows, stop(tokens[rows, lo : t + 1].tolist(), new)):
+        if j is not None:
+            end = lo + j + 1  # the first column after the stop
+            tokens[r, end : t + 1], resp_mask[r, end : t + 1], logps[r, end : t + 1] = pad, False, 0.0
+            mask[i, P + end : P + t + 1], alive[i] = 0, False
+
+
 # -----------------------------------------------------------------------------
 # generation
 
 
 def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampling, eos_ids, pad, W, compiled,
-                        compact, check_every, static):
+                        compact, check_every, static, stop=None):
     """Samples one micro-batch's responses. idx, prompt_mask (n, P) left-padded, seeds (n,); out: the call's
     (tokens, response_mask, logprobs), each (n, N), written in place. Returns alive (n,): no EOS sampled.
     The decode batch holds `row.numel()` rows: the micro-batch's, then (compiled) finished filler rows up to a
@@ -545,6 +593,8 @@ def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampl
         mask[:, P + t] = alive  # a token sampled after EOS is padding: no later query sees it
         if eos_ids.numel():
             alive &= ~(tok[:, None] == eos_ids).any(-1)
+        if stop is not None and (t == N - 1 or (t + 1) % check_every == 0):  # (the tokens written are whole rows')
+            _stop_rows(stop, tokens, resp_mask, logps, mask, alive, row, P, t, t % check_every + 1, pad)
         if t == N - 1:
             break
         if (t + 1) % check_every == 0:
@@ -572,7 +622,7 @@ def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampl
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
              pad_token_id=None, generator=None, compile=None, seeds=None, micro_batch_size=None, max_prompt_len=None,
-             compact=True, progress=None):
+             compact=True, progress=None, stop=None):
     """Samples up to max_new_tokens tokens after each prompt (a list of token id lists).
     temperature 0 = greedy; top_k 0 and top_p 1 = off. eos_token_id: None (never stop early), an int or
     a list of ints. pad_token_id: defaults to the first EOS id, else 0. seeds: one non-negative int per
@@ -586,6 +636,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     longer prompt is a ValueError. None: the widest prompt of this call. compact: drop finished rows from
     the decode batch (module docstring); the results are the same either way, up to float rounding.
     progress: wraps the loop over micro-batches (runtime.progress: a progress bar); None: the plain loop.
+    stop: a StopStrings, which ends a row at a stop string as at an EOS; None: none.
     Runs under no_grad, not inference_mode, so the returned tensors can be used in training."""
     eos, pad, device = _check_args(model, max_new_tokens, temperature, top_k, top_p, eos_token_id, pad_token_id,
                                    generator)
@@ -621,13 +672,13 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
                 alive[lo:hi] = _sample_micro_batch(
                     model, step, caches, idx[lo:hi, P - Pm:], prompt_mask[lo:hi, P - Pm:], seeds[lo:hi],
                     [o[lo:hi] for o in out], (temperature, top_k, top_p), eos_ids, pad, W, compile, compact,
-                    CUDA_CHECK_EVERY if cuda else 1, static)
+                    CUDA_CHECK_EVERY if cuda else 1, static, stop)
     finally:
         if compile:
             _use_rows(caches, m, static)  # the whole buffers again, for the next call
         else:
             model.clear_kv_cache()
-    return _rollout(idx, prompt_mask, *out, ~alive if eos else torch.zeros_like(alive), seeds)
+    return _rollout(idx, prompt_mask, *out, ~alive if eos or stop else torch.zeros_like(alive), seeds)
 
 
 @torch.no_grad()

@@ -6294,6 +6294,50 @@ def test_micro_batches_equal_one_batch(rollout_tiny, family, temperature, top_k,
     assert (mb.logprobs - recomputed_logprobs(model, mb, temperature)).abs().max() < 1e-5
 
 
+def test_stop_strings_cut_each_response_where_one_is_first_complete(rollout_tiny, monkeypatch):
+    # rollout.StopStrings: a row ends with the token that completes a stop string in its text, which it keeps, and is
+    # `ended`; its tokens before are those of the rollout without stop strings (the same keys), its later ones gone.
+    # Against a brute force on that rollout (the first prefix whose text holds a stop string, decoded whole). Tokens
+    # of 1 to 3 characters, so that a string completes inside a token and spans several; ragged prompts in
+    # micro-batches, EOS ids too, compaction on and off; on CUDA's check interval as well (several steps between
+    # checks: the tokens sampled past a stop are dropped). A row that never meets one is left as it was
+    import rollout as R_
+
+    model, _ = rollout_tiny["llama"]
+    chars = lambda i: "".join(chr(97 + (i * 7 + k) % 26) for k in range(1 + i % 3))  # noqa: E731
+    decode = lambda seqs: ["".join(map(chars, ids)) for ids in seqs]  # noqa: E731
+    strings = ("ab", "kq", "zz")
+    prompts = random_prompts([4, 17, 1, 9, 6, 2, 12, 5], seed=31)
+    kw = dict(temperature=1.0, eos_token_id=list(range(20, 24)), pad_token_id=0, seeds=[5, 2**50, 0, 17, 3, 99, 1, 8])
+    plain = generate(model, prompts, 40, **kw)
+
+    def brute(ro):  # -> (responses, ended) with each cut at the first prefix that holds a stop string
+        out = []
+        for b in range(ro.tokens.size(0)):
+            ids = ro.responses[b][ro.response_mask[b]].tolist()
+            j = next((j for j in range(len(ids)) if any(s in decode([ids[: j + 1]])[0] for s in strings)), None)
+            out.append((ids, bool(ro.ended[b])) if j is None else (ids[: j + 1], True))
+        return out
+
+    want = brute(plain)
+    assert sum(len(ids) < len(plain.responses[b][plain.response_mask[b]]) for b, (ids, _) in enumerate(want)) >= 3
+    assert any(not e for _, e in want) or any(ids == plain.responses[b][plain.response_mask[b]].tolist()
+                                              for b, (ids, _) in enumerate(want))
+    inner, checks = R_._sample_micro_batch, []
+    for micro, compact, every in ((None, True, 1), (3, False, 1), (3, True, 1), (None, True, 5), (3, True, 7)):
+        if every > 1:  # CUDA's interval on a CPU: the loop checks every `every` steps (its 14th argument)
+            monkeypatch.setattr(R_, "_sample_micro_batch", lambda *a, every=every: checks.append(every) or inner(
+                *a[:13], every, *a[14:]))
+        got = generate(model, prompts, 40, micro_batch_size=micro, compact=compact, stop=R_.StopStrings(strings,
+                                                                                                          decode), **kw)
+        monkeypatch.undo()
+        assert [(got.responses[b][got.response_mask[b]].tolist(), bool(got.ended[b])) for b in range(8)] == want
+        for b, (ids, _) in enumerate(want):  # the kept tokens' logprobs are the plain rollout's
+            torch.testing.assert_close(got.logprobs[b, : len(ids)], plain.logprobs[b, : len(ids)], atol=1e-5, rtol=0)
+            assert (got.logprobs[b, len(ids):] == 0).all() and (got.responses[b, len(ids):] == 0).all()
+    assert checks == [5, 7, 7, 7] and R_.StopStrings.of((), None) is None
+
+
 def test_one_cache_per_call_of_the_micro_batch_shape(rollout_tiny, monkeypatch):
     model, _ = rollout_tiny["llama"]
     shapes, setup = [], model.setup_kv_cache
@@ -10628,6 +10672,27 @@ def test_eval_top_p_samples_from_the_nucleus(tiny_run, tmp_path):
             data.load_eval_prompts(dataclasses.replace(cfg, **bad), tok)
     with pytest.raises(UsageError, match=re.escape("--eval_top_p must be > 0, not 0.0")):
         ppo.derive(dataclasses.replace(cfg, eval_top_p=0.0), 0, 1, torch.device("cpu"))
+
+
+def test_stop_strings_in_a_run(tiny_run, tmp_path):
+    # --stop_strings reach the rollouts and the held-out evaluation: a response that holds one ends with the word that
+    # completes its first (the tiny tokenizer's words are whole tokens), and stopped; an empty one is refused
+    import ppo
+
+    p, rows = run_ppo(tiny_run, tmp_path / "out", total_steps=2, stop_strings="a,o", sample_every=1,
+                      eval_prompts=tiny_run["eval_prompts"])
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples" / "train.jsonl").read_text().splitlines()]
+    held_out = samples_of(tmp_path / "out", 2)
+    cut = 0
+    for text, stopped in [(r["response"], None) for r in samples] + [(r["response"], r["stopped"]) for r in held_out]:
+        words = text.split()
+        hits = [i for i, w in enumerate(words) if "a" in w or "o" in w]
+        if hits:
+            cut += 1
+            assert hits == [len(words) - 1] and stopped in (None, True), text
+    assert cut >= 3 and all(math.isfinite(r["loss/policy_avg"]) for r in rows if "loss/policy_avg" in r)
+    with pytest.raises(UsageError, match=re.escape("--stop_strings must be non-empty strings, not ('a', '')")):
+        ppo.derive(ppo.Config(stop_strings=("a", "")), 0, 1, torch.device("cpu"))
 
 
 def popen_ppo(tiny_run, out_dir, **kw):
