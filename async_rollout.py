@@ -263,7 +263,7 @@ class Rollouts:
         the batch is the same on any number of ranks; its rows move to the ranks that train on them (global row
         order, as a plain step's). When the first round's groups all differ, the batch is that round's, as is.
         Sets self.scored: (the reward function's scores of this rank's rows, the failed calls of all its rounds)."""
-        cfg, run, n, need = self.cfg, self.run, self.cfg.samples_per_prompt, self.cfg.rollout_batch_size
+        cfg, run, n, groups_a_step = self.cfg, self.run, self.cfg.samples_per_prompt, self.cfg.rollout_batch_size
         mine, differ, equal, errors = {}, [], [], 0  # this rank's groups' rows; global groups (round, g) by verdict
         self.m["gen"].copy_weights_from(self.m["actor"])
         for j in range(cfg.dynamic_sampling):
@@ -282,13 +282,13 @@ class Rollouts:
                 (differ if varies else equal).append((j, g))
             if j == 0:
                 as_drawn = rows, ro
-            if len(differ) >= need:
+            if len(differ) >= groups_a_step:
                 break
-        chosen = (differ + equal)[:need]
-        self.metrics = {"val/dynamic_rounds": j + 1, "val/dynamic_varied": len(differ) / ((j + 1) * need),
-                        "val/dynamic_filled": max(0, need - len(differ))}
+        chosen = (differ + equal)[:groups_a_step]
+        self.metrics = {"val/dynamic_rounds": j + 1, "val/dynamic_varied": len(differ) / ((j + 1) * groups_a_step),
+                        "val/dynamic_filled": max(0, groups_a_step - len(differ))}
         share = chosen[run.rank * run.local_rollout : (run.rank + 1) * run.local_rollout]
-        if chosen == [(0, g) for g in range(need)]:  # the first round's groups all differ: its batch, as drawn
+        if chosen == [(0, g) for g in range(groups_a_step)]:  # the first round's groups all differ: its batch, as drawn
             (rows, ro), records = as_drawn, [r for g in share for r in mine[g]]
         else:
             everyone = [None] * run.world  # the chosen groups each rank drew, to the ranks that train on them
