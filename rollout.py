@@ -593,7 +593,7 @@ def _sample_micro_batch(model, step, caches, idx, prompt_mask, seeds, out, sampl
         mask[:, P + t] = alive  # a token sampled after EOS is padding: no later query sees it
         if eos_ids.numel():
             alive &= ~(tok[:, None] == eos_ids).any(-1)
-        if stop is not None and (t == N - 1 or (t + 1) % check_every == 0):  # (the tokens written are whole rows')
+        if stop is not None and (t == N - 1 or (t + 1) % check_every == 0):  # at each check, and the last step
             _stop_rows(stop, tokens, resp_mask, logps, mask, alive, row, P, t, t % check_every + 1, pad)
         if t == N - 1:
             break
