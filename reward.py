@@ -98,9 +98,15 @@ def canonical_answer(answer):
     return f"{x:.10g}" if abs(x) != float("inf") else s
 
 
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
 def response_answer(response):
-    """The answer a response gives: its last \\boxed{...}, else the first line after its last "####" (GSM8K's
-    form), else its last number; None when it gives none."""
+    """The answer a response gives: read from inside its last closed <answer>...</answer> when it has one (the R1
+    template's tags: that text's box, "####" or last number, else all of it), else its last \\boxed{...}, else the
+    first line after its last "####" (GSM8K's form), else its last number; None when it gives none."""
+    if (tagged := ANSWER_TAG.findall(response)) and (inside := response_answer(tagged[-1]) or tagged[-1].strip()):
+        return inside  # (an empty pair: read as if it were not there)
     if (boxed := last_boxed(response)) is not None:
         return boxed
     if "####" in response:

@@ -7365,6 +7365,14 @@ def test_math_reward_by_hand():
         ("x+1", "\\boxed{x+2}", 0.0, "x+2"),
         ("7", "no number here", 0.0, None),
         ("7", "\\boxed{1/0}", 0.0, "1/0"),  # no number: compared as text
+        # the R1 template's <answer> tags: what is inside the last closed pair, read as a whole response is
+        ("72", "<think>48 + 24 = 72, not 70</think> <answer>72</answer>", 1.0, "72"),
+        ("72", "<think>so 72</think><answer>The total is 72 clips.</answer> 5", 1.0, "72"),  # not the 5 after
+        ("72", "<answer>\\boxed{72}</answer>", 1.0, "72"),
+        ("B", "<answer> B </answer>", 1.0, "B"),  # no number: the text
+        ("72", "<answer>71</answer> then <answer>72</answer>", 1.0, "72"),
+        ("72", "<answer>72</answer> <answer>7", 1.0, "72"),  # the last pair is unclosed: the one before
+        ("72", "\\boxed{72} <answer></answer>", 1.0, "72"),  # an empty pair gives nothing: the box
     ]
     for ref, response, score, pred in cases:
         assert math_reward({"answer": ref}, response) == dict(score=score, pred=pred, answered=float(pred is not None)), (
