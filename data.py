@@ -546,8 +546,8 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
          "nothing: greedy decoding takes the most likely token, which every nucleus holds")
     paths = [p.strip() for p in path.split(",")]
     need(all(paths), f"--eval_prompts={path}: an empty name between commas")
-    parts = []
-    for p, name in zip(paths, set_names(paths)):
+    parts, names = [], set_names(paths)
+    for p, name in zip(paths, names):
         try:
             parts.append(load_prompts(p, tokenizer, cfg.max_prompt_len, cfg.prompt_key, cfg.messages_key, vocab_size,
                                       fields, getattr(cfg, "prompt_template", ""), getattr(cfg, "system_prompt", "")))
@@ -560,7 +560,7 @@ def load_eval_prompts(cfg, tokenizer, vocab_size=None, fields=()):
     ends = list(itertools.accumulate(len(part) for part in parts))
     return PromptSet(*(sum((getattr(part, k) for part in parts), []) for k in ("ids", "texts", "records")),
                      sum(part.n_dropped for part in parts), ",".join(paths),
-                     tuple((name, end - len(part), end) for name, part, end in zip(set_names(paths), parts, ends)))
+                     tuple((name, end - len(part), end) for name, part, end in zip(names, parts, ends)))
 
 
 
