@@ -656,8 +656,9 @@ def out_of_memory(cfg, run, step, error, gpu_bytes=None):
     if index is not None or phase == "loading":
         try:
             p, _ = build(cfg, run)
+            persistent = sum(b for _, b in p.persistent)
             what, size = (f"worst case for {phase}", p.peak(p.phases[index])) if index is not None else (
-                "persistent memory (the models' shards, gradients and optimizer states)", sum(b for _, b in p.persistent))
+                "persistent memory (the models' shards, gradients and optimizer states)", persistent)
             text += (f" The plan's {what} is {size / GiB:.1f} GiB on this {gb:g} GiB GPU (`python ppo.py "
                      f"--dry_run={run.world} --gpu_memory_gb={gb:g}` with this run's flags prints it line by line).")
         except Exception as e:  # noqa: BLE001 -- advice: the error itself is what the user must see
