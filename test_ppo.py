@@ -6170,29 +6170,38 @@ def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_
     assert other == [False] and not M._generating.onednn
 
 
-def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls_out_the_same(rollout_tiny,
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms (no joint rotation)
+def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls_out_the_same(rollout_tiny, family,
                                                                                                monkeypatch):
-    # store_transposed: the same values in the other layout, kept by copy_weights_from; the rollouts drawn from it
-    # equal the plain model's (tokens exactly, logprobs to float32 rounding) on either kernel, ragged prompts,
-    # batch 1 (oneDNN's GEMV) and micro-batches of 2 with finished rows dropped
+    # store_transposed: the same values in the other layout, q/k/v and gate/up as views of one (in, out) tensor
+    # each, kept by copy_weights_from; the rollouts drawn from it equal the plain model's (tokens exactly, logprobs
+    # to float32 rounding) on either kernel, ragged prompts, batch 1 (oneDNN's GEMV) and micro-batches of 2 with
+    # finished rows dropped
     for kernel, want in [("onednn", True), ("mkl", False)]:
         monkeypatch.setattr(M, "CPU_MATMUL", kernel)
         assert M.decodes_transposed("cpu", torch.float32) is want
         assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
-    model = rollout_tiny["qwen2"][0]  # q/k/v biases
+    model = rollout_tiny[family][0]
     gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False))  # frozen, as checkpoint.py builds it
     src = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in src.parameters():  # other weights, as after an update
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    fused = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp"}
     for refill in (False, True):
         if refill:
             gen.copy_weights_from(src)
         plain = src if refill else model
         for (k, p), (k0, p0) in zip(gen.named_parameters(), plain.named_parameters(), strict=True):
             assert k == k0 and torch.equal(p, p0) and not p.requires_grad, k
-            if ".layers." in k and k.endswith("proj.weight"):
+            proj = k.split(".")[-2]
+            if ".layers." in k and proj in fused:  # a view of its module's one product: (in, out) columns or a bias
+                layer = gen.model.layers[int(k.split(".")[2])]
+                weight, bias = getattr(layer, fused[proj]).fused
+                whole = weight if k.endswith("weight") else bias
+                assert weight.T.is_contiguous() and p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            elif ".layers." in k and k.endswith("proj.weight"):
                 assert p.T.is_contiguous() and not p.is_contiguous(), k
             else:
                 assert p.is_contiguous(), k
@@ -6206,6 +6215,12 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
                 if micro:  # rows that end at other steps, and one that runs to the end: finished rows are dropped
                     lengths = want.response_lengths.tolist()
                     assert len(set(lengths)) >= 3 and min(lengths) < 12 == max(lengths), lengths
+            with torch.no_grad():  # the prefill's forward too, on a batch with padding: hidden states to rounding
+                idx = torch.randint(3, 128, (3, 7), generator=g)
+                mask = torch.ones(3, 7, dtype=torch.long)
+                mask[0, :2] = mask[2, :5] = 0
+                torch.testing.assert_close(gen(idx, attention_mask=mask, return_hidden=True),
+                                           plain(idx, attention_mask=mask, return_hidden=True), atol=1e-5, rtol=0)
 
 
 # -- rollout micro-batches, one fixed cache, finished rows dropped ------------------------------
@@ -14064,7 +14079,11 @@ def test_models_built_on_meta_and_read_once_equal_a_plain_load(tiny_run, group, 
     for k, p in laid.items():
         assert torch.equal(p, want[k]), k
         transposed = dtype == "fp32" and ".layers." in k and k.endswith("proj.weight")
-        assert (p.T.is_contiguous() and not p.is_contiguous()) if transposed else p.is_contiguous(), k
+        if transposed:  # (in, out) in memory; q/k/v's and gate/up's as column slices of one such tensor
+            fused = k.split(".")[-2] not in ("o_proj", "down_proj")
+            assert p.T.stride(-1) == 1 and not p.is_contiguous() and p.T.is_contiguous() is not fused, k
+        else:
+            assert p.is_contiguous(), k
 
     def full(model):
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
