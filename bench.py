@@ -1046,11 +1046,12 @@ def _kv_bytes(model, prompt_lens, new_tokens):
 def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, label):
     """One table row per batch size: tokens/s of transformers' generate and of ours (eager, compiled; on a CPU
     eager with each of model.CPU_MATMUL's kernels, "mkl" (F.linear) and "onednn", in float32 and, where oneDNN
-    takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed,
-    as the rollout's copy has them); and our eager decode (the kernel model.cpu_matmul() picks, the rollout's
-    layout) against the bandwidth roof: decode tokens/s = batch * (new tokens - 1) / (time(new tokens) - time(1
-    token)), the roof = batch / ((the weights a step reads + the filled KV cache, on average) / the bandwidth
-    measured in this run: on a CPU the fastest read of 2 GiB of float32, on a GPU a device-to-device copy's)."""
+    takes it, bf16; oneDNN in float32 both with the weights as they load, (out, in), and with the blocks' transposed
+    and q/k/v's and gate/up's fused, as the rollout's copy has them: model.store_transposed); and our eager decode
+    (the kernel model.cpu_matmul() picks, the rollout's layout) against the bandwidth roof: decode tokens/s = batch
+    * (new tokens - 1) / (time(new tokens) - time(1 token)), the roof = batch / ((the weights a step reads + the
+    filled KV cache, on average) / the bandwidth measured in this run: on a CPU the fastest read of 2 GiB of
+    float32, on a GPU a device-to-device copy's)."""
     import model as M
 
     device = model.lm_head_weight.device
