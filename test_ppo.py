@@ -6200,7 +6200,8 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
                 layer = gen.model.layers[int(k.split(".")[2])]
                 weight, bias = getattr(layer, fused[proj]).fused
                 whole = weight if k.endswith("weight") else bias
-                assert weight.T.is_contiguous() and p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                same = p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                assert weight.T.is_contiguous() and same, k
             elif ".layers." in k and k.endswith("proj.weight"):
                 assert p.T.is_contiguous() and not p.is_contiguous(), k
             else:
