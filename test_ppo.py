@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import re
+import select
 import shlex
 import signal
 import statistics
@@ -7788,8 +7789,7 @@ def run_ppo(tiny_run, out_dir, nproc=1, check=True, timeout=300, env=None, termi
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("RANK", None)
         cmd = [sys.executable, os.path.join(REPO, "ppo.py"), *cli]
-        run = run_in_terminal if terminal else functools.partial(subprocess.run, capture_output=True, text=True)
-        p = run(cmd, timeout=timeout, env=env, cwd=REPO)
+        p = run_in_terminal(cmd, timeout, env=env, cwd=REPO) if terminal else run_python(cmd[1:], timeout, env)
     else:
         p = run_torchrun([os.path.join(REPO, "ppo.py"), *cli], nproc=nproc, timeout=timeout)
     if check and p.returncode != 0:
@@ -7807,8 +7807,7 @@ def ppo_script(args, setup, reward_fn=None, after=""):
 
 def run_script(script, timeout=300, env=None):
     """python -c script in the checkout, one thread, its output captured; env: variables set besides."""
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run_python(["-c", script], timeout, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def uninterrupted_run(tiny_run, **kw):
@@ -7836,6 +7835,334 @@ def concurrently(*calls):
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(call) for call in calls]
     return [f.result() for f in futures]
+
+
+# The warm Python: a tiny run of ppo.py takes ~5.5 s on a 2-core CPU, 4 of them importing torch, transformers,
+# torch.distributed.checkpoint and torch._dynamo (which building a model on the meta device loads). The suite starts
+# ppo.py, scripts that import it and torchrun's ranks well over a hundred times, so it forks them from one Python that
+# has made those imports. Each fork is the process `python ppo.py` would be: its own session, environment, folder,
+# argv and sys.path[0], stdin, stdout and stderr (file descriptors passed over the socket), what the imports printed
+# printed again first; its exit status, as a number or the signal that ended it, comes back over the socket from its
+# watcher (a fork too). A request whose environment differs from the warm Python's in a variable not known to be read
+# at run time only (WARM_ENV_FREE, WANDB_* and TORCHELASTIC_*) gets a fresh Python instead: TRITON_INTERPRET, say,
+# is read as the kernels are imported. torchrun starts its ranks as WARM.client, a Python without site that asks
+# for the fork, passes the signals it gets on and exits as the rank did (torchrun --no-python).
+WARM_ENV_FREE = ["PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "PPO_DEBUG", "FAIL_CALLS", "BAD_UPDATES", "PAGER", "RANK",
+                 "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+WARM_SERVER = r"""
+import atexit, builtins, json, os, runpy, select, signal, socket, sys, tempfile, threading, traceback, types
+
+free, address = set(json.loads(sys.argv[1])), sys.argv[2]
+answer, base_path, env0 = os.dup(1), sys.path[1:], dict(os.environ)  # (python -c: sys.path[0] is "")
+captured = [tempfile.TemporaryFile() for _ in "12"]
+for fd, f in zip((1, 2), captured):
+    os.dup2(f.fileno(), fd)
+try:
+    sys.path.insert(0, REPO)
+    import ppo, torch._dynamo, transformers  # noqa: E401, F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+except BaseException:
+    os.write(answer, traceback.format_exc().encode())
+    raise SystemExit(1)
+sys.stdout.flush(), sys.stderr.flush()
+printed = [(f.seek(0), f.read(), f.close())[1] for f in captured]
+
+
+def serves(env):
+    differ = env.keys() ^ env0.keys() | {k for k in env.keys() & env0.keys() if env[k] != env0[k]}
+    return all(k in free or k.startswith(("WANDB_", "TORCHELASTIC_")) for k in differ)
+
+
+def run(req, fds):
+    os.setsid()
+    for fd, passed in enumerate(fds):
+        os.dup2(passed, fd)
+    for passed in fds:
+        os.close(passed)
+    for fd, text in zip((1, 2), printed):
+        os.write(fd, text)
+    os.environ.clear(), os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    argv = req["argv"]
+    try:
+        if argv[0] == "-c":
+            sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *base_path]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__builtins__ = builtins
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv, sys.path[:] = argv, [os.path.dirname(os.path.abspath(argv[0])), *base_path]
+            runpy.run_path(argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else e.code is not None
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        kind, error, tb = sys.exc_info()
+        frames = tb.tb_next  # the traceback from the script's frame on, as Python prints it: not run's, runpy's
+        while frames and frames.tb_frame.f_code.co_filename == "<frozen runpy>":
+            frames = frames.tb_next
+        sys.excepthook(kind, error.with_traceback(frames or tb), frames or tb)
+        status = 1
+    threading._shutdown()  # as the interpreter ends: the threads that are not daemons, then atexit's functions
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(status)
+
+
+def watch(conn):
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        data += conn.recv(1 << 16) or os._exit(1)
+    req = json.loads(data)
+    if not serves(req["env"]):
+        conn.sendall(b"fresh\n")
+        os._exit(0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        run(req, fds)
+    for passed in fds:
+        os.close(passed)
+    conn.sendall(f"pid {pid}\n".encode())
+    ended = os.pidfd_open(pid)
+    watched = [conn, ended]
+    while ended not in select.select(watched, [], [])[0]:
+        if not conn.recv(1):  # the asker is gone (killed): the run goes with it, as a killed process would
+            os.killpg(pid, signal.SIGKILL)
+            watched = [ended]
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        conn.sendall(f"ended {status}\n".encode())
+    except OSError:
+        pass
+    os._exit(0)
+
+
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(address)
+listener.listen(64)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the watchers are reaped by the kernel
+os.write(answer, b"ready\n")
+os.close(answer)
+for fd in (1, 2):
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+while 0 not in select.select([listener, 0], [], [])[0]:  # stdin readable: its end closed, the suite is gone
+    conn = listener.accept()[0]
+    if os.fork() == 0:
+        listener.close()
+        watch(conn)
+    conn.close()
+"""
+WARM_CLIENT = r"""#!PYTHON -S
+import json, os, signal, socket, sys
+
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(ADDRESS)
+request = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd())
+socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+answers = conn.makefile("r")
+said = answers.readline().split()
+if said[0] == "fresh":
+    os.execv(sys.executable, [sys.executable, "-u", *sys.argv[1:]])
+pid = int(said[1])
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda sig, _: os.kill(pid, sig))
+status = int(answers.readline().split()[1])
+if status < 0:  # ended by a signal: so is this process
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+os._exit(status)
+"""
+
+
+class WarmPopen:
+    """What the tests use of subprocess.Popen (pid, returncode, poll, wait, send_signal, kill, terminate,
+    communicate and stdout) for a process forked by the warm Python; its watcher says the exit status on `conn`."""
+
+    def __init__(self, args, conn):
+        self.args, self.conn, self.stdout, self.returncode, self.said = args, conn, None, None, b""
+        what, pid = self.answer(None).split()
+        assert what == "pid", what
+        self.pid = int(pid)
+
+    def answer(self, timeout):
+        while b"\n" not in self.said:
+            if not select.select([self.conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            more = self.conn.recv(4096)
+            assert more, "the warm Python's watcher died"
+            self.said += more
+        line, self.said = self.said.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = int(self.answer(timeout).split()[1])
+            self.conn.close()
+        return self.returncode
+
+    def poll(self):
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout=None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            out = pool.submit(self.stdout.read) if self.stdout else None
+            self.wait(timeout)
+            return (out.result(timeout) if out else None), None
+
+
+class WarmPython:
+    def __init__(self):
+        self.lock, self.server = threading.Lock(), None
+
+    def start(self):
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="warm-")
+        self.address, self.client = os.path.join(folder, "socket"), os.path.join(folder, "python")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("RANK", None)
+        self.server = subprocess.Popen([sys.executable, "-c", WARM_SERVER.replace("REPO", repr(REPO)),
+                                        json.dumps(WARM_ENV_FREE), self.address], cwd=REPO, env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        said = self.server.stdout.readline()
+        assert said == "ready\n", f"the warm Python did not start: {said}{self.server.stdout.read()}"
+        with open(self.client, "w") as f:
+            f.write(WARM_CLIENT.replace("PYTHON", sys.executable).replace("ADDRESS", repr(self.address)))
+        os.chmod(self.client, 0o755)
+        atexit.register(lambda: (self.server.kill(), shutil.rmtree(folder, ignore_errors=True)))
+
+    def started(self):
+        with self.lock:
+            if self.server is None:
+                self.start()
+        return self
+
+    def popen(self, argv, env, cwd, fds):
+        """A WarmPopen of `python *argv` with stdin, stdout and stderr on `fds`, or None: a fresh Python must run
+        it (its environment, or the warm Python is gone)."""
+        import socket
+
+        conn = socket.socket(socket.AF_UNIX)
+        try:
+            conn.connect(self.started().address)
+            socket.send_fds(conn, [json.dumps(dict(argv=argv, env=env, cwd=str(cwd))).encode() + b"\n"], fds)
+            return WarmPopen([sys.executable, *argv], conn)
+        except (OSError, ValueError):  # ValueError: "fresh" said where "pid" was expected
+            conn.close()
+            return None
+
+
+WARM = WarmPython()
+
+
+def run_python(argv, timeout, env, cwd=REPO):
+    """subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...), forked from the warm Python
+    where it can be (a timeout kills its session)."""
+    import io
+    import tempfile
+
+    cmd = [sys.executable, *argv]
+    with open(os.devnull) as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = WARM.popen(argv, env, cwd, [null.fileno(), out.fileno(), err.fileno()])
+        if p is None:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        read = lambda f: (f.seek(0), io.TextIOWrapper(io.BytesIO(f.read())).read())[1]  # noqa: E731 (text=True's)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, read(out), read(err))
+        return subprocess.CompletedProcess(cmd, p.returncode, read(out), read(err))
+
+
+def popen_python(argv, env, cwd=REPO):
+    """subprocess.Popen([sys.executable, *argv], stdout=PIPE, stderr=STDOUT, text=True, ...), forked from the warm
+    Python where it can be."""
+    r, w = os.pipe()
+    with open(os.devnull) as null:
+        p = WARM.popen(argv, env, cwd, [null.fileno(), w, w])
+    os.close(w)
+    if p is None:
+        os.close(r)
+        return subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=cwd, env=env)
+    p.stdout = open(r)
+    return p
+
+
+def test_the_warm_python_runs_a_script_as_a_fresh_python_does(tmp_path):
+    # the suite's runs are forks of the warm Python: each must see and do what `python script` and `python -c` do
+    # (argv, sys.path, __name__, folder, environment, exit status, a traceback, a signal, atexit and the threads that
+    # are not daemons at the end), and a request the warm Python cannot serve gets a fresh Python
+    script = tmp_path / "script.py"
+    script.write_text("""
+import atexit, json, os, sys, threading, time
+print(json.dumps(dict(argv=sys.argv, path=sys.path, name=__name__, cwd=os.getcwd(), var=os.environ.get("PPO_DEBUG"),
+                      file=globals().get("__file__"), threads=os.environ.get("OMP_NUM_THREADS"))))
+atexit.register(lambda: print("atexit", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()
+what = sys.argv[1]
+if what == "exit":
+    sys.exit(3)
+if what == "text":
+    sys.exit("leaving")
+if what == "raise":
+    json.loads("{")
+if what == "signal":
+    os.kill(os.getpid(), 15)
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PPO_DEBUG": "1"}
+    for argv in ([str(script), "ok"], [str(script), "exit"], [str(script), "text"], [str(script), "raise"],
+                 [str(script), "signal"], ["-c", script.read_text(), "exit"], ["-c", script.read_text(), "raise"]):
+        fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=env,
+                               cwd=tmp_path)
+        with open(os.devnull) as null, open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+            p = WARM.popen(argv, env, tmp_path, [null.fileno(), out.fileno(), err.fileno()])
+            assert isinstance(p, WarmPopen) and p.wait(60) == fresh.returncode, (argv[-1], fresh.stderr)
+            out.seek(0), err.seek(0)  # (the run's writes moved the offset they share)
+            assert (out.read(), err.read()) == (fresh.stdout, fresh.stderr), argv[-1]
+    assert fresh.returncode == 1 and "JSONDecodeError" in fresh.stderr and "atexit" in fresh.stdout
+    # a variable read at import (TRITON_INTERPRET: the kernels') differs: a fresh Python runs it
+    with open(os.devnull) as null:
+        assert WARM.popen([str(script), "ok"], {**env, "TRITON_INTERPRET": "0"}, tmp_path, [null.fileno()] * 3) is None
+    # a timeout kills the run and its children; popen_python's pipe, signals and status, like subprocess.Popen's
+    child = tmp_path / "child"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["-c", f"import subprocess, sys, time\nc = subprocess.Popen([sys.executable, '-c', 'import time; "
+                          f"time.sleep(60)'])\nopen({str(child)!r}, 'w').write(str(c.pid))\ntime.sleep(60)"], 5, env)
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{child.read_text()}"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the run's child outlived the timeout")
+    p = popen_python(["-c", "import time\nprint('up', flush=True)\ntime.sleep(60)"], env)
+    assert isinstance(p, WarmPopen) and p.stdout.readline() == "up\n" and p.poll() is None
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == -signal.SIGTERM and p.communicate() == ("", None)
 
 
 def run_in_terminal(cmd, timeout, **kw):
@@ -8579,7 +8906,7 @@ def run_torchrun(args, nproc=2, timeout=300):
                     port = s.getsockname()[1]
             used.add(port)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={port}", *args]
+               "--master_addr=127.0.0.1", f"--master_port={port}", "--no-python", WARM.started().client, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("RANK", None)
         p = run_as_a_group(cmd, timeout, env=env, cwd=REPO)
@@ -9199,8 +9526,7 @@ ppo.score_batch = recorded
 ppo.main(ppo.Config(**json.loads({json.dumps(json.dumps(args))})))
 torch.save(record, {str(out)!r})
 """
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = run_python(["-c", script], 300, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     record, rows = torch.load(out), read_metrics(tmp_path / "async")
     assert [r["val/policy_lag"] for r in rows] == [0, 1, 1] and all(r["time/rollout_overlap"] >= 0 for r in rows)
@@ -10567,9 +10893,8 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tiny_run, tmp_path):
     # torchrun) or a terminal's Ctrl-C (from the terminal, and torchrun's SIGTERM): one request, a checkpoint
     out = tmp_path / "run"
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out), "total_steps": 200}
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = popen_python([os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
+                     {**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240
     while logged_lines(out) < 2 and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)
@@ -10721,9 +11046,8 @@ def test_stop_strings_in_a_run(tiny_run, tmp_path):
 
 def popen_ppo(tiny_run, out_dir, **kw):
     args = {**TINY_ARGS, "model": tiny_run["policy"], "prompts": tiny_run["prompts"], "out_dir": str(out_dir), **kw}
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return popen_python([os.path.join(REPO, "ppo.py"), *[f"--{k}={v}" for k, v in args.items()]],
+                        {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
 @slow
@@ -12062,8 +12386,7 @@ def hangs_in_step_2(record, response):
     return reward.sentiment_reward(record, response)
 """
     script = ppo_script(args, setup, reward_fn="hangs_in_step_2")
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    p = popen_python(["-c", script], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     lines = []
     for line in p.stdout:
         lines.append(line)
@@ -13248,8 +13571,7 @@ try:  # one score per response, a number: anything else is named with its functi
 except TypeError as e:
     print("REFUSED", e)
 """
-    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bad")], capture_output=True, text=True,
-                       timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = run_python(["-c", script, str(tmp_path / "bad")], 300, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "HANDLERS True" in p.stdout
     assert "REFUSED reward function <lambda> returned [0.0, 1.0] (list)" in p.stdout
