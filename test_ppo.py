@@ -11601,6 +11601,7 @@ def _checkpoint_worker(rank, world, init_file, out_dir, policy):
         modules, folder = {"actor": (m["actor"], m["actor_opt"])}, os.path.join(out_dir, "checkpoints", "step-000001")
         if rank == 0:
             os.makedirs(os.path.dirname(folder))
+        dist.barrier()  # made before either rank saves: a rank saving first made it, and rank 0's makedirs failed
         random.seed(10 + rank), np.random.seed(20 + rank), torch.manual_seed(30 + rank)
         C.save(folder, modules, dict(step=1, run_id="r"), cfg)
         draw = lambda: (random.random(), float(np.random.rand()), torch.rand(2).tolist())  # noqa: E731
