@@ -1612,12 +1612,15 @@ def decode_calls(graphs):
     return [(q, k) for q, k, v in flex_calls(graphs) if isinstance(q[2], int) and q[2] < M.FLEX_BLOCK]
 
 
-def compile_afresh(monkeypatch):
+@pytest.fixture
+def compile_afresh():
     """No compiled code, as in a new process: the CUDA tests' compiles of the decode step then start from 0 rather
     than from what earlier tests left, under dynamo's limit of 8 per function (past it, a fullgraph function raises
-    and any other silently runs eagerly); and that silent fallback becomes an error."""
+    and any other silently runs eagerly); and that silent fallback becomes an error, for the test's duration (the
+    config's own patch: monkeypatch's undo deletes a config module's setting, which leaves it unreadable after)."""
     torch.compiler.reset()
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
 
 
 def spy_flex_decoding(monkeypatch):
@@ -1742,10 +1745,10 @@ def test_flex_decode_reads_each_key_value_head_once(tmp_path, monkeypatch, ratio
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fused_path_never_runs_the_math_kernel(monkeypatch):
+def test_cuda_fused_path_never_runs_the_math_kernel(monkeypatch, compile_afresh):
     from torch._dynamo.utils import counters
 
-    compile_afresh(monkeypatch)  # every graph below is compiled, and recorded, in this test
+    # every graph below is compiled, and recorded, in this test
     chosen, replays = spy_flex_decoding(monkeypatch), count_cuda_graph_replays(monkeypatch)
     torch.manual_seed(0)
     # SmolLM2-135M's attention: 9 query heads and 3 key/value heads of 64, a GQA ratio of 3 (no power of two)
@@ -5551,11 +5554,10 @@ def nasty_logits(B, V, seed):
 
 
 @slow
-def test_compiled_race_samples_what_the_eager_race_samples(rollout_tiny, monkeypatch):
+def test_compiled_race_samples_what_the_eager_race_samples(rollout_tiny, monkeypatch, compile_afresh):
     # PPO's sampler (no top-k / top-p) compiled, as compiled decoding runs it on CUDA (here inductor's C++): the
     # same tokens and logprobs as the eager ops on nasty logits at an odd vocabulary; step as an int or a (1,)
     # tensor draws the same noise; and generate(compile=True) with it samples what the eager decode samples
-    compile_afresh(monkeypatch)
     race = R.compiled_race("cpu")
     seeds = torch.tensor([3, 2**40 + 1, 7, 0, 2**62 + 5, 11])
     for step in (0, 5):
@@ -5613,7 +5615,7 @@ def test_compiled_flex_decode_folds_query_heads(flex_tiny, monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("ratio", [3, 6])
-def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
+def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch, compile_afresh):
     # on CUDA, compile=True (the default there) runs the decode step compiled with CUDA graphs over one
     # fixed-shape cache: the same samples as the eager step, in micro-batches too, and the cache reused. The
     # model takes the fused path (flex attention) at SmolLM2's and Qwen2.5-1.5B's GQA ratios (3 and 6): its
@@ -5623,7 +5625,6 @@ def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    compile_afresh(monkeypatch)
     chosen, replays = spy_flex_decoding(monkeypatch), count_cuda_graph_replays(monkeypatch)
     model = copy.deepcopy(flex_tiny[ratio]).cuda()
     assert M.default_attn_impl(torch.device("cuda"), model.config.head_dim) == "flex"
@@ -5655,11 +5656,10 @@ def test_cuda_graph_decode_matches_eager(flex_tiny, ratio, monkeypatch):
 
 
 @needs_cuda
-def test_cuda_compiled_race_samples_what_the_eager_race_samples(flex_tiny, monkeypatch):
+def test_cuda_compiled_race_samples_what_the_eager_race_samples(flex_tiny, monkeypatch, compile_afresh):
     # PPO's sampler on CUDA as compiled decoding runs it (inductor's Triton kernels): at Qwen2.5's vocabulary and a
     # rollout micro-batch of 32 rows, nasty logits, the eager ops' tokens and logprobs (the tolerance of the CPU
     # test above); and a plain-sampling rollout through the CUDA-graph decode equals the eager one
-    compile_afresh(monkeypatch)
     seeds = torch.randint(0, 2**62, (32,), generator=torch.Generator().manual_seed(0)).cuda()
     for step in (0, 9):
         z = nasty_logits(32, 151936, seed=step).cuda()
