@@ -71,6 +71,7 @@ import math
 import platform
 import threading
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -411,6 +412,7 @@ CPU_MATMUL = "auto"  # a CPU's float32 products: "mkl" (F.linear), "onednn", "au
 _generating = threading.local()  # .onednn: this thread is generating, with oneDNN's bf16 products (decode_products)
 
 
+@torch.compiler.assume_constant_result  # traced code reads the kernel, as eager code would, not the CPU's files
 def cpu_matmul():
     """The kernel of a CPU's float32 products (CPU_MATMUL; "auto": oneDNN on x86 CPUs not made by Intel, F.linear
     elsewhere). PyTorch's x86 build runs a float32 F.linear on MKL, which picks its code by the CPU's vendor: on
@@ -474,9 +476,32 @@ class OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+@torch.library.custom_op("ppo::onednn_linear", mutates_args=())
+def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """onednn_linear as an operator that compiled code calls as it is (inductor's own lowering of oneDNN's linear
+    takes only the weights it has packed when freezing a model)."""
+    return onednn_linear(x, weight, bias)
+
+
+@onednn_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.size(0))
+
+
 def linear(x, weight, bias=None):
     """F.linear, or oneDNN's product where cpu_matmul() picks it: in float32 on plain CPU tensors (OneDNNLinear when
-    gradients flow), and in bf16 inside decode_products (no gradients there). Not under torch.compile."""
+    gradients flow), and in bf16 inside decode_products (no gradients there). Compiled on a CPU without gradients
+    (rollout.generate(compile=True)): a one-row product with an (out, in) row-major weight is a multiply and a sum,
+    which inductor fuses into one vectorized reduction per product that streams the weight once, near the memory's
+    read rate (SmolLM2's 30 blocks' products at 33 GB/s where oneDNN's one-row products read them at 19 and a plain
+    sum at 26, a 2-core AMD Zen 3); products of more rows call oneDNN's kernel where cpu_matmul() picks it
+    (onednn_linear_op), else F.linear's."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype:
+        if not torch.is_grad_enabled() and x.numel() == x.size(-1) and weight.stride(-1) == 1:
+            y = (weight * x.reshape(1, -1)).sum(-1)  # (out,): row i of the weight times x
+            return (y if bias is None else y + bias).reshape(*x.shape[:-1], -1)
+        if not torch.is_grad_enabled() and x.dtype == torch.float32 and cpu_matmul() == "onednn":
+            return onednn_linear_op(x, weight, bias)
     plain = (x.dtype == weight.dtype and weight.device.type == "cpu" and type(weight) in (torch.Tensor, nn.Parameter)
              and x.device.type == "cpu" and not torch.compiler.is_compiling())
     if plain and x.dtype == torch.float32 and cpu_matmul() == "onednn":
@@ -509,29 +534,34 @@ def decodes_transposed(device, dtype):
 
 
 @torch.no_grad()
-def store_transposed(model):
-    """Re-stores each Linear weight of model's blocks as the transpose of an (in, out) contiguous tensor: the same
-    shape and values, the other memory layout. The projections that read the same input share one such tensor:
-    q_proj, k_proj and v_proj one (their biases one vector), gate_proj and up_proj another, and their parameters
-    are views of it. The module's `fused` holds the whole, so that a decode runs 4 products a block instead of 7,
-    each larger (one row, SmolLM2's shapes, oneDNN, a 2-core AMD Zen 3 with AVX2: a block's products in 681 against
-    857 us). copy_ writes through the views, so copy_weights_from keeps the layout. At 2 rows and more oneDNN's
-    products are bit for bit those of the (out, in) layout; one row takes a GEMV kernel there, whose sums round
-    differently (within 1e-6 of the output's largest entry). For a model that does not train."""
+def store_transposed(model, transposed=True):
+    """Re-stores the Linear weights of model's blocks for decoding, the same shapes and values. The projections
+    that read the same input share one tensor: q_proj, k_proj and v_proj one (their biases one vector), gate_proj
+    and up_proj another, and their parameters are views of it. The module's `fused` holds the whole, so that a
+    decode runs 4 products a block instead of 7, each larger (one row, SmolLM2's shapes, oneDNN, a 2-core AMD Zen 3
+    with AVX2: a block's products in 681 against 857 us). transposed: every weight the transpose of an (in, out)
+    contiguous tensor, the layout oneDNN's eager products of a few rows read fastest (decodes_transposed); False:
+    (out, in) rows, as a compiled CPU decode's one-row products read them (`linear`). copy_ writes through the
+    views, so copy_weights_from keeps the layout. At 2 rows and more oneDNN's products are bit for bit those of the
+    (out, in) layout; one row takes a GEMV kernel there, whose sums round differently (within 1e-6 of the output's
+    largest entry). For a model that does not train."""
     for block in model.model.layers:
         for mod, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj")), (block.mlp, ("gate_proj", "up_proj"))):
             layers = [getattr(mod, n) for n in names]
-            weight = torch.cat([lin.weight.T for lin in layers], dim=1)  # (in, the outs together), contiguous
+            if transposed:  # (in, the outs together), contiguous, seen as its transpose
+                weight = torch.cat([lin.weight.T for lin in layers], dim=1).T
+            else:  # (the outs together, in), contiguous
+                weight = torch.cat([lin.weight for lin in layers])
             bias = torch.cat([lin.bias for lin in layers]) if layers[0].bias is not None else None
             lo = 0
             for lin in layers:
                 hi = lo + lin.out_features
-                lin.weight = nn.Parameter(weight[:, lo:hi].T, requires_grad=lin.weight.requires_grad)
+                lin.weight = nn.Parameter(weight[lo:hi], requires_grad=lin.weight.requires_grad)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias[lo:hi], requires_grad=lin.bias.requires_grad)
                 lo = hi
-            mod.fused = (weight.T, bias)  # (the outs together, in): one product for all of them
-        for lin in (block.self_attn.o_proj, block.mlp.down_proj):
+            mod.fused = (weight, bias)  # (the outs together, in): one product for all of them
+        for lin in (block.self_attn.o_proj, block.mlp.down_proj) if transposed else ():
             lin.weight = nn.Parameter(lin.weight.T.contiguous().T, requires_grad=lin.weight.requires_grad)
     return model
 

@@ -5542,6 +5542,71 @@ def test_compiled_decode_matches_eager(rollout_tiny):
     model.clear_kv_cache()
 
 
+@slow
+def test_compiled_cpu_products_stream_one_row_and_match_float64(monkeypatch, compile_afresh):
+    # compiled on a CPU without gradients (a compiled decode step), model.linear computes a one-row product with an
+    # (out, in) row-major weight as one fused reduction (no matmul call in inductor's code), and other products
+    # through the kernel eager code picks (oneDNN's as an opaque operator, or F.linear's): each against float64 on
+    # odd sizes, extreme rows, a bias, and the (in, out) layout and more rows, which must not take the reduction
+    from torch._inductor.utils import run_and_get_code
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(53, 37, generator=g) * torch.logspace(-4, 4, 53)[:, None]  # rows from 1e-4 to 1e4
+    b = torch.randn(53, generator=g) * 100
+    for kernel in ("onednn", "mkl"):
+        monkeypatch.setattr(M, "CPU_MATMUL", kernel)
+        for rows, weight, bias in [(1, W, b), (1, W, None), (1, W.T.contiguous().T, b), (3, W, b)]:
+            x = torch.randn(rows, 1, 37, generator=g) * 30
+            x[0, 0, 5] = 1e4  # one entry far out
+            torch.compiler.reset()
+            fn = torch.compile(lambda x, w, b: M.linear(x, w, b) * 1.0, fullgraph=True, dynamic=False)
+            with torch.no_grad():
+                y, (code,) = run_and_get_code(fn, x, weight, bias)
+            want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+            scale = (x.double().abs() @ weight.double().abs().T).amax(-1, keepdim=True) + 1  # (rows, 1, 1)
+            assert y.shape == want.shape and y.dtype == torch.float32
+            assert ((y.double() - want).abs() / scale).max() < 1e-6, (kernel, rows)
+            reduction = rows == 1 and weight.is_contiguous()
+            calls = re.findall(r"extern_kernels\.\w+|torch\.ops\.ppo\.onednn_linear", code)
+            assert (calls == []) == reduction, (kernel, rows, weight.is_contiguous(), calls)
+            if not reduction:
+                assert any("onednn" in c for c in calls) == (kernel == "onednn"), calls
+    with torch.enable_grad():  # with gradients: F.linear's product, differentiable as ever
+        w = W.clone().requires_grad_()
+        torch.compiler.reset()
+        y = torch.compile(lambda x, w: M.linear(x, w), fullgraph=True)(torch.randn(1, 37, generator=g), w)
+        y.sum().backward()
+        assert w.grad is not None and torch.isfinite(w.grad).all()
+    torch.compiler.reset()
+
+
+@slow
+def test_compiled_cpu_decode_at_batch_1_samples_what_the_eager_decode_samples(rollout_tiny, monkeypatch, compile_afresh):
+    # generate(compile=True) on a CPU at one row, from a copy whose blocks are fused in (out, in) rows (as the
+    # generation benchmark compiles it): its products and the LM head's are the reductions above; the same tokens
+    # and logprobs to float32 rounding as the eager decode of the model as it loads, sampled and greedy, a prompt
+    # that ends early at an EOS among them
+    model, _ = rollout_tiny["qwen2"]
+    gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False), transposed=False)
+    calls = []
+    real = R.compiled_last_logits.__wrapped__
+
+    def spied(device_type):
+        calls.append(device_type)
+        return real(device_type)
+    monkeypatch.setattr(R, "compiled_last_logits", functools.cache(spied))
+    ends = 0
+    for seed, prompt in enumerate(random_prompts([5, 11, 1], seed=21)):
+        for temperature in (1.0, 0.0):
+            kw = dict(temperature=temperature, seeds=[seed], eos_token_id=list(range(20, 40)), pad_token_id=0)
+            want = generate(model, [prompt], 16, **kw)
+            got = generate(gen, [prompt], 16, compile=True, **kw)
+            assert_same_rollout(want, got, atol=1e-5)
+            ends += int(want.ended.sum())
+    assert calls == ["cpu"] and ends >= 1, (calls, ends)
+    gen.clear_kv_cache()
+    torch.compiler.reset()
+
+
 def nasty_logits(B, V, seed):
     """(B, V) float32 logits for the samplers: spread, shifted by +-1e4, one token far ahead, a flat row."""
     g = torch.Generator().manual_seed(seed)
@@ -6171,19 +6236,20 @@ def test_generate_on_onednn_equals_mkl_and_switches_only_its_own_thread(rollout_
     assert other == [False] and not M._generating.onednn
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms (no joint rotation)
+@pytest.mark.parametrize("family,transposed", [("qwen2", True), ("qwen3", True), ("qwen2", False)])
 def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls_out_the_same(rollout_tiny, family,
-                                                                                               monkeypatch):
-    # store_transposed: the same values in the other layout, q/k/v and gate/up as views of one (in, out) tensor
-    # each, kept by copy_weights_from; the rollouts drawn from it equal the plain model's (tokens exactly, logprobs
-    # to float32 rounding) on either kernel, ragged prompts, batch 1 (oneDNN's GEMV) and micro-batches of 2 with
-    # finished rows dropped
+                                                                                               transposed, monkeypatch):
+    # store_transposed: the same values in the other layout (transposed=False: (out, in) rows, as a compiled CPU
+    # decode reads them), q/k/v and gate/up as views of one tensor each, kept by copy_weights_from; the rollouts
+    # drawn from it equal the plain model's (tokens exactly, logprobs to float32 rounding) on either kernel, ragged
+    # prompts, batch 1 (oneDNN's GEMV) and micro-batches of 2 with finished rows dropped (qwen3: q/k norms, no joint
+    # rotation)
     for kernel, want in [("onednn", True), ("mkl", False)]:
         monkeypatch.setattr(M, "CPU_MATMUL", kernel)
         assert M.decodes_transposed("cpu", torch.float32) is want
         assert not M.decodes_transposed("cpu", torch.bfloat16) and not M.decodes_transposed("meta", torch.float32)
     model = rollout_tiny[family][0]
-    gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False))  # frozen, as checkpoint.py builds it
+    gen = M.store_transposed(copy.deepcopy(model).requires_grad_(False), transposed)  # frozen, as checkpoint.py has it
     src = copy.deepcopy(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -6197,13 +6263,14 @@ def test_a_transposed_generation_copy_keeps_its_values_through_refills_and_rolls
         for (k, p), (k0, p0) in zip(gen.named_parameters(), plain.named_parameters(), strict=True):
             assert k == k0 and torch.equal(p, p0) and not p.requires_grad, k
             proj = k.split(".")[-2]
-            if ".layers." in k and proj in fused:  # a view of its module's one product: (in, out) columns or a bias
-                layer = gen.model.layers[int(k.split(".")[2])]
+            if ".layers." in k and proj in fused:  # a view of its module's one product: (in, out) columns, (out, in)
+                layer = gen.model.layers[int(k.split(".")[2])]  # rows, or a bias
                 weight, bias = getattr(layer, fused[proj]).fused
                 whole = weight if k.endswith("weight") else bias
                 same = p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
-                assert weight.T.is_contiguous() and same, k
-            elif ".layers." in k and k.endswith("proj.weight"):
+                assert (weight.T if transposed else weight).is_contiguous() and same, k
+                assert p.is_contiguous() != (transposed and k.endswith("weight")), k
+            elif ".layers." in k and k.endswith("proj.weight") and transposed:
                 assert p.T.is_contiguous() and not p.is_contiguous(), k
             else:
                 assert p.is_contiguous(), k
