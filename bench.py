@@ -1022,6 +1022,7 @@ def _warm_compiled(model, prompts, new_tokens):
     # a run of batch sizes and models would pass it (the decode step is compiled with fullgraph: an error)
     torch._dynamo.reset()
     rollout.compiled_decode_one.cache_clear()
+    rollout.compiled_last_logits.cache_clear()
     model.clear_kv_cache()
     generate(model, prompts, min(new_tokens, max(3, S - CACHE_MULTIPLE + 1 - P)), temperature=0, compile=True)
 
@@ -1051,7 +1052,9 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
     (the kernel model.cpu_matmul() picks, the rollout's layout) against the bandwidth roof: decode tokens/s = batch
     * (new tokens - 1) / (time(new tokens) - time(1 token)), the roof = batch / ((the weights a step reads + the
     filled KV cache, on average) / the bandwidth measured in this run: on a CPU the fastest read of 2 GiB of
-    float32, on a GPU a device-to-device copy's)."""
+    float32, on a GPU a device-to-device copy's). With compile on a CPU also the compiled step's decode rate (its
+    weights fused in (out, in) rows: store_transposed(transposed=False)), its share of the roof, and whether it
+    samples the eager rollout's tokens."""
     import model as M
 
     device = model.lm_head_weight.device
@@ -1079,8 +1082,12 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
                     "ours onednn": ("onednn", M.store_transposed(copy.deepcopy(model)))}
     rollouts = next(n for n, (k, _) in variants.items() if k == picked and n != "onednn (out,in)")  # the rollout's
     print(f"{'batch':>5} {'prompt P':>8} {'transformers':>12} " + " ".join(f"{n:>15}" for n in variants)
-          + f" {'ours+compile':>12} {'speedup':>7} {'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}",
-          flush=True)
+          + f" {'ours+compile':>12} {'speedup':>7} {'agree':>6} {'ours decode':>11} {'roof':>6} {'% of roof':>9}"
+          + (f" {'compiled decode':>15} {'% of roof':>9} {'same as eager':>14}" if compile and device.type == "cpu"
+             else ""), flush=True)
+    # the compiled step's model: on a CPU with the blocks' weights fused in (out, in) rows, whose one-row products
+    # it computes as reductions (model.linear); on a GPU the model as it loads
+    compiled = M.store_transposed(copy.deepcopy(model), transposed=False) if compile and device.type == "cpu" else model
     for B in batches:
         batch = [prompts[i % len(prompts)] for i in range(B)]
         P = max(len(p) for p in batch)
@@ -1104,14 +1111,16 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
                 dt, outs[k] = _timed(fn, device)
                 best[k] = min(best[k], dt)
         if compile:  # after the eager runs, which free the cache a compiled step keeps
-            _warm_compiled(model, batch, new_tokens)
-            fn = lambda: generate(model, batch, new_tokens, temperature=0, compile=True).tokens
+            _warm_compiled(compiled, batch, new_tokens)
+            fn = lambda: generate(compiled, batch, new_tokens, temperature=0, compile=True).tokens
             best["ours+compile"] = min(_timed(fn, device)[0] for _ in range(rounds))
-            model.clear_kv_cache()
+            outs["ours+compile"] = fn()
+            compiled.clear_kv_cache()
         # the decode rate of the step a run uses: eager on a CPU, the compiled one (CUDA graphs) on a GPU; one new
         # token is the prefill and one sample, eager either way
         timed = "ours+compile" if compile and device.type == "cuda" else rollouts
-        decode = B * (new_tokens - 1) / (best[timed] - best.pop("ours, 1 token"))
+        one = best.pop("ours, 1 token")
+        decode = {k: B * (new_tokens - 1) / (best[k] - one) for k in (timed, "ours+compile") if k in best}
         kv_bytes = _kv_bytes(model, [len(p) for p in batch], new_tokens)
         roof = B / ((w_bytes + kv_bytes) / bw)
         tps = {k: B * new_tokens / v for k, v in best.items()}
@@ -1119,8 +1128,12 @@ def _compare(model, hf, prompts, batches, new_tokens, rounds, compile, pad_id, l
         same = torch.where(differ.any(-1), differ.float().argmax(-1), new_tokens).float().mean().item() / new_tokens
         comp = f"{tps['ours+compile']:12.1f}" if compile else f"{'-':>12}"
         speedup = tps[timed] / tps["transformers"]  # the rollout's own variant, not the best of them
-        print(f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:15.1f}" for n in variants)
-              + f" {comp} {speedup:6.2f}x {same:6.0%} {decode:11.1f} {roof:6.1f} {decode / roof:9.0%}", flush=True)
+        line = (f"{B:5d} {P:8d} {tps['transformers']:12.1f} " + " ".join(f"{tps[n]:15.1f}" for n in variants)
+                + f" {comp} {speedup:6.2f}x {same:6.0%} {decode[timed]:11.1f} {roof:6.1f} {decode[timed] / roof:9.0%}")
+        if compile and device.type == "cpu":  # the compiled step's decode rate, and whether it samples the same
+            c = decode["ours+compile"]
+            line += f" {c:15.1f} {c / roof:9.0%} {bool((outs['ours+compile'] == outs[rollouts]).all())!s:>14}"
+        print(line, flush=True)
 
 
 def _bench_smollm2(device, runs, new_tokens, rounds, compile):
