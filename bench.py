@@ -283,10 +283,13 @@ def _cli_run(tree, flags, out_dir, log):
 def vs_commit(ref="6881525", steps=3, rounds=1, dtype="fp32"):
     """ppo_step's ragged workload (32 prompts of mixed kinds, responses up to 128 tokens) through `python ppo.py` in
     this checkout and in commit `ref` (git archive into a temporary folder), each run a fresh process, alternating
-    and taking turns to go first. The two draw different samples (sampling changed since), so the comparison is per
-    response token: the median over steps 2..steps of step time / response tokens. ref's own flags only: the
-    current code also scores in micro-batches of 4 (--inference_micro_batch_size, which ref lacks: it scores in
-    --micro_batch_size's). The runs' output goes to a log in the temporary folder (its path is printed)."""
+    and taking turns to go first. Round r runs both with seed 1 + r. Both take the same hyperparameters: ref's
+    flags, with the critic's learning rate pinned to this checkout's default (ref's default was 5x lower, and a
+    different algorithm samples different lengths). The two still draw different samples (sampling changed since),
+    so the comparison is per response token: the seconds of steps 2..steps of every round over the response tokens
+    they sampled. The current code also scores in micro-batches of 4 (--inference_micro_batch_size, which ref
+    lacks: it scores in --micro_batch_size's). The runs' output goes to a log in the temporary folder (its path is
+    printed)."""
     here = os.path.dirname(os.path.abspath(__file__))
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {_machine()}, {dtype}, {steps} steps a run, {rounds} round(s), "
@@ -300,31 +303,33 @@ def vs_commit(ref="6881525", steps=3, rounds=1, dtype="fp32"):
         archive = subprocess.run(["git", "archive", ref], cwd=here, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
         prompts = ragged_prompts(os.path.join(tmp, "ragged.jsonl"))
-        flags = dict(RAGGED_FLAGS, prompts=prompts, total_steps=steps, dtype=dtype)
+        flags = dict(RAGGED_FLAGS, prompts=prompts, total_steps=steps, dtype=dtype, critic_lr=ppo.Config.critic_lr)
         trees = {"baseline": (base, flags), "this checkout": (here, dict(flags, inference_micro_batch_size=4))}
         for r in range(rounds):
-            for i, name in enumerate(list(trees)[r % 2:] + list(trees)[: r % 2]):
+            for name in list(trees)[r % 2:] + list(trees)[: r % 2]:
                 tree, fl = trees[name]
                 t0 = time.time()
-                rows = _cli_run(tree, fl, os.path.join(tmp, f"{name}-{r}"), log)
+                rows = _cli_run(tree, dict(fl, seed=fl["seed"] + r), os.path.join(tmp, f"{name}-{r}"), log)
                 out[name] += rows[1:]
-                print(f"  {name}: {time.time() - t0:.0f} s; steps " + ", ".join(
-                    f"{m['time/step']:.1f} s ({m['val/response_length']:.1f} tokens)" for m in rows), flush=True)
+                print(f"  {name}, seed {fl['seed'] + r}: {time.time() - t0:.0f} s; steps " + ", ".join(
+                    f"{m['time/step']:.1f} s ({m['val/response_length']:.1f} tokens, kl {m['objective/kl']:.1f})"
+                    for m in rows), flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}\n")
     print("| code | step s (rollout / score / train) | response tokens a step | s per 1k response tokens "
-          "| padding (attention) | speedup per token |")
-    print("|---|---|---|---|---|---|")
-    per_token = {k: statistics.median(m["time/step"] / (m["val/response_length"] * flags["rollout_batch_size"])
-                                      for m in rows) for k, rows in out.items()}
+          "| padding (attention) | speedup a step | speedup per token |")
+    print("|---|---|---|---|---|---|---|")
+    per_token = {k: sum(m["time/step"] for m in rows) / sum(m["val/response_length"] * flags["rollout_batch_size"]
+                                                              for m in rows) for k, rows in out.items()}
+    per_step = {k: statistics.mean(m["time/step"] for m in rows) for k, rows in out.items()}
     for name, rows in out.items():
-        med = {k: statistics.median(m[k] for m in rows) for k in ("time/step", "time/rollout", "time/score",
-                                                                  "time/train")}
+        mean = {k: statistics.mean(m[k] for m in rows) for k in ("time/rollout", "time/score", "time/train")}
         pad = f"{statistics.mean(m['perf/padding_frac'] for m in rows):.3f}" if "perf/padding_frac" in rows[0] else \
             "not logged"
         tokens = statistics.mean(m["val/response_length"] for m in rows) * flags["rollout_batch_size"]
-        print(f"| {name} | {med['time/step']:.1f} ({med['time/rollout']:.1f} / {med['time/score']:.1f} / "
-              f"{med['time/train']:.1f}) | {tokens:.0f} | {1000 * per_token[name]:.1f} | {pad} | "
-              f"{per_token['baseline'] / per_token[name]:.2f}x |")
+        print(f"| {name} | {per_step[name]:.1f} ({mean['time/rollout']:.1f} / {mean['time/score']:.1f} / "
+              f"{mean['time/train']:.1f}) | {tokens:.0f} | {1000 * per_token[name]:.1f} | {pad} | "
+              f"{per_step['baseline'] / per_step[name]:.2f}x | {per_token['baseline'] / per_token[name]:.2f}x |")
+    print(f"\nmeans over steps 2..{steps} of {rounds} round(s)")
 
 
 # -----------------------------------------------------------------------------
