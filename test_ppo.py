@@ -5868,6 +5868,63 @@ def test_hashed_uniforms_are_uniform_and_uncorrelated():
     assert check_uniform_and_independent(weak)["tokens v, v+1"][0] > 10 * CHI2_255
 
 
+def test_pruned_race_samples_what_the_race_samples(monkeypatch):
+    # race_pruned, a CPU's eager sampler, against race bit for bit (tokens and logprobs): nasty logits, odd and tiny
+    # vocabularies, temperatures from 0.01 to 10, step an int or a (1,) tensor, and rows of many equal maxima
+    seeds = torch.tensor([3, 2**40 + 1, 7, 0, 2**62 + 5, 11, 12, 13])
+    for step, V, T in ((0, 5003, 0.7), (5, 2, 1.0), (9, 1, 0.7), (2, 997, 0.01), (3, 49152, 10.0), (4, 64, 1.0)):
+        z = nasty_logits(8, V, seed=step) if V > 7 else torch.randn(8, V) * 3
+        z[5] = torch.arange(V).remainder(3).float()  # a third of the tokens tie at the top
+        for st in (step, torch.tensor([step])):
+            tok, logp = R.race(z, T, seeds, st)
+            ptok, plogp = R.race_pruned(z, T, seeds, st)
+            assert torch.equal(ptok, tok) and torch.equal(plogp, logp), (step, V, T)
+        assert torch.equal(sample(z, T, seeds=seeds, step=step)[0], tok)  # sample takes race_pruned on a CPU
+    # the pruning's bound: the token holding a row's smallest noise, at a small probability, outscores the row's
+    # most probable token (p ~ 1, q ~ 1) and wins; a bound that pruned it (or kept the top token alone) fails here
+    V, T = 4096, 1.0
+    q = R.exponential_noise(seeds, 1, V)  # (8, V)
+    low = q.argmin(-1)  # (8,) q ~ 1 / V there
+    z = torch.full((8, V), -30.0)
+    z[:, 0] = 20.0  # p ~ 1
+    z[torch.arange(8), low] = 20.0 + math.log(1e-3)  # p ~ 1e-3, p / q ~ 4 > 1 / q_0 for most rows
+    tok, logp = R.race(z, T, seeds, 1)
+    assert (tok == low).sum() >= 4, (tok, low)
+    with monkeypatch.context() as m:  # peaked rows: pruned, no token's noise drawn but the candidates'
+        m.setattr(R, "exponential_noise", lambda *a: pytest.fail("every token's noise drawn"))
+        ptok, plogp = R.race_pruned(z, T, seeds, 1)
+    assert torch.equal(ptok, tok) and torch.equal(plogp, logp)
+    # an exact tie of scores: two tokens of one row that hash to the same noise bits (a row of 8192 tokens holds
+    # such a pair more often than not), at the same probability, ahead of the rest: argmax's first one wins
+    many = torch.arange(64)
+    bits = R.noise_bits(many, 0, 8192)
+    b = next(i for i in range(64) if bits[i].unique().numel() < 8192)
+    dup = (bits[b][:, None] == bits[b][None, :]).triu(1).nonzero()[0]  # (2,) the first pair, in order
+    z = torch.zeros(1, 8192)
+    z[0, dup] = 50.0
+    tok, logp = R.race(z, 1.0, many[b : b + 1], 0)
+    ptok, plogp = R.race_pruned(z, 1.0, many[b : b + 1], 0)
+    assert tok.item() == dup[0].item() and torch.equal(ptok, tok) and torch.equal(plogp, logp)
+    # rows without finite probabilities: the call goes to race (NaN logprobs where race gives them)
+    z = nasty_logits(6, 301, seed=3)
+    z[1, 4], z[2] = float("nan"), float("-inf")
+    z[4, 9] = float("inf")
+    tok, logp = R.race(z, 0.7, seeds[:6], 2)
+    ptok, plogp = R.race_pruned(z, 0.7, seeds[:6], 2)
+    assert torch.equal(ptok, tok) and torch.equal(plogp.nan_to_num(7.0), logp.nan_to_num(7.0))
+    assert logp[[1, 2, 4]].isnan().all() and not logp[[0, 3, 5]].isnan().any()
+    # what the bound rests on: every one of the 2^24 noise values is at least NOISE_FLOOR, and the noise of chosen
+    # (row, token) pairs, in pieces of any size, is the dense noise's bits
+    k = torch.arange(2**24)
+    dense = R.noise_from_bits(k)
+    assert dense.min().item() >= R.NOISE_FLOOR
+    for n in (1, 3, 7, 13, 1000):
+        idx = torch.randint(0, 2**24, (20 * n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(torch.cat([R.noise_from_bits(i) for i in idx.split(n)]), dense[idx])
+    rows, cols = torch.randint(0, 8, (999,)), torch.randint(0, 5003, (999,))
+    assert torch.equal(R.noise_bits_at(seeds, 6, rows, cols), R.noise_bits(seeds, 6, 5003)[rows, cols])
+
+
 def test_exponential_noise_from_every_24_bit_value():
     # all 2^24 values of k: q = -log((k + 1/2) / 2^24) to float32 accuracy, never 0 or inf
     k = torch.arange(2**24)
