@@ -80,7 +80,7 @@ import rollout
 from model import (FLEX_BLOCK, Transformer, attend, attention_block_mask, attention_mask_4d, decodes_transposed,
                    default_attn_impl, store_transposed)
 from rollout import CACHE_MULTIPLE, generate, pad_prompts
-from runtime import UsageError, check_flags, no_short_flags_in_help
+from runtime import UsageError, check_flags, keep_freed_memory, no_short_flags_in_help
 
 SHORT = ["What is {a} times {b}? Reply with the number only.", "Name the capital of {c}. One word.",
          "Is {a} a prime number? Answer yes or no.", "What is {a} plus {b}? Just the number.",
@@ -947,39 +947,59 @@ def _bytes_touched(fn):
     return Count.ops, Count.nbytes
 
 
-def sampler(device="cpu", rows=(1, 8, 32, 64), vocab=(49152, 151936), temperature=1.0, rounds=20):
+def sampler(device="cpu", rows=(1, 8, 32, 64), vocab=(49152, 151936), temperature=1.0, spread=3.0, rounds=20):
     """PPO's sampler (rollout.race: softmax, the noise hash, the exponential race) eager against compiled
-    (rollout.compiled_race, what compiled decoding runs on CUDA), at each (rows, vocabulary) of a decode step:
-    the median of `rounds` calls each, the eager ops' count and the bytes they read and write, whether the tokens
-    are the same and the largest logprob difference."""
+    (rollout.compiled_race, what compiled decoding runs on CUDA), and on a CPU against rollout.race_pruned (what a
+    CPU's eager decode runs), at each (rows, vocabulary) of a decode step: logits randn x spread (3 at temperature 1
+    keeps most tokens in race_pruned's reach; 5 at temperature 0.7 about as few as SmolLM2's decode, 3-4%); the
+    median of `rounds` calls each, the eager ops' count and the bytes they read and write, whether the tokens are
+    the same and the largest logprob difference."""
     import rollout
 
     dev = torch.device(device)
+    pruned = dev.type == "cpu"
+    if pruned:
+        keep_freed_memory()  # as a CPU run does: freed (B, V) blocks stay in the process
     bw = _copy_bandwidth(dev) if dev.type == "cuda" else _read_bandwidth(dev)
-    print(f"torch {torch.__version__}, {_device_name(dev)}; temperature {temperature}; logits randn x 3, float32; "
-          f"bandwidth {bw / 1e9:,.0f} GB/s "
+    print(f"torch {torch.__version__}, {_device_name(dev)}; temperature {temperature}; logits randn x {spread}, "
+          f"float32; bandwidth {bw / 1e9:,.0f} GB/s "
           f"({'a 2 GiB copy, read + write' if dev.type == 'cuda' else 'the fastest read'}); median of {rounds} calls\n")
+    extra = " pruned ms | kept | pruned speedup | pruned same |" if pruned else ""
     print("| rows | vocab | eager ops | eager MB touched | at the bandwidth ms | eager ms | compiled ms | speedup "
-          "| same tokens | max logprob diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"| same tokens | max logprob diff |{extra}")
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * 4 * pruned)
     compiled = rollout.compiled_race(dev.type)
     for V in vocab:
         for B in rows:
             g = torch.Generator().manual_seed(B * V)
-            z = (torch.randn(B, V, generator=g) * 3).to(dev)
+            z = (torch.randn(B, V, generator=g) * spread).to(dev)
             seeds = torch.randint(0, 2**62, (B,), generator=g).to(dev)
             step = torch.tensor([3], device=dev)
-            eager = lambda: rollout.race(z, temperature, seeds, step)  # noqa: E731
-            fused = lambda: compiled(z, temperature, seeds, step)  # noqa: E731
-            (te, le), (tc, lc) = eager(), fused()  # the first call compiles
-            ops, nbytes = _bytes_touched(eager)
-            times = {"eager": [], "compiled": []}
+            calls = {"eager": lambda: rollout.race(z, temperature, seeds, step),
+                     "compiled": lambda: compiled(z, temperature, seeds, step)}
+            if pruned:
+                calls["pruned"] = lambda: rollout.race_pruned(z, temperature, seeds, step)
+            out = {k: f() for k, f in calls.items()}  # the first compiled call compiles
+            ops, nbytes = _bytes_touched(calls["eager"])
+            times = {k: [] for k in calls}
             for _ in range(rounds):
-                times["eager"].append(_timed(eager, dev)[0])
-                times["compiled"].append(_timed(fused, dev)[0])
-            e, c = (statistics.median(times[k]) * 1e3 for k in ("eager", "compiled"))
-            print(f"| {B} | {V} | {ops} | {nbytes / 1e6:,.0f} | {nbytes / bw * 1e3:.2f} | {e:.2f} | {c:.2f} | "
-                  f"{e / c:.1f}x | {torch.equal(te, tc)} | {(le - lc).abs().max().item():.1e} |", flush=True)
+                for k, f in calls.items():
+                    times[k].append(_timed(f, dev)[0])
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            (te, le), (tc, lc) = out["eager"], out["compiled"]
+            line = (f"| {B} | {V} | {ops} | {nbytes / 1e6:,.0f} | {nbytes / bw * 1e3:.2f} | {ms['eager']:.2f} | "
+                    f"{ms['compiled']:.2f} | {ms['eager'] / ms['compiled']:.1f}x | {torch.equal(te, tc)} | "
+                    f"{(le - lc).abs().max().item():.1e} |")
+            if pruned:
+                p = (z / temperature).softmax(-1)
+                rows_ = torch.arange(B)
+                top = p.argmax(-1)
+                s = p[rows_, top] / rollout.noise_from_bits(rollout.noise_bits_at(seeds, step, rows_, top))
+                kept = (p >= (s * rollout.NOISE_FLOOR)[:, None]).float().mean().item()
+                tp, lp = out["pruned"]
+                line += (f" {ms['pruned']:.2f} | {kept:.1%} | {ms['eager'] / ms['pruned']:.1f}x | "
+                         f"{torch.equal(te, tp) and torch.equal(le, lp)} |")
+            print(line, flush=True)
 
 
 # -----------------------------------------------------------------------------
