@@ -650,23 +650,27 @@ class StopSignal:
     once (a step that hangs, in a reward function say): the last complete checkpoint stays as it was, and
     what the interrupted write left is removed at the next start. A signal within SAME_REQUEST_S of the first
     is the same request arriving twice: a scheduler's scancel signals torchrun and its workers, and torchrun
-    passes it on; Ctrl-C in a terminal reaches the workers and torchrun, which sends them SIGTERM."""
+    passes it on; Ctrl-C in a terminal reaches the workers and torchrun, which sends them SIGTERM.
+    Two signals at once can run the second's handler inside the first's (Python runs a handler between any two
+    instructions of the main thread), so each arrival is put on a list in one step and the list's first entry
+    decides: whatever instruction the second interrupts, one of the two is the request and the other its echo."""
     SAME_REQUEST_S = 2.0
 
     def __init__(self):
-        self.received, self.first = [], None
+        self.received, self.arrivals = [], []
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         failed = PEERS.posted() if PEERS is not None else None
         if failed:  # torchrun passing on another rank's end: no step can finish without that rank
             PEERS.leave(failed)
-        now = time.monotonic()
-        if self.first is not None and now - self.first < self.SAME_REQUEST_S:
+        me = (time.monotonic(), signum)
+        self.arrivals.append(me)
+        first = self.arrivals[0]
+        if first is not me and me[0] - first[0] < self.SAME_REQUEST_S:  # < 0 when it ran inside the first's handler
             return
         self.received.append(signum)
-        if len(self.received) == 1:  # os.write: print() may be in the middle of a write this handler interrupted
-            self.first = now
+        if first is me:  # os.write: print() may be in the middle of a write this handler interrupted
             os.write(2, f"signal {signum}: stopping after the step in flight, with a checkpoint, once every rank "
                         f"ends it; send it again ({self.SAME_REQUEST_S:g} s or more later) to stop at once\n".encode())
         else:

@@ -12572,6 +12572,48 @@ def test_stop_signal_flags_once_ignores_the_same_request_and_stops_on_a_second(m
     assert f"signal {signal.SIGINT} again: stopping now" in err
 
 
+def test_two_signals_at_once_are_one_request_whatever_instruction_the_second_interrupts(monkeypatch, capfd):
+    # Python runs a signal's handler between two bytecode instructions of the main thread, its own handlers' too:
+    # SIGTERM and SIGINT sent together (scancel through torchrun, Ctrl-C) can run the second handler inside the
+    # first. For each instruction of the first handler in turn, the second runs there: one request, one message,
+    # no exit (and the one whose handler ran first is the signal recorded)
+    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(monotonic=lambda: 100.0))
+    exits = []
+    monkeypatch.setattr(runtime.os, "_exit", exits.append)
+    k, ran = 0, True
+    while ran:
+        seen, ran = [0], False
+        stop = runtime.StopSignal()
+
+        def local(frame, event, arg):
+            nonlocal ran
+            if event == "opcode":
+                if seen[0] == k:
+                    ran = True
+                    stop._handle(signal.SIGINT, None)  # not traced: tracing pauses inside a trace function
+                seen[0] += 1
+            return local
+
+        def trace(frame, event, arg):
+            if event == "call" and frame.f_code is runtime.StopSignal._handle.__code__:
+                frame.f_trace_opcodes = True
+                return local
+            return None
+
+        sys.settrace(trace)
+        try:
+            stop._handle(signal.SIGTERM, None)
+        finally:
+            sys.settrace(None)
+            stop.close()
+        err = capfd.readouterr().err
+        assert not exits, (k, err)
+        assert stop.received in ([signal.SIGTERM], [signal.SIGINT]), (k, stop.received)
+        assert err.count("stopping after the step") == 1, (k, err)
+        k += 1
+    assert k > 10  # the handler's instructions were all tried
+
+
 def _runtime_worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
